@@ -1,0 +1,5 @@
+import sys
+
+from sparseffn.cli import main
+
+sys.exit(main())

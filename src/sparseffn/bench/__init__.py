@@ -1,0 +1,1 @@
+"""Benchmark harness: synthetic activations, timing, CSV schema, plots."""
