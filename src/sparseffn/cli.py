@@ -1,4 +1,4 @@
-"""`sparseffn` command line: demo, env."""
+"""`sparseffn` command line: demo, bench, env."""
 
 from __future__ import annotations
 
@@ -67,7 +67,41 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _cmd_bench_mlp(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sparseffn.bench.mlp import MLPBenchConfig, run_mlp_bench
+    from sparseffn.bench.report import mlp_table, plot_mlp
+    from sparseffn.bench.timing import device_slug
+
+    import torch
+
+    cfg = MLPBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MLPBenchConfig)})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = run_mlp_bench(cfg, device)
+    folder = Path(cfg.out_dir) / device_slug(device)
+    plot_mlp(rows, folder / "mlp.png")
+    print(mlp_table(rows))
+    print(f"wrote {folder / 'mlp.csv'} and {folder / 'mlp.png'}")
+    return 0
+
+
+def _cmd_bench_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sparseffn.bench.report import mlp_table, plot_mlp, read_rows, replace_block
+
+    csv_path = Path(args.csv)
+    rows = read_rows(csv_path)
+    plot_mlp(rows, csv_path.with_suffix(".png"))
+    readme = Path(args.readme)
+    readme.write_text(replace_block(readme.read_text(), "mlp", mlp_table(rows)))
+    print(f"updated {readme} and {csv_path.with_suffix('.png')} from {csv_path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from sparseffn.bench.mlp import MLPBenchConfig
     from sparseffn.bench.pack_demo import PackDemoConfig
 
     parser = argparse.ArgumentParser(prog="sparseffn", description=__doc__)
@@ -77,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="pack a realistic synthetic activation into TwELL and verify the sparse MLP")
     _add_dataclass_flags(demo, PackDemoConfig)
     demo.set_defaults(func=_cmd_demo)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    mlp = bench.add_parser("mlp", help="sparse MLP inference vs dense torch (CSV + PNG under --out-dir)")
+    _add_dataclass_flags(mlp, MLPBenchConfig)
+    mlp.set_defaults(func=_cmd_bench_mlp)
+    report = bench.add_parser("report", help="regenerate the README table and PNG from a benchmark CSV")
+    report.add_argument("--csv", default="benchmarks/results/h200/mlp.csv")
+    report.add_argument("--readme", default="README.md")
+    report.set_defaults(func=_cmd_bench_report)
     return parser
 
 

@@ -1,16 +1,111 @@
-"""`sparse_mlp`: the public functional entry of the sparse MLP.
+"""`sparse_mlp`: the public functional entry of the sparse MLP, and its dispatch.
 
-Semantics are those of `ops.reference.sparse_mlp_reference`, computed in the input dtype. Until the
-Triton kernels are dispatched here, every device runs the eager path below (three matmuls); the
-kernels will slot in behind this same signature without changing results beyond rounding.
+Semantics are those of `ops.reference.sparse_mlp_reference`, computed in the input dtype:
+
+    y = down(relu(x gate^T - θ) * (x up^T))        or, with gate_weight=None,  y = down(relu(x up^T - θ))
+
+Two paths compute it:
+- "sparse": Triton kernels through TwELL (ops/twell_mlp.py), registered as the custom op
+  `sparseffn::twell_mlp` so torch.compile treats it as one opaque node. Exact for every input:
+  rows whose tiles overflow are computed densely.
+- "dense": three torch GEMMs in the input dtype.
+
+`mode="auto"` (default) picks with `choose_mode`, without looking at the data: sparse needs a CUDA
+tensor in bf16/fp16, no autograd (training kernels come separately), enough tokens for the gate GEMM
+to fill the GPU, and an expected density under the measured break-even when the caller gives one.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 
 from sparseffn.ops.checks import check_mlp_inputs
+from sparseffn.ops.twell_mlp import KERNEL_DTYPES, SparseMLPWeights, dense_mlp, threshold_vector, twell_mlp
+
+MODES = ("auto", "sparse", "dense")
+
+# Auto-mode limits, from `sparseffn bench mlp` on the H200 (benchmarks/results/h200/mlp.csv): below
+# ~8K tokens the gate GEMM fills too few waves and ~0.35 ms of host launch work per call is not hidden;
+# above ~1% of H active units per token the gathers of the fused up/down cost more than dense GEMMs.
+AUTO_MIN_TOKENS = 8192
+AUTO_MAX_MEAN_NNZ_FRACTION = 0.01  # expected non-zeros per token / H above which dense wins
+
+
+@dataclass(frozen=True)
+class ModeDecision:
+    mode: str  # "sparse" or "dense"
+    reason: str
+
+
+def _kernels_runnable(x: torch.Tensor) -> str | None:
+    """None when the Triton kernels can run on x's device, else why not."""
+    if x.is_cuda:
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1" and x.device.type == "cpu":
+        return None
+    return f"x is on {x.device}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+
+
+def choose_mode(
+    x: torch.Tensor,
+    up_weight: torch.Tensor,
+    *,
+    mode: str = "auto",
+    expected_nnz: float | None = None,
+    needs_grad: bool = False,
+) -> ModeDecision:
+    """Which path `sparse_mlp` takes for these arguments, and why. Raises if `mode="sparse"` cannot run."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "dense":
+        return ModeDecision("dense", "requested")
+    blockers = []
+    if (why := _kernels_runnable(x)) is not None:
+        blockers.append(why)
+    if x.dtype not in KERNEL_DTYPES:
+        blockers.append(f"x is {x.dtype}: the kernels take bf16 or fp16")
+    if needs_grad:
+        blockers.append("gradients are required: the inference kernels have no backward")
+    if mode == "sparse":
+        if blockers:
+            raise NotImplementedError(f"mode='sparse' cannot run: {'; '.join(blockers)}")
+        return ModeDecision("sparse", "requested")
+    if blockers:
+        return ModeDecision("dense", blockers[0])
+    if not x.is_cuda:
+        return ModeDecision("dense", "auto mode never interprets kernels on CPU")
+    tokens = x.numel() // max(x.shape[-1], 1)
+    if tokens < AUTO_MIN_TOKENS:
+        return ModeDecision("dense", f"{tokens} tokens < {AUTO_MIN_TOKENS}: too few to fill the GPU (no decode kernel)")
+    h = up_weight.shape[0]
+    if expected_nnz is not None and expected_nnz > AUTO_MAX_MEAN_NNZ_FRACTION * h:
+        return ModeDecision(
+            "dense", f"expected {expected_nnz:g} non-zeros per token > {AUTO_MAX_MEAN_NNZ_FRACTION:g} * H"
+        )
+    return ModeDecision("sparse", f"{tokens} tokens on {x.device}")
+
+
+@torch.library.custom_op("sparseffn::twell_mlp", mutates_args=())
+def _twell_mlp_op(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    up_down: torch.Tensor,
+    threshold: torch.Tensor | None,
+    tile: int,
+    slots: int,
+) -> torch.Tensor:
+    weights = SparseMLPWeights(gate_weight, up_weight, down_weight, up_down)
+    return twell_mlp(x, weights, threshold, tile=tile, slots=slots)
+
+
+@_twell_mlp_op.register_fake
+def _(x, gate_weight, up_weight, down_weight, up_down, threshold, tile, slots):
+    return x.new_empty(x.shape)
 
 
 def sparse_mlp(
@@ -19,17 +114,35 @@ def sparse_mlp(
     up_weight: torch.Tensor,
     down_weight: torch.Tensor,
     threshold: torch.Tensor | float | None = None,
+    *,
+    mode: str = "auto",
+    prepared: SparseMLPWeights | None = None,
+    expected_nnz: float | None = None,
+    tile: int = 256,
+    slots: int = 32,
 ) -> torch.Tensor:
     """y = down(relu(x gate^T - θ) * (x up^T)), or down(relu(x up^T - θ)) when gate_weight is None.
 
     x [..., D]; gate_weight, up_weight [H, D]; down_weight [D, H] (Hugging Face layouts);
     threshold None, a number, or a per-unit tensor [H]. Returns [..., D] in x's dtype.
+
+    mode: "auto" (see `choose_mode`), "sparse" (Triton kernels; raises NotImplementedError where
+    they cannot run) or "dense". prepared: `SparseMLPWeights.prepare(gate, up, down)` built once and
+    reused (without it the sparse path re-interleaves up/down on every call). expected_nnz: the
+    caller's estimate of non-zeros per token, used by auto mode. tile/slots: TwELL capacity.
     """
     check_mlp_inputs(x, gate_weight, up_weight, down_weight, threshold)
-    first = F.linear(x, gate_weight if gate_weight is not None else up_weight)
-    if threshold is not None:
-        first = first - (threshold.to(first.dtype) if isinstance(threshold, torch.Tensor) else threshold)
-    h = torch.relu(first)
-    if gate_weight is not None:
-        h = h * F.linear(x, up_weight)
-    return F.linear(h, down_weight)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, gate_weight, up_weight, down_weight, threshold)
+    )
+    decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad)
+    if decision.mode == "dense":
+        return dense_mlp(x, gate_weight, up_weight, down_weight, threshold)
+    if prepared is None:
+        prepared = SparseMLPWeights.prepare(gate_weight, up_weight, down_weight)
+    elif not prepared.matches(gate_weight, up_weight, down_weight):
+        raise ValueError("prepared was built from other weight tensors than gate_weight/up_weight/down_weight")
+    theta = threshold_vector(threshold, up_weight.shape[0], x.device)
+    x2d = x.reshape(-1, x.shape[-1])
+    y = _twell_mlp_op(x2d, gate_weight, up_weight, down_weight, prepared.up_down, theta, tile, slots)
+    return y.view(x.shape)

@@ -1,0 +1,186 @@
+"""`sparseffn bench mlp`: sparse MLP inference vs dense torch, side by side on the same inputs.
+
+For each shape (D x H), target density and token count M, one realistic synthetic MLP
+(bench/synthetic.py) is built and every provider runs on it in the same process:
+
+    dense            three F.linear (gate, up, down) with the ReLU gate: the baseline of every ratio
+    dense_merged     one F.linear over [gate; up] concatenated, then down
+    dense_compiled   torch.compile of the dense function
+    sparse           sparseffn, mode="sparse" (gate GEMM packing TwELL, fused up/down, dense backup)
+    auto             sparseffn, mode="auto" with the measured mean nnz as its density hint
+    gate_cublas      the gate step alone: F.linear + ReLU (dense output)
+    gate_pack        the gate step alone: Triton GEMM + TwELL packing epilogue (what `sparse` runs)
+
+Each output is checked against the fp32 reference before it is timed. Rows go to a long-format CSV
+with the GPU name, versions and git sha.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.bench.timing import device_slug, run_metadata, time_fn
+from sparseffn.kernels.gate_twell import gate_twell
+from sparseffn.ops.reference import sparse_mlp_reference
+from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp
+from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp
+
+PROVIDERS = ("dense", "dense_merged", "dense_compiled", "sparse", "auto", "gate_cublas", "gate_pack")
+
+CSV_FIELDS = (
+    "gpu", "torch", "triton", "git_sha", "dtype", "d", "h", "m", "target_nnz", "mean_nnz", "max_nnz",
+    "overflow_rows", "provider", "mode", "median_ms", "p20_ms", "p80_ms", "speedup_vs_dense",
+    "rel_err", "dense_rel_err", "within_bound",
+)
+
+
+@dataclass(frozen=True)
+class MLPBenchConfig:
+    shapes: str = "2048x5632,4096x14336"  # D x H, comma separated
+    tokens: str = "1,16,256,4096,16384,65536"
+    nnz: str = "29,110,900"  # target mean non-zeros per token
+    providers: str = ",".join(PROVIDERS)
+    dtype: str = "bfloat16"
+    tile: int = 256
+    slots: int = 32
+    seed: int = 0
+    rep_ms: int = 200
+    out_dir: str = "benchmarks/results"
+    git_sha: str = ""  # empty: read from git (pass it where the tree travels without .git)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        d, _, h = item.strip().partition("x")
+        out.append((int(d), int(h)))
+    return out
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def _providers(mlp, weights: SparseMLPWeights, expected_nnz: float, tile: int, slots: int,
+               compiled_dense: Callable) -> dict[str, Callable]:
+    x, gate, up, down = mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight
+    merged = torch.cat([gate, up]) if gate is not None else None
+    h = up.shape[0]
+
+    def dense_merged():
+        if merged is None:
+            return dense_mlp(x, None, up, down, None)
+        g, u = F.linear(x, merged).split(h, dim=-1)
+        return F.linear(torch.relu(g) * u, down)
+
+    return {
+        "dense": lambda: dense_mlp(x, gate, up, down, None),
+        "dense_merged": dense_merged,
+        "dense_compiled": lambda: compiled_dense(x, gate, up, down, None),
+        "sparse": lambda: sparse_mlp(x, gate, up, down, mode="sparse", prepared=weights, tile=tile, slots=slots),
+        "auto": lambda: sparse_mlp(x, gate, up, down, mode="auto", prepared=weights, expected_nnz=expected_nnz,
+                                   tile=tile, slots=slots),
+        "gate_cublas": lambda: torch.relu(F.linear(x, mlp.first_weight)),
+        "gate_pack": lambda: gate_twell(x, mlp.first_weight, tile=tile, slots=slots),
+    }
+
+
+def run_mlp_bench(cfg: MLPBenchConfig, device: torch.device | None = None, log: Callable[[str], None] = print
+                  ) -> list[dict]:
+    """Run every (shape, nnz, M) case; return the CSV rows (also written under cfg.out_dir)."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, cfg.dtype)
+    wanted = [p.strip() for p in cfg.providers.split(",") if p.strip()]
+    unknown = sorted(set(wanted) - set(PROVIDERS))
+    if unknown:
+        raise ValueError(f"providers: unknown {unknown}; choose from {PROVIDERS}")
+    meta = run_metadata(device)
+    # One static compilation per (shape, M), reused across densities (dense time is data-independent).
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    compiled_dense = torch.compile(dense_mlp, dynamic=False)
+    if cfg.git_sha:
+        meta["git_sha"] = cfg.git_sha
+    rows: list[dict] = []
+    for d, h in _shapes(cfg.shapes):
+        for target in _ints(cfg.nnz):
+            for m in _ints(cfg.tokens):
+                mlp = synthetic_mlp(m, d, h, min(target, h), dtype=dtype, device=device, seed=cfg.seed)
+                rows += _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense)
+                del mlp
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    _write_csv(rows, Path(cfg.out_dir) / device_slug(device) / "mlp.csv")
+    return rows
+
+
+def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dict]:
+    x = mlp.x
+    m, d = x.shape
+    h = mlp.up_weight.shape[0]
+    weights = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    ref = sparse_mlp_reference(x.float(), *(None if w is None else w.float()
+                                            for w in (mlp.gate_weight, mlp.up_weight, mlp.down_weight)))
+    _, _, counts = gate_twell(x, mlp.first_weight, tile=cfg.tile, slots=cfg.slots)
+    nnz = counts.sum(1, dtype=torch.int64).double()
+    stats = {
+        "dtype": cfg.dtype, "d": d, "h": h, "m": m, "target_nnz": mlp.target_nnz,
+        "mean_nnz": round(float(nnz.mean()), 2), "max_nnz": int(nnz.max()),
+        "overflow_rows": int((counts > cfg.slots).any(1).sum()),
+    }
+    providers = _providers(mlp, weights, stats["mean_nnz"], cfg.tile, cfg.slots, compiled_dense)
+    dense_out = providers["dense"]()
+    dense_err = _rel_err(dense_out, ref)
+    floor = torch.finfo(x.dtype).eps / 2
+    results = {}
+    for name in wanted:
+        fn = providers[name]
+        out = fn()
+        mode = ""
+        err = float("nan")
+        if not name.startswith("gate_"):
+            err = _rel_err(out, ref)
+        if name in ("sparse", "auto"):
+            mode = "sparse" if name == "sparse" else choose_mode(x, mlp.up_weight, mode="auto",
+                                                                  expected_nnz=stats["mean_nnz"]).mode
+        results[name] = (time_fn(fn, device, rep_ms=cfg.rep_ms), mode, err)
+    base = results.get("dense", (time_fn(providers["dense"], device, rep_ms=cfg.rep_ms),))[0].median_ms
+    rows = []
+    for name, (timing, mode, err) in results.items():
+        row = dict(meta, **stats, provider=name, mode=mode, median_ms=round(timing.median_ms, 5),
+                   p20_ms=round(timing.p20_ms, 5), p80_ms=round(timing.p80_ms, 5),
+                   speedup_vs_dense=round(base / timing.median_ms, 4), rel_err=f"{err:.3e}",
+                   dense_rel_err=f"{dense_err:.3e}",
+                   within_bound="" if err != err else str(err <= 2 * dense_err + floor))
+        rows.append(row)
+    sparse = results.get("sparse")
+    summary = f"D={d} H={h} M={m:>6} nnz {stats['mean_nnz']:7.1f} (max {stats['max_nnz']}, " \
+              f"{stats['overflow_rows']} overflow rows): dense {base:.3f} ms"
+    if sparse:
+        summary += f", sparse {sparse[0].median_ms:.3f} ms ({base / sparse[0].median_ms:.2f}x, err {sparse[2]:.1e} " \
+                   f"vs dense {dense_err:.1e})"
+    log(summary)
+    return rows
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def config_fields() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(MLPBenchConfig)

@@ -1,0 +1,631 @@
+"""Gate GEMM + ReLU + TwELL packing in one kernel: the packing is the GEMM's epilogue.
+
+Math. For x [M, D], a weight W [H, D] (Hugging Face layout) and an optional per-neuron threshold
+θ [H] (fp32; None means 0):
+
+    acc = x @ W^T                  fp32 accumulation on tensor cores (wgmma on sm_90)
+    p   = (acc - θ).to(x.dtype)    rounded once, to the activation dtype
+    p[m, j] is *active* iff not p[m, j] <= 0: positive, or NaN (relu(NaN) = NaN, and TwELL keeps
+    NaN), so a stored value is never zero and a NaN input reaches the output as in dense torch
+
+The kernel is generic: the gated MLP runs it with the gate weight, the non-gated one with the up
+weight ("gate" is only the role).
+
+Output: the sparse part of a TwELL activation (docs/format.md). The TwELL tile is the kernel's
+N-tile (BLOCK_N), so each program packs its own [BLOCK_M, tile] output tile straight from the
+accumulator registers, with no global synchronisation:
+
+    n_tiles = ceil(H / tile)
+    values  [M, n_tiles, slots]  x.dtype   active entries of each (row, tile), in unspecified order
+    columns [M, n_tiles, slots]  int16     tile-local column of each value
+    counts  [M, n_tiles]         int32     TRUE number of active entries of each (row, tile), may exceed slots
+
+Slots k < min(count, slots) hold distinct active entries of their (row, tile); slots past that are
+not written (unspecified, as the format allows). A row with some count > slots is an overflow row: the
+caller finds it from `counts` and recomputes it on the dense backup path; nothing is dropped
+silently.
+
+Epilogue (the part that costs; the ANCHORS probe with `tl.cumsum` + `tl.store` took 1.3x the GEMM).
+On sm_90 the accumulator of a warp covers 16 rows; in a row, quad lane q (0..3) of the thread holds
+columns 8j + 2q + b (b = 0, 1; j = 0..tile/8-1) in registers. `tl.cumsum` only runs on blocked
+layouts and `tl.store` re-lays its operands out for coalescing, so both move the whole tile through
+shared memory (and at tile 256 with 8 warps they need more shared memory than the SM has). The
+epilogue here never leaves the accumulator layout:
+  1. each thread counts its active entries per row (in-register sums; columns past H excluded);
+  2. the 4 counts of a quad are packed into the bytes of one int32 (two warp shuffles); each lane
+     takes the byte sum of the lanes before it as its first slot, the total is the tile's count;
+  3. each thread walks its own registers in ascending column order (register-only column splits,
+     recursively down to the quad), storing each active entry at its lane's next slot while that
+     slot is below min(slots, the lane's end): columns past H come last and are never stored.
+So the slot order is (quad lane, column) rather than column order, which TwELL allows. Test,
+predicate and both stores are one inline-PTX block per element on the GPU (`tl.store` under the
+interpreter). Per (row, tile) the slot base pointer is int64 (row * n_tiles + tile) * slots; the
+per-element offset is the int32 slot. `scan_epilogue=True` selects the plain cumsum version
+(column order) as a reference. Roughly 15 SASS instructions per accumulator element, no spills,
+no shared memory beyond the pipeline buffers (sm_90, tile 256, 8 warps).
+
+ptxas pitfalls met on the way (each serializes every wgmma of the main loop, which costs far more
+than the epilogue): a `tl.dot`-based prefix sum in the epilogue (C7515: its accumulator is
+initialised by plain moves), and lane-dependent selects feeding the slot arithmetic (C7514). Check
+the ptxas output for "Potential Performance Loss" after changing the epilogue.
+
+Grid. persistent (default on CUDA): grid = #SMs x programs_per_sm, each program loops over output
+tiles in grouped order (GROUP_M row blocks sweep all N-tiles, so x and W tiles are reused from L2),
+with the tile and k loops flattened so the next tile's loads are in flight during the epilogue. It
+reads x and W through host-built TMA descriptors when the tensors allow (unit inner stride,
+16-byte aligned base and row stride; TMA zero-fills every edge), masked pointer loads otherwise.
+Non-persistent: one program per tile.
+
+Constraints. x: 2-D [M, D], bf16 or fp16, any strides, any M >= 0, D >= 0. weight: [H, D], same
+dtype and device, unit stride along D. threshold: None or fp32 [H]. tile: 32, 64, 128 or 256
+(it is BLOCK_N). 1 <= slots <= tile, any integer.
+
+Compiled variants do not depend on M: M is `do_not_specialize`d, TMA descriptor shapes are not
+specialized, and the block config is a function of (D, H, dtype, tile) only.
+
+Interpreter (TRITON_INTERPRET=1, CPU tensors): dot operands are cast to fp32 (DOT_IN_FP32) because
+low-precision `tl.dot` is wrong there; results then differ from the GPU by summation order only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+SUPPORTED_TILES = (32, 64, 128, 256)
+MODES = ("pack", "counts", "dense")
+_MODE_ID = {"pack": 0, "counts": 1, "dense": 2}
+_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M consecutive row blocks sweep all N-tiles before moving on."""
+    tiles_per_group = GROUP_M * num_pid_n
+    group_id = tile_id // tiles_per_group
+    first_m = group_id * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    in_group = tile_id - group_id * tiles_per_group
+    pid_m = first_m + in_group % group_rows
+    pid_n = in_group // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mma_nt(a, b, acc, DOT_IN_FP32: tl.constexpr):
+    """acc + a @ b^T for a [BLOCK_M, BLOCK_K], b [BLOCK_N, BLOCK_K]; fp32 accumulation."""
+    if DOT_IN_FP32:
+        acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
+def _halves(t):
+    """[R, C] -> two [R, C/2] column halves. In the accumulator layout every column bit above bit 2
+    is a register bit, so the split moves no data."""
+    R: tl.constexpr = t.shape[0]
+    C: tl.constexpr = t.shape[1]
+    return tl.split(tl.permute(tl.reshape(t, (R, 2, C // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _quad_prefix(t):
+    """Exclusive prefix sum and total of t [R, 4] along axis 1, for 0 <= t <= 85.
+
+    The 4 columns are the 4 lanes of a quad. The counts are packed into the bytes of one int32 (a
+    lane-shifted sum: two warp shuffles) and lane q sums the bytes below byte q with one multiply
+    (partial sums stay below 256: no carries between bytes). Deliberately select-free: lane-dependent
+    selects here made ptxas serialize the main loop's wgmma (warning C7514).
+    """
+    shift = tl.arange(0, 4)[None, :] * 8  # [1, 4]
+    packed = tl.sum(t << shift, axis=1)  # [R] byte q = t[:, q]
+    below = packed[:, None] & ((1 << shift) - 1)  # [R, 4] the bytes of lanes < q
+    excl = ((below * 0x01010101) >> 24) & 0xFF
+    return excl, tl.sum(t, axis=1)
+
+
+@triton.jit
+def _store_i32(ptrs, value, keep, ASM_STORES: tl.constexpr):
+    """Predicated int32 store that keeps the operands' register layout (see _pack_lanes)."""
+    if ASM_STORES:
+        tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred pk;
+            setp.ne.b32 pk, $1, 0;
+            @pk st.global.b32 [$2], $3;
+            mov.b32 $0, 0;
+            }""",
+            constraints="=r,r,l,r",
+            args=[keep.to(tl.int32), ptrs.to(tl.int64), value],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.store(ptrs, value, mask=keep)
+
+
+@triton.jit
+def _pack_lanes(v, slot, limit, value_rows, column_rows, COL: tl.constexpr, ASM_STORES: tl.constexpr):
+    """One accumulator register per row and lane: v [BLOCK_M, 4] holds tile column COL + 2q in
+    lane q. Stores the active entries whose slot < limit; returns `slot` advanced past them."""
+    cols = tl.broadcast_to((tl.arange(0, 4) * 2 + COL).to(tl.int16)[None, :], v.shape)
+    value_ptrs = value_rows + slot  # [BLOCK_M, 4]
+    column_ptrs = column_rows + slot
+    if ASM_STORES:
+        # Test, predicate and both scattered 2-byte stores in one asm block, in the accumulator
+        # layout. tl.store would be re-laid out for coalescing (pointers, values and masks through
+        # shared memory), and a plain `v > 0` is merged by LLVM with the counting pass into bit
+        # masks that cost more to unpack per element than this compare.
+        if v.dtype == tl.bfloat16:
+            test: tl.constexpr = "setp.gtu.bf16 pa, $1, zero;"  # > 0 or NaN
+        else:
+            test: tl.constexpr = "setp.gtu.f16 pa, $1, zero;"
+        inc = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred pa, pk;
+            .reg .b16 zero;
+            mov.b16 zero, 0;
+            """
+            + test
+            + """
+            setp.lt.and.s32 pk, $2, $3, pa;
+            selp.u32 $0, 1, 0, pa;
+            @pk st.global.b16 [$4], $1;
+            @pk st.global.b16 [$5], $6;
+            }""",
+            constraints="=r,h,r,r,l,l,h",
+            args=[
+                v.to(tl.int16, bitcast=True),
+                slot,
+                limit,
+                value_ptrs.to(tl.int64),
+                column_ptrs.to(tl.int64),
+                cols,
+            ],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        active = ~(v <= 0)  # > 0 or NaN
+        keep = active & (slot < limit)
+        tl.store(value_ptrs, v, mask=keep)
+        tl.store(column_ptrs, cols, mask=keep)
+        inc = active.to(tl.int32)
+    return slot + inc
+
+
+@triton.jit
+def _pack_columns(p, slot, limit, value_rows, column_rows, COL0: tl.constexpr, ASM_STORES: tl.constexpr):
+    """Store the active entries of p [BLOCK_M, W] (tile columns COL0 .. COL0 + W, W >= 8 a power
+    of two).
+
+    slot [BLOCK_M, 4] int32: next slot of each (row, quad lane); limit [BLOCK_M, 4]: the lane's
+    slots end at min(slots, its own range), 0 for rows past M; value_rows / column_rows
+    [BLOCK_M, 1]: slot 0 of each (row, tile). Halves the columns recursively down to 8 = 4 lanes x
+    2 registers: a walk over each thread's own registers in ascending column order. Returns the
+    advanced slot.
+    """
+    W: tl.constexpr = p.shape[1]
+    if W > 8:
+        lo, hi = _halves(p)
+        slot = _pack_columns(lo, slot, limit, value_rows, column_rows, COL0, ASM_STORES)
+        slot = _pack_columns(hi, slot, limit, value_rows, column_rows, COL0 + W // 2, ASM_STORES)
+    else:
+        even, odd = tl.split(tl.reshape(p, (p.shape[0], 4, 2)))  # [BLOCK_M, 4]: columns COL0 + 2q, + 1
+        slot = _pack_lanes(even, slot, limit, value_rows, column_rows, COL0, ASM_STORES)
+        slot = _pack_lanes(odd, slot, limit, value_rows, column_rows, COL0 + 1, ASM_STORES)
+    return slot
+
+
+@triton.jit
+def _epilogue(p, rows, cols, pid_n, num_pid_n, values_ptr, columns_ptr, counts_ptr, M, H,
+              SLOTS: tl.constexpr, MODE: tl.constexpr, SCAN_EPILOGUE: tl.constexpr, ASM_STORES: tl.constexpr):
+    """Pack the [BLOCK_M, BLOCK_N] tile p (activation dtype, accumulator layout) of rows `rows`
+    and N-tile pid_n. Rows past M can be active (θ < 0): every store is masked by row."""
+    BLOCK_M: tl.constexpr = p.shape[0]
+    BLOCK_N: tl.constexpr = p.shape[1]
+    # > 0 or NaN; columns past H hold 0, or NaN when x holds an inf: masked
+    active = ~(p <= 0) & (cols < H)[None, :]  # [BLOCK_M, BLOCK_N]
+    row_ok = rows < M  # [BLOCK_M]
+    tile_index = rows.to(tl.int64) * num_pid_n + pid_n  # [BLOCK_M] flat (row, tile) index
+    slot0 = tile_index * SLOTS  # [BLOCK_M] int64: slot 0 of (row, tile)
+    if MODE == 2:
+        dense_ptrs = values_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
+        tl.store(dense_ptrs, tl.where(active, p, 0.0), mask=row_ok[:, None] & (cols[None, :] < H))
+    elif MODE == 1:
+        tl.store(counts_ptr + tile_index, tl.sum(active.to(tl.int32), axis=1), mask=row_ok)
+    elif SCAN_EPILOGUE:
+        flags = active.to(tl.int32)  # [BLOCK_M, BLOCK_N]
+        tl.store(counts_ptr + tile_index, tl.sum(flags, axis=1), mask=row_ok)
+        slot = tl.cumsum(flags, axis=1) - flags  # [BLOCK_M, BLOCK_N] exclusive: column order
+        keep = (flags != 0) & (slot < tl.where(row_ok, SLOTS, 0)[:, None])
+        local_cols = tl.broadcast_to(tl.arange(0, BLOCK_N).to(tl.int16)[None, :], (BLOCK_M, BLOCK_N))
+        tl.store((values_ptr + slot0)[:, None] + slot, p, mask=keep)
+        tl.store((columns_ptr + slot0)[:, None] + slot, local_cols, mask=keep)
+    else:
+        # register-resident epilogue, slots in (quad lane, column) order (module docstring)
+        flags = tl.reshape(active.to(tl.int32), (BLOCK_M, BLOCK_N // 8, 4, 2))  # [BM, j, q, b]
+        lane_counts = tl.sum(tl.sum(flags, axis=3), axis=1)  # [BLOCK_M, 4] <= BLOCK_N / 4
+        slot, count = _quad_prefix(lane_counts)  # [BLOCK_M, 4] first slot per lane, [BLOCK_M]
+        # the quad holds the count 4 times; lane 0 stores it, in this layout
+        lane0 = (tl.arange(0, 4) == 0)[None, :] & row_ok[:, None]  # [BLOCK_M, 4]
+        count_ptrs = (counts_ptr + tile_index)[:, None] + tl.zeros((1, 4), tl.int32)
+        _store_i32(count_ptrs, tl.broadcast_to(count[:, None], (BLOCK_M, 4)), lane0, ASM_STORES)
+        # Lane q owns slots [slot, slot + lane_counts) and walks its columns in ascending order, so
+        # columns past H (counted in no lane) come last and stop at the lane's limit.
+        limit = tl.minimum(tl.where(row_ok, SLOTS, 0)[:, None], slot + lane_counts)  # [BLOCK_M, 4]
+        _pack_columns(p, slot, limit, (values_ptr + slot0)[:, None], (columns_ptr + slot0)[:, None], 0, ASM_STORES)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gate_twell_kernel(
+    x,  # x [M, D]: pointer, or TMA descriptor with block [BLOCK_M, BLOCK_K] when USE_TMA
+    weight,  # W [H, D]: pointer, or TMA descriptor with block [BLOCK_N, BLOCK_K] when USE_TMA
+    threshold_ptr,  # θ [H] fp32, or None when not HAS_THRESHOLD
+    values_ptr,  # [M, n_tiles, SLOTS] x dtype; the dense [M, H] output when MODE == 2
+    columns_ptr,  # [M, n_tiles, SLOTS] int16
+    counts_ptr,  # [M, n_tiles] int32
+    M,
+    D,  # >= 1 (the launcher pads D = 0)
+    H,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    SLOTS: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,
+    MODE: tl.constexpr,  # 0 pack TwELL; diagnostics: 1 counts only, 2 dense relu output
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # = the TwELL tile
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    FLATTEN: tl.constexpr,  # flatten the tile and k loops (persistent grid)
+    SCAN_EPILOGUE: tl.constexpr,  # reference epilogue: tl.cumsum, slots in column order
+    ASM_STORES: tl.constexpr,  # epilogue stores by inline PTX (GPU) instead of tl.store
+    DOT_IN_FP32: tl.constexpr,  # interpreter: its low-precision tl.dot is wrong
+):
+    tl.assume(D > 0)  # one main loop, no zero-trip copy of the epilogue
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(H, BLOCK_N)  # = n_tiles
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(D, BLOCK_K)
+    out_dtype = values_ptr.dtype.element_ty
+
+    offs_bm = tl.arange(0, BLOCK_M)
+    offs_bn = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rows = off_m + offs_bm  # [BLOCK_M]
+        cols = off_n + offs_bn  # [BLOCK_N] global columns
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [BLOCK_M, BLOCK_N] fp32 accumulator
+        if USE_TMA:
+            # rows, columns and k past the ends are zero-filled by the TMA unit
+            for ki in range(k_tiles):
+                a = x.load([off_m, ki * BLOCK_K])  # [BLOCK_M, BLOCK_K]
+                b = weight.load([off_n, ki * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+                acc = _mma_nt(a, b, acc, DOT_IN_FP32)
+        else:
+            x_ptrs = x + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            w_ptrs = weight + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+            row_in = rows[:, None] < M
+            col_in = cols[:, None] < H
+            for ki in range(k_tiles):
+                k_in = offs_k[None, :] < D - ki * BLOCK_K
+                a = tl.load(x_ptrs, mask=row_in & k_in, other=0.0)  # [BLOCK_M, BLOCK_K]
+                b = tl.load(w_ptrs, mask=col_in & k_in, other=0.0)  # [BLOCK_N, BLOCK_K]
+                acc = _mma_nt(a, b, acc, DOT_IN_FP32)
+                x_ptrs += BLOCK_K * stride_xk
+                w_ptrs += BLOCK_K
+
+        # ---- epilogue ----------------------------------------------------------------------------
+        if HAS_THRESHOLD:
+            theta = tl.load(threshold_ptr + cols, mask=cols < H, other=0.0)  # [BLOCK_N] fp32
+            acc = acc - theta[None, :]
+        p = acc.to(out_dtype)  # [BLOCK_M, BLOCK_N] activation dtype
+        _epilogue(p, rows, cols, pid_n, num_pid_n, values_ptr, columns_ptr, counts_ptr, M, H,
+                  SLOTS, MODE, SCAN_EPILOGUE, ASM_STORES)
+
+
+# ----------------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class GateTwellConfig:
+    """Launch configuration (BLOCK_N is always the TwELL tile).
+
+    programs_per_sm sizes the persistent grid (#SMs x programs_per_sm): 2 lets one program's
+    epilogue overlap another's main loop when registers and shared memory allow two per SM (e.g.
+    tile 256 with block_m 64 and 4 warps). scan_epilogue selects the tl.cumsum reference epilogue
+    (it needs the tile in shared memory: at tile 256 and 8 warps more than an H200 SM has).
+    asm_stores=False uses tl.store on the GPU too (the interpreter always does).
+    """
+
+    block_m: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 1
+    scan_epilogue: bool = False
+    asm_stores: bool = True
+
+
+def default_config(d: int, h: int, dtype: torch.dtype, tile: int, *, cuda: bool) -> GateTwellConfig:
+    """Deterministic config from (D, H, dtype, tile), never M (M must add no compiled variants).
+
+    Hopper: BLOCK_M 128, BLOCK_K 64; 8 warps (two wgmma warpgroups, 64 rows each) for tiles 256
+    and 128, whose fp32 accumulator is then 128 / 64 registers per thread; 3 stages at tile 256
+    (144 KiB of shared memory), 4 below; never more stages than k-steps. bf16 and fp16 cost the
+    same and H does not change the choice (both are kept in the signature for future rules).
+    Interpreter: big blocks, since each block operation is one numpy call.
+    """
+    del dtype, h
+    if not cuda:
+        return GateTwellConfig(block_m=64, block_k=64, group_m=2, num_warps=4, num_stages=1)
+    k_tiles = max(1, -(-d // 64))
+    if tile == 256:
+        return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=8, num_stages=min(3, max(2, k_tiles)))
+    if tile == 128:
+        return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=8, num_stages=min(4, max(2, k_tiles)))
+    return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=4, num_stages=min(4, max(2, k_tiles)))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA descriptors need unit inner strides, 16-byte aligned bases and row strides."""
+    es = x.element_size()
+    return (
+        x.stride(1) == 1
+        and weight.stride(1) == 1
+        and (x.stride(0) * es) % 16 == 0
+        and (weight.stride(0) * es) % 16 == 0
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# launcher
+
+
+def _check_inputs(x, weight, threshold, tile, slots, mode, config):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, D], got shape {tuple(x.shape)}")
+    if x.dtype not in _TRITON_DTYPE:
+        raise TypeError(f"x must be torch.bfloat16 or torch.float16, got {x.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must be [H, D] with D = x.shape[1] = {x.shape[1]}, got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
+    if weight.shape[1] > 1 and weight.stride(1) != 1:
+        raise ValueError(f"weight must have unit stride along D (e.g. be contiguous), got strides {weight.stride()}")
+    if not x.is_cuda and not _interpreting():
+        raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
+    if threshold is not None:
+        if not isinstance(threshold, torch.Tensor):
+            raise TypeError(f"threshold must be None or a torch.Tensor, got {type(threshold).__name__}")
+        if threshold.dtype != torch.float32:
+            raise TypeError(f"threshold must be torch.float32, got {threshold.dtype}")
+        if tuple(threshold.shape) != (weight.shape[0],):
+            raise ValueError(f"threshold must have shape [H] = [{weight.shape[0]}], got {tuple(threshold.shape)}")
+        if threshold.device != x.device:
+            raise ValueError(f"threshold must be on x's device {x.device}, got {threshold.device}")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile not in SUPPORTED_TILES:
+        raise NotImplementedError(f"tile must be one of {SUPPORTED_TILES} (the kernel's BLOCK_N), got {tile!r}")
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= tile:
+        raise ValueError(f"slots must be an integer with 1 <= slots <= tile = {tile}, got {slots!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if config is not None and not isinstance(config, GateTwellConfig):
+        raise TypeError(f"config must be None or a GateTwellConfig, got {type(config).__name__}")
+
+
+def gate_twell(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    threshold: torch.Tensor | None = None,
+    *,
+    tile: int = 256,
+    slots: int = 32,
+    persistent: bool | None = None,
+    tma: bool | None = None,
+    config: GateTwellConfig | None = None,
+    mode: str = "pack",
+):
+    """p = relu(x @ weight^T - threshold), packed into TwELL's (values, columns, counts).
+
+    x [M, D] bf16/fp16 (any strides), weight [H, D] (unit stride along D), threshold fp32 [H] or
+    None. Returns values [M, n_tiles, slots] (x.dtype), columns [M, n_tiles, slots] int16 and counts
+    [M, n_tiles] int32, n_tiles = ceil(H / tile); the module docstring has the contract.
+
+    persistent: None = on CUDA. tma: None = when persistent, on CUDA and the tensors allow it (True
+    forces descriptors; the interpreter runs them too). config: None = default_config(...).
+    mode: "pack"; diagnostics "counts" (only counts is written) and "dense" (returns the dense
+    [M, H] relu output instead of the triple), to time the epilogue's share.
+    """
+    _check_inputs(x, weight, threshold, tile, slots, mode, config)
+    m, d = x.shape
+    h = weight.shape[0]
+    n_tiles = -(-h // tile)
+    cuda = x.is_cuda
+    if persistent is None:
+        persistent = cuda
+    if d == 0:  # empty reduction: acc = 0; one zero column keeps the kernel's loop non-empty
+        x = x.new_zeros((m, 1))
+        weight = weight.new_zeros((h, 1))
+        d = 1
+    if tma is None:
+        tma = persistent and cuda and _tma_ok(x, weight)
+    elif tma and not _tma_ok(x, weight):
+        raise ValueError(
+            "tma=True needs x and weight with unit stride along D and 16-byte aligned bases and row strides, "
+            f"got strides {x.stride()} and {weight.stride()}"
+        )
+    if config is None:
+        config = default_config(d, h, x.dtype, tile, cuda=cuda)
+    if threshold is not None:
+        threshold = threshold.contiguous()
+
+    if mode == "dense":
+        values = torch.empty((m, h), dtype=x.dtype, device=x.device)
+    else:
+        values = torch.empty((m, n_tiles, slots), dtype=x.dtype, device=x.device)
+    columns = torch.empty((m, n_tiles, slots), dtype=torch.int16, device=x.device)
+    counts = torch.empty((m, n_tiles), dtype=torch.int32, device=x.device)
+    if m == 0 or n_tiles == 0:
+        return values if mode == "dense" else (values, columns, counts)
+
+    num_tiles = -(-m // config.block_m) * n_tiles
+    if persistent:
+        sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) if cuda else 4
+        grid = (min(num_tiles, sms * config.programs_per_sm),)
+    else:
+        grid = (num_tiles,)
+    if tma:
+        x_arg = TensorDescriptor(x, [m, d], [x.stride(0), 1], [config.block_m, config.block_k])
+        w_arg = TensorDescriptor(weight, [h, d], [weight.stride(0), 1], [tile, config.block_k])
+    else:
+        x_arg, w_arg = x, weight
+    interpret = _interpreting()
+    _gate_twell_kernel[grid](
+        x_arg,
+        w_arg,
+        threshold,
+        values,
+        columns,
+        counts,
+        m,
+        d,
+        h,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        SLOTS=slots,
+        HAS_THRESHOLD=threshold is not None,
+        MODE=_MODE_ID[mode],
+        BLOCK_M=config.block_m,
+        BLOCK_N=tile,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        USE_TMA=tma,
+        FLATTEN=persistent,
+        SCAN_EPILOGUE=config.scan_epilogue,
+        ASM_STORES=config.asm_stores and not interpret,
+        DOT_IN_FP32=interpret,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return values if mode == "dense" else (values, columns, counts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# sm_90a compile coverage (tests/kernels/sm90_compile.py)
+
+
+def sm90_compile_specs(with_options: bool = False):
+    """(jit_function, signature, constexprs) for every variant gate_twell launches on a Hopper GPU:
+    bf16/fp16 x threshold on/off x {persistent + TMA, one tile per program with pointers} at the
+    default tile-256 and tile-128 configs, plus tiles 64 and 32, a slots count that is not a power
+    of two, the persistent pointer fallback, tl.store stores, the scan reference epilogue, a
+    two-programs-per-SM config and the diagnostic modes.
+
+    with_options=True appends the compile options (num_warps, num_stages) of each variant's config
+    as a 4th element; sm90_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
+    """
+    specs = []
+
+    def add(dtype, has_threshold, tile, slots, *, persistent, tma, mode="pack", config=None):
+        cfg = config or default_config(2048, 5632, dtype, tile, cuda=True)
+        ty = _TRITON_DTYPE[dtype]
+        if tma:
+            x_ty = f"tensordesc<{ty}[{cfg.block_m}, {cfg.block_k}]>"
+            w_ty = f"tensordesc<{ty}[{tile}, {cfg.block_k}]>"
+        else:
+            x_ty = w_ty = f"*{ty}"
+        signature = {
+            "x": x_ty,
+            "weight": w_ty,
+            "threshold_ptr": "*fp32" if has_threshold else "constexpr",
+            "values_ptr": f"*{ty}",
+            "columns_ptr": "*i16",
+            "counts_ptr": "*i32",
+            "M": "i32",
+            "D": "i32",
+            "H": "i32",
+            "stride_xm": "i32",
+            "stride_xk": "i32",
+            "stride_wn": "i32",
+        }
+        constexprs = {
+            "SLOTS": slots,
+            "HAS_THRESHOLD": has_threshold,
+            "MODE": _MODE_ID[mode],
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": tile,
+            "BLOCK_K": cfg.block_k,
+            "GROUP_M": cfg.group_m,
+            "USE_TMA": tma,
+            "FLATTEN": persistent,
+            "SCAN_EPILOGUE": cfg.scan_epilogue,
+            "ASM_STORES": cfg.asm_stores,
+            "DOT_IN_FP32": False,
+        }
+        if not has_threshold:
+            constexprs["threshold_ptr"] = None
+        for name in constexprs:
+            signature.setdefault(name, "constexpr")
+        spec = (_gate_twell_kernel, signature, constexprs)
+        if with_options:
+            spec += ({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},)
+        specs.append(spec)
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    for dtype in (bf16, fp16):
+        for has_threshold in (False, True):
+            for tile, slots in ((256, 32), (128, 16)):
+                add(dtype, has_threshold, tile, slots, persistent=True, tma=True)
+                add(dtype, has_threshold, tile, slots, persistent=False, tma=False)
+    add(bf16, True, 64, 8, persistent=True, tma=True)
+    add(fp16, False, 32, 4, persistent=True, tma=True)
+    add(bf16, True, 256, 24, persistent=True, tma=True)  # slots not a power of two
+    add(bf16, True, 256, 32, persistent=True, tma=False)  # persistent pointer fallback (strided x)
+    add(bf16, True, 256, 32, persistent=True, tma=True, config=GateTwellConfig(128, 64, 8, 8, 3, asm_stores=False))
+    add(bf16, True, 128, 16, persistent=True, tma=True, config=GateTwellConfig(128, 64, 8, 8, 3, scan_epilogue=True))
+    add(bf16, True, 256, 32, persistent=True, tma=True, config=GateTwellConfig(64, 64, 8, 4, 2, programs_per_sm=2))
+    for mode in ("counts", "dense"):
+        add(bf16, True, 256, 32, persistent=True, tma=True, mode=mode)
+    return specs

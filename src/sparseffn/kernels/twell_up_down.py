@@ -1,0 +1,690 @@
+"""Fused up + down projection of the sparse MLP, reading the gate activation packed in TwELL.
+
+Math, per ordinary (non-overflow) row m of x [M, D], over the valid slots (t, k) of that row
+(`k < counts[m, t]`, unit j = t * tile + columns[m, t, k], p_j = values[m, t, k]):
+
+    gated:      u_j = x[m] · up_weight[j]      h_j = p_j · u_j      y[m] = Σ_j h_j · down_weight[:, j]
+    non-gated:  h_j = p_j                                           y[m] = Σ_j h_j · down_weight[:, j]
+
+Products, u, h and the accumulation of y are fp32; y is rounded to x's dtype once, at the store
+(the published kernels round every product to bf16). Rows with some `counts[m, t] > slots`
+(overflow rows, docs/format.md rule 3) are skipped: their rows of `out` are left untouched for the
+dense backup path. Unspecified slots (`k >= counts[m, t]`) are never read.
+
+Layouts:
+    x              [M, D]                 bf16 / fp16, unit stride along D (any row stride)
+    values         [M, n_tiles, slots]    x's dtype, contiguous          (TwELL, docs/format.md)
+    columns        [M, n_tiles, slots]    int16, tile-local, contiguous
+    counts         [M, n_tiles]           int32, true counts, contiguous
+    packed_weight  [H, 2, D] gated: [j, 0] = up_weight[j], [j, 1] = down_weight[:, j]
+                   [H, 1, D] non-gated: [j, 0] = down_weight[:, j]
+                   contiguous, built once per module by `prepare_up_down_weight`, so an active
+                   unit is one contiguous read of 2·D elements (8 KB at D = 2048, bf16).
+    out            [M, D]                 x's dtype, unit stride along D (any row stride)
+
+Program structure (grid = (cdiv(M, BLOCK_M), cdiv(D, BLOCK_D)), or with `persistent` k programs
+per SM that take rows p, p + grid, ...): a program owns its tokens and one BLOCK_D-wide slice of y.
+For each token it
+  1. scans the row's counts (BLOCK_T tiles at a time) and skips the row if any count > slots;
+  2. gathers a batch of BLOCK_N valid slots at once: lane i finds its tile from the counts alone
+     as `t = #{tiles with cumsum(counts) <= i}` and its slot as `k = i - Σ_{those tiles} counts`
+     (a [BLOCK_N, BLOCK_T] compare, no memory traffic), then all BLOCK_N columns and values load
+     together and become one register list of (unit << 32 | bits of fp32 p). Lanes past nnz
+     repeat the last valid slot with p = 0, so the weight loads need no per-unit mask. Rows with
+     more than BLOCK_N active units take more batches; the ~nnz valid slots are visited, never
+     the n_tiles·slots mostly empty ones;
+  3. per chunk of BLOCK_U units (unit, p pulled from the list by one tl.gather), issues the
+     down-row loads [BLOCK_U, BLOCK_D] and (gated) the up-row loads together, so 2·BLOCK_U
+     independent 16-byte-vectorized unit rows are in flight; the up dot products reduce over D
+     to u [BLOCK_U] (fp32), then y += Σ_u (p·u) · down.
+When BLOCK_D >= D (the default for D <= 8192) x[m] and y[m] stay in registers for the whole row
+and each weight element is read exactly once per (token, active unit). For larger D the grid splits
+D: the down rows are still read once, but each D-slice program re-reads the whole up rows to form u
+(a cost of (cdiv(D, BLOCK_D) - 1) extra up-row reads; correct for any D).
+
+Latency: a chunk of the first kernel was a chain of two memory latencies (the columns of its slots,
+streamed from HBM, then the weight rows). The batch gather (2) takes the columns out of the chunk
+chain; the variants below overlap what is left (UpDownConfig fields, all exact, all tested):
+  lookahead   the next token's counts scan and columns/values batch are issued before this token's
+              chunks (rows of one program), so a token starts with its unit list in registers;
+  prefetch    register double buffering: chunk c + 1's loads are issued before chunk c is
+              reduced (costs a second chunk of registers);
+  evict       L2 eviction hints: weight rows evict_last (they are re-read by every token using the
+              unit), streamed x / values / columns / counts / out evict_first;
+  max_regs    a register cap (ptxas .maxnreg) that buys more resident programs per SM;
+  block_n     = block_u gives the first kernel's structure (columns loaded per chunk).
+Triton's software-pipelined version of the chunk loop (`tl.range(num_stages > 1)`, weight rows
+staged in shared memory by cp.async) faulted on sm_90 (H200: illegal memory access at block_n 64)
+and was removed; the chunk loop is a plain loop.
+
+Reuse across tokens (not implemented, the lever for beating L2 bandwidth): tokens of a program are
+processed one after the other, so a hot unit shared by them is re-read (from L1 at best). The exact
+reuse variant would, per tile, take the union of the BLOCK_M tokens' columns (callers sort/group
+tokens so unions stay small), load each union unit's [2, D] row once into a [BLOCK_U, D] chunk, and
+compute U = X[BLOCK_M, D] @ Wu_chunk^T and Y += (P ⊙ U)[BLOCK_M, BLOCK_U] @ Wd_chunk with tl.dot,
+P being the scattered [BLOCK_M, BLOCK_U] slice of the activation (zeros where a token does not use
+a unit).
+
+Constraints: M >= 1 (M = 0 returns the empty output), any D >= 1, any H, 1 <= slots <= tile <= 32768,
+n_tiles = cdiv(H, tile). Offsets that can pass 2**31 (token rows, slot indices, weight rows) are
+int64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "UpDownConfig",
+    "benchmark_configs",
+    "default_config",
+    "prepare_up_down_weight",
+    "sm90_compile_specs",
+    "twell_up_down",
+]
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_TL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_MAX_BLOCK_D = 8192
+_INTERPRETER_SMS = 2  # "SMs" of the CPU interpreter, for persistent grids
+
+
+@triton.jit
+def _load_counts(counts_row, t0, n_tiles, valid, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """[BLOCK_T] int32 counts of tiles t0 .. t0 + BLOCK_T - 1 of one row; 0 past n_tiles or when
+    not `valid`."""
+    tiles = t0 + tl.arange(0, BLOCK_T)
+    return tl.load(counts_row + tiles, mask=(tiles < n_tiles) & valid, other=0,
+                   eviction_policy="evict_first" if EVICT else "")
+
+
+@triton.jit
+def _load_rows(weight_ptr, pairs, i, pred, offs_d, mask_d, down_shift, stride_wh,
+               GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr,
+               EVEN_D: tl.constexpr, PREDICATED: tl.constexpr, BLOCK_U: tl.constexpr,
+               BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    """(unit [BLOCK_U] int32, p [BLOCK_U] fp32, up rows [BLOCK_U, BLOCK_D], down rows
+    [BLOCK_U, BLOCK_D]) of the chunk at indices i (< BLOCK_N) of the register list `pairs`.
+
+    The chunk's (unit, p) come from one tl.gather (through shared memory, no global memory
+    access; with BLOCK_N == BLOCK_U the list is the chunk). The down rows are issued first (they
+    do not depend on u). Without a whole-D up load (non-gated, or D split over programs) `up` is
+    `down` (unused). PREDICATED: load only if the scalar `pred` holds (the tiles are undefined
+    otherwise). Every unit is a valid row (dead lanes repeat a live unit with p = 0), so only D
+    is masked, and only if not EVEN_D."""
+    if BLOCK_N == BLOCK_U:
+        got = pairs
+    else:
+        got = tl.gather(pairs, i, 0)
+    unit = (got >> 32).to(tl.int32)
+    p = (got & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    up_row = weight_ptr + unit.to(tl.int64) * stride_wh  # [BLOCK_U] packed row starts
+    down_row = up_row + down_shift
+    if ALIGNED:
+        up_row = tl.multiple_of(up_row, 16)
+        down_row = tl.multiple_of(down_row, 16)
+    down_ptrs = down_row[:, None] + offs_d[None, :]  # [BLOCK_U, BLOCK_D]
+    up_ptrs = up_row[:, None] + offs_d[None, :]
+    # weights are re-read by every token that uses the unit: ask L2 to keep them
+    policy: tl.constexpr = "evict_last" if EVICT else ""
+    if PREDICATED:
+        if EVEN_D:
+            w_mask = tl.full(down_ptrs.shape, 1, tl.int1) & pred
+        else:
+            w_mask = mask_d[None, :] & pred
+        down = tl.load(down_ptrs, mask=w_mask, eviction_policy=policy)
+        if GATED and ONE_D_BLOCK:
+            up = tl.load(up_ptrs, mask=w_mask, eviction_policy=policy)
+        else:
+            up = down
+    elif EVEN_D:
+        down = tl.load(down_ptrs, eviction_policy=policy)
+        if GATED and ONE_D_BLOCK:
+            up = tl.load(up_ptrs, eviction_policy=policy)
+        else:
+            up = down
+    else:
+        down = tl.load(down_ptrs, mask=mask_d[None, :], other=0.0, eviction_policy=policy)
+        if GATED and ONE_D_BLOCK:
+            up = tl.load(up_ptrs, mask=mask_d[None, :], other=0.0, eviction_policy=policy)
+        else:
+            up = down
+    return unit, p, up, down
+
+
+@triton.jit
+def _accumulate(acc, xv, x_row, up, down, unit, p, weight_ptr, D, stride_wh,
+                GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr,
+                BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
+    """acc [BLOCK_D] fp32 + Σ_u h_u · down[u], h = p · (x · up_u) (gated) or p."""
+    if GATED:
+        if ONE_D_BLOCK:
+            u = tl.sum(up.to(tl.float32) * xv[None, :], 1)  # [BLOCK_U] fp32
+        else:
+            # D split over programs: every program forms the whole u from all D blocks
+            up_row = weight_ptr + unit.to(tl.int64) * stride_wh
+            if ALIGNED:
+                up_row = tl.multiple_of(up_row, 16)
+            u = tl.zeros(p.shape, dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                offs_k = d0 + tl.arange(0, BLOCK_D)
+                mask_k = offs_k < D
+                if ALIGNED:
+                    mask_k = tl.max_constancy(mask_k, 8)
+                xk = tl.load(x_row + offs_k, mask=mask_k, other=0.0)
+                up_k = tl.load(up_row[:, None] + offs_k[None, :], mask=mask_k[None, :], other=0.0,
+                               eviction_policy="evict_last" if EVICT else "")
+                u += tl.sum(up_k.to(tl.float32) * xk.to(tl.float32)[None, :], 1)
+        h = p * u  # [BLOCK_U] fp32
+    else:
+        h = p
+    return acc + tl.sum(h[:, None] * down.to(tl.float32), 0)
+
+
+@triton.jit
+def _accumulate_batch(acc, xv, x_row, pairs, n, weight_ptr, offs_d, mask_d, D, stride_wh,
+                      down_shift,
+                      GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr,
+                      EVEN_D: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
+                      EVICT: tl.constexpr):
+    """acc + the contributions of the first n (1 <= n <= BLOCK_N) entries of the register list
+    pairs [BLOCK_N] (entries n.. repeat a live unit with p = 0), BLOCK_U units per chunk."""
+    lanes = tl.arange(0, BLOCK_U)
+    if PREFETCH:
+        # register double buffering: chunk c + 1's weight rows are issued before chunk c is reduced
+        unit, p, up, down = _load_rows(weight_ptr, pairs, lanes, True, offs_d, mask_d, down_shift,
+                                       stride_wh, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, False,
+                                       BLOCK_U, BLOCK_N, EVICT)
+        for c0 in range(0, n, BLOCK_U):
+            c1 = c0 + BLOCK_U
+            # past the batch: any in-range index, the loads are predicated off
+            unit_next, p_next, up_next, down_next = _load_rows(
+                weight_ptr, pairs, (c1 % BLOCK_N) + lanes, c1 < n, offs_d, mask_d, down_shift,
+                stride_wh, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, True, BLOCK_U, BLOCK_N, EVICT)
+            acc = _accumulate(acc, xv, x_row, up, down, unit, p, weight_ptr, D, stride_wh,
+                              GATED, ALIGNED, ONE_D_BLOCK, BLOCK_D, EVICT)
+            unit, p, up, down = unit_next, p_next, up_next, down_next
+    else:
+        for c0 in range(0, n, BLOCK_U):
+            unit, p, up, down = _load_rows(weight_ptr, pairs, c0 + lanes, True, offs_d, mask_d,
+                                           down_shift, stride_wh, GATED, ALIGNED, ONE_D_BLOCK,
+                                           EVEN_D, False, BLOCK_U, BLOCK_N, EVICT)
+            acc = _accumulate(acc, xv, x_row, up, down, unit, p, weight_ptr, D, stride_wh,
+                              GATED, ALIGNED, ONE_D_BLOCK, BLOCK_D, EVICT)
+    return acc
+
+
+@triton.jit
+def _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b, nnz, ok,
+                 n_tiles, slots,
+                 BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """(tile t [BLOCK_N] int32, column, value) of the valid slots b .. b + BLOCK_N - 1 of row m
+    (nnz valid slots, first counts segment cnt0), as issued loads: nothing here waits for them.
+    Every count of an ordinary row is <= slots, so all counted slots are valid; lanes past nnz
+    repeat the last valid slot (`_pairs` zeroes their p). Nothing is read unless `ok`.
+
+    Compact index i -> (tile t, slot k) from the counts alone, no memory traffic unless
+    n_tiles > BLOCK_T: t = #{tiles whose inclusive end <= i}, k = i - (valid slots before t)."""
+    ok = ok & (nnz > 0)
+    ic = tl.minimum(b + tl.arange(0, BLOCK_N), nnz - 1)  # [BLOCK_N] compact valid-slot indices
+    before = tl.cumsum(cnt0, 0)[None, :] <= ic[:, None]  # [BLOCK_N, BLOCK_T] tiles ending <= ic
+    t = tl.sum(before.to(tl.int32), 1)
+    k = ic - tl.sum(tl.where(before, cnt0[None, :], 0), 1)
+    base = tl.sum(cnt0, 0)
+    for t0 in range(BLOCK_T, n_tiles, BLOCK_T):  # further counts segments (n_tiles > BLOCK_T)
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        cnt = tl.load(counts_row + tiles, mask=(tiles < n_tiles) & ok, other=0,
+                      eviction_policy="evict_first" if EVICT else "")
+        before = (base + tl.cumsum(cnt, 0))[None, :] <= ic[:, None]
+        t += tl.sum(before.to(tl.int32), 1)
+        k -= tl.sum(tl.where(before, cnt[None, :], 0), 1)
+        base += tl.sum(cnt, 0)
+    slot = (m64 * n_tiles + t) * slots + k  # [BLOCK_N] int64 flat slot
+    stream: tl.constexpr = "evict_first" if EVICT else ""
+    col = tl.load(columns_ptr + slot, mask=ok, other=0, eviction_policy=stream)
+    val = tl.load(values_ptr + slot, mask=ok, other=0.0, eviction_policy=stream)
+    return t, col, val
+
+
+@triton.jit
+def _pairs(t, col, val, b, nnz, tile, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] int64 register list (unit << 32 | bits of fp32 p) of a batch from `_batch_slots`;
+    lanes past nnz keep their (real) unit with p = 0, so weight loads need no per-unit mask."""
+    p = tl.where(b + tl.arange(0, BLOCK_N) < nnz, val.to(tl.float32), 0.0)
+    unit = t * tile + col.to(tl.int32)  # [BLOCK_N] global unit j < H
+    return (unit.to(tl.int64) << 32) | (p.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _row_head(columns_ptr, values_ptr, counts_ptr, cnt0, m, valid, n_tiles, slots,
+              BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """(ordinary, nnz, first batch (t, column, value) of `_batch_slots`) of row m whose first
+    counts segment is cnt0, as issued loads. `ordinary` is False for overflow rows (out[m] is
+    left to the dense backup path) and for rows that are not `valid` (not this program's: nothing
+    of them is read)."""
+    m64 = m.to(tl.int64)
+    counts_row = counts_ptr + m64 * n_tiles
+    worst = tl.max(cnt0, 0)
+    nnz = tl.sum(cnt0, 0)
+    for t0 in range(BLOCK_T, n_tiles, BLOCK_T):  # further counts segments (n_tiles > BLOCK_T)
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        seg = tl.load(counts_row + tiles, mask=(tiles < n_tiles) & valid, other=0,
+                      eviction_policy="evict_first" if EVICT else "")
+        worst = tl.maximum(worst, tl.max(seg, 0))
+        nnz += tl.sum(seg, 0)
+    ok = valid & (worst <= slots)
+    t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, 0, nnz, ok,
+                               n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
+    return ok, nnz, t, col, val
+
+
+@triton.jit
+def _twell_up_down_kernel(
+    x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
+    M, D, n_tiles, tile, slots,
+    stride_xm, stride_wh, stride_om,
+    GATED: tl.constexpr,          # packed rows are [up; down] (True) or [down] (False)
+    ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides
+    ONE_D_BLOCK: tl.constexpr,    # BLOCK_D >= D: x[m] is loaded once per token, u needs no loop
+    EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D
+    BLOCK_M: tl.constexpr,        # tokens per program (consecutive; no reuse, see docstring)
+    PERSISTENT: tl.constexpr,     # instead: program p takes rows p, p + grid, p + 2 grid, ...
+    BLOCK_U: tl.constexpr,        # active units per chunk (weight rows loaded together)
+    BLOCK_N: tl.constexpr,        # compact slots per batch (columns/values gathered together)
+    BLOCK_D: tl.constexpr,        # y columns per program (power of two)
+    BLOCK_T: tl.constexpr,        # tiles per counts segment (power of two)
+    PREFETCH: tl.constexpr,       # double-buffer the chunk loop in registers
+    LOOKAHEAD: tl.constexpr,      # the next token's columns/values load under this token's chunks
+    EVICT: tl.constexpr,          # L2 hints: weights evict_last, streamed data evict_first
+):
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of y
+    mask_d = offs_d < D
+    if ALIGNED:
+        mask_d = tl.max_constancy(mask_d, 8)
+    # packed row j = [up_j; down_j] or [down_j]; the down half starts D elements in when gated
+    down_shift = D if GATED else 0
+    stream: tl.constexpr = "evict_first" if EVICT else ""
+
+    if PERSISTENT:
+        # rows pid_m, pid_m + grid, pid_m + 2 grid, ...: every program gets ~M / grid rows
+        m_first = pid_m
+        m_step = tl.num_programs(0)
+        n_rows = tl.cdiv(M - pid_m, m_step)
+    else:
+        m_first = pid_m * BLOCK_M
+        m_step = 1
+        n_rows = tl.minimum(M - m_first, BLOCK_M)
+    # [BLOCK_T] first counts segment of the next row to start; rows that are not this program's
+    # load nothing
+    cnt_head = _load_counts(counts_ptr + m_first.to(tl.int64) * n_tiles, 0, n_tiles, n_rows > 0,
+                            BLOCK_T, EVICT)
+    if LOOKAHEAD:
+        # the head of the next row (counts scan, columns/values of its first batch: issued, not
+        # waited for) runs one row early: cnt_head and the *_head values belong to the next row,
+        # cnt_next to the one after
+        ok_head, nnz_head, t_head, col_head, val_head = _row_head(
+            columns_ptr, values_ptr, counts_ptr, cnt_head, m_first, n_rows > 0, n_tiles, slots,
+            BLOCK_N, BLOCK_T, EVICT)
+        cnt_next = _load_counts(counts_ptr + (m_first + m_step).to(tl.int64) * n_tiles, 0,
+                                n_tiles, n_rows > 1, BLOCK_T, EVICT)
+    for r in range(n_rows):
+        m = m_first + r * m_step
+        m64 = m.to(tl.int64)
+        counts_row = counts_ptr + m64 * n_tiles
+        cnt0 = cnt_head  # [BLOCK_T] first counts segment of row m
+        if LOOKAHEAD:
+            ok, nnz, t, col, val = ok_head, nnz_head, t_head, col_head, val_head
+        else:
+            # the next row's first counts segment is in flight while this row runs
+            cnt_head = _load_counts(counts_row + m_step * n_tiles, 0, n_tiles, r + 1 < n_rows,
+                                    BLOCK_T, EVICT)
+            ok, nnz, t, col, val = _row_head(columns_ptr, values_ptr, counts_ptr, cnt0, m, True,
+                                             n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
+        x_row = x_ptr + m64 * stride_xm
+        if ALIGNED:
+            x_row = tl.multiple_of(x_row, 16)
+        if GATED and ONE_D_BLOCK:
+            # [BLOCK_D] token row, reused by every chunk of the row; issued before the next row's
+            # head so that both latencies overlap
+            if EVEN_D:
+                x = tl.load(x_row + offs_d, mask=ok, other=0.0, eviction_policy=stream)
+            else:
+                x = tl.load(x_row + offs_d, mask=mask_d & ok, other=0.0, eviction_policy=stream)
+        else:
+            x = tl.zeros([BLOCK_D], dtype=tl.float32)  # unused
+        if LOOKAHEAD:
+            ok_head, nnz_head, t_head, col_head, val_head = _row_head(
+                columns_ptr, values_ptr, counts_ptr, cnt_next, m + m_step, r + 1 < n_rows, n_tiles,
+                slots, BLOCK_N, BLOCK_T, EVICT)
+            cnt_head = cnt_next
+            cnt_next = _load_counts(counts_row + 2 * m_step * n_tiles, 0, n_tiles, r + 2 < n_rows,
+                                    BLOCK_T, EVICT)
+        if ok:
+            xv = x.to(tl.float32)  # [BLOCK_D] fp32
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32 slice of y[m]
+            for b in range(0, nnz, BLOCK_N):  # more than one batch: rows with > BLOCK_N units
+                if b > 0:
+                    t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b,
+                                               nnz, True, n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
+                pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
+                acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
+                                        weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
+                                        GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N,
+                                        BLOCK_D, PREFETCH, EVICT)
+            out_row = out_ptr + m64 * stride_om
+            if ALIGNED:
+                out_row = tl.multiple_of(out_row, 16)
+            if EVEN_D:
+                tl.store(out_row + offs_d, acc.to(out_ptr.dtype.element_ty), eviction_policy=stream)
+            else:
+                tl.store(out_row + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d,
+                         eviction_policy=stream)
+
+
+@dataclass(frozen=True)
+class UpDownConfig:
+    """Launch parameters of `_twell_up_down_kernel`. Sizes are powers of two. The defaults are
+    `default_config(2048)`."""
+
+    block_m: int = 2        # tokens per program (consecutive)
+    persistent: int = 0     # > 0: that many programs per SM, token rows dealt round-robin
+    block_u: int = 4        # active units per chunk: 2 * block_u weight rows loaded together
+    block_d: int = 2048     # y columns per program; >= D keeps x[m], y[m] in registers
+    block_n: int = 64       # compact slots per batch, columns/values gathered at once (>= block_u)
+    max_block_t: int = 256  # tiles per counts segment at most
+    num_warps: int = 4
+    prefetch: bool = False  # double-buffer the chunk loop in registers
+    lookahead: bool = True  # several rows per program: the next row's columns/values load early
+    evict: bool = True      # L2 hints: weights evict_last, x/values/columns/counts/out evict_first
+    max_regs: int | None = 96  # register cap per thread (ptxas .maxnreg): more programs per SM
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"UpDownConfig.{name} must be a positive int, got {value!r}")
+        if (not isinstance(self.persistent, int) or isinstance(self.persistent, bool)
+                or self.persistent < 0):
+            raise ValueError(f"UpDownConfig.persistent must be an int >= 0, got "
+                             f"{self.persistent!r}")
+        for name in ("block_u", "block_d", "block_n", "max_block_t", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"UpDownConfig.{name} must be a power of two, got {value}")
+        for name in ("prefetch", "lookahead", "evict"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"UpDownConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.max_regs is not None and (not isinstance(self.max_regs, int)
+                                          or isinstance(self.max_regs, bool)
+                                          or not 24 <= self.max_regs <= 255):
+            raise ValueError(f"UpDownConfig.max_regs must be None or an int in [24, 255], got "
+                             f"{self.max_regs!r}")
+        if self.block_n < self.block_u:
+            raise ValueError(f"UpDownConfig.block_n must be >= block_u = {self.block_u}, "
+                             f"got {self.block_n}")
+
+
+def default_config(d: int) -> UpDownConfig:
+    """Heuristic config for hidden size d: the whole row of D in one program up to D = 8192,
+    8 contiguous elements per thread along D, ~8K weight elements per [BLOCK_U, BLOCK_D] chunk
+    (block_u 4 at D = 2048), batches of 64 compact slots, up to 4 warps, 2 tokens per program,
+    the next token's head looked up early, L2 hints, and at D = 2048 (4 warps) registers capped
+    at 96 (5 programs per SM). Other D keep the compiler's register count.
+
+    Measured (H200, bf16, D = 2048, H = 5632, 29 active units per token, each config of
+    `benchmark_configs(2048)` in its own process): this config takes 0.231 ms at M = 4096 and
+    1.992 ms at M = 65536, against 2.866 ms at M = 65536 for the earlier kernel's best config
+    (columns loaded per chunk: 2.362 ms for its structure here). The 104-register variants were
+    within 5% at M = 4096 (0.219-0.225 ms) but not timed at M = 65536."""
+    block_d = min(triton.next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
+    num_warps = max(1, min(4, block_d // 512))
+    block_u = max(1, min(8, 8192 // block_d))
+    return UpDownConfig(block_m=2, block_u=block_u, block_d=block_d, block_n=max(64, block_u),
+                        num_warps=num_warps,
+                        max_regs=96 if block_d == 2048 and num_warps == 4 else None)
+
+
+def benchmark_configs(d: int) -> list[UpDownConfig]:
+    """Configs to time on the GPU for hidden size d (at most 16, distinct), the default first.
+
+    Occupancy at d = 2048 (ptxas, sm_90a, bf16 gated): 4 warps hold a [block_u, 2048] chunk of
+    up and down rows in 16 * block_u registers per thread; 65536 registers per SM give 3
+    programs at 168 registers, 4 at 104-128, 5 at 96, 6 at 80 (2 warps: 6 at 168).
+    H200 times at M = 4096 (ms) from the last sweep are noted where measured."""
+    base = default_config(d)
+    r = dataclasses.replace
+    w2 = max(1, base.num_warps // 2)
+    half = max(1, base.block_u // 2)
+    configs = [
+        base,                                  # 0.231 (1.992 at M = 65536)
+        # the first kernel's structure: columns loaded per chunk, no lookahead, no L2 hints,
+        # compiler's registers
+        r(base, block_n=base.block_u, lookahead=False, evict=False, max_regs=None),  # 0.268
+        r(base, max_regs=104),                 # 4 programs per SM: 0.224
+        r(base, max_regs=104, lookahead=False),  # 0.219
+        r(base, max_regs=104, evict=False),    # 0.225
+        r(base, max_regs=None),                # 168 registers, 3 programs: 0.223
+        # one change at a time from the default
+        r(base, block_u=half),
+        r(base, block_n=32),
+        r(base, block_m=1),
+        r(base, block_m=4),
+        r(base, persistent=5),
+        # 2 warps per program: fewer warps per cross-warp reduction, 6 programs at 168 registers
+        r(base, num_warps=w2, max_regs=168),   # 0.239
+        r(base, num_warps=w2, max_regs=168, persistent=6),  # 0.239
+        # register double buffering
+        r(base, block_u=half, prefetch=True, max_regs=None),  # 0.255
+        r(base, prefetch=True, max_regs=None),  # 0.283
+        # 8 warps, 8 units per chunk
+        r(base, block_u=base.block_u * 2, num_warps=base.num_warps * 2, max_regs=128),  # 0.222
+    ]
+    return list(dict.fromkeys(configs))
+
+
+def prepare_up_down_weight(up_weight: torch.Tensor | None, down_weight: torch.Tensor) -> torch.Tensor:
+    """Interleave the weights once per module: [H, 2, D] (gated) or [H, 1, D] (non-gated).
+
+    up_weight: [H, D] (Hugging Face `up_proj.weight`) or None; down_weight: [D, H]
+    (`down_proj.weight`). Row j of the result is [up_weight[j]; down_weight[:, j]], contiguous.
+    """
+    if not isinstance(down_weight, torch.Tensor):
+        raise TypeError(f"down_weight must be a torch.Tensor, got {type(down_weight).__name__}")
+    if down_weight.dim() != 2:
+        raise ValueError(f"down_weight must have shape [D, H], got {tuple(down_weight.shape)}")
+    if down_weight.dtype not in _DTYPES:
+        raise TypeError(f"down_weight must be bf16 or fp16, got {down_weight.dtype}")
+    d, h = down_weight.shape
+    if up_weight is None:
+        return down_weight.t().contiguous().unsqueeze(1)
+    if not isinstance(up_weight, torch.Tensor):
+        raise TypeError(f"up_weight must be a torch.Tensor or None, got {type(up_weight).__name__}")
+    if tuple(up_weight.shape) != (h, d):
+        raise ValueError(f"up_weight must have shape [H, D] = [{h}, {d}] to match down_weight "
+                         f"[{d}, {h}], got {tuple(up_weight.shape)}")
+    if up_weight.dtype != down_weight.dtype:
+        raise TypeError(f"up_weight dtype {up_weight.dtype} differs from down_weight dtype "
+                        f"{down_weight.dtype}")
+    if up_weight.device != down_weight.device:
+        raise ValueError(f"up_weight is on {up_weight.device} but down_weight on {down_weight.device}")
+    return torch.stack((up_weight, down_weight.t()), dim=1).contiguous()
+
+
+def _check_tensor(t: object, name: str, shape: tuple[int, ...], dtype: torch.dtype | tuple,
+                  device: torch.device | None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like x, got {t.device}")
+    return t
+
+
+def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
+                aligned: bool) -> dict[str, object]:
+    """The kernel's meta-parameters for a launch; they depend on D, n_tiles and slots, never on M
+    (so the number of compiled variants stays put when only M changes)."""
+    return dict(
+        GATED=gated,
+        ALIGNED=aligned,
+        ONE_D_BLOCK=config.block_d >= d,
+        EVEN_D=d % config.block_d == 0,
+        BLOCK_M=1 if config.persistent else config.block_m,
+        PERSISTENT=config.persistent > 0,
+        BLOCK_U=config.block_u,
+        # no batch needs more lanes than a row can have valid slots
+        BLOCK_N=max(config.block_u, min(config.block_n, triton.next_power_of_2(n_tiles * slots))),
+        BLOCK_D=config.block_d,
+        BLOCK_T=min(triton.next_power_of_2(n_tiles), config.max_block_t),
+        PREFETCH=config.prefetch,
+        LOOKAHEAD=config.lookahead and (config.block_m > 1 or config.persistent > 0),
+        EVICT=config.evict,
+    )
+
+
+def twell_up_down(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    columns: torch.Tensor,
+    counts: torch.Tensor,
+    packed_weight: torch.Tensor,
+    *,
+    tile: int,
+    out: torch.Tensor | None = None,
+    config: UpDownConfig | None = None,
+) -> torch.Tensor:
+    """y [M, D] = down(p ⊙ up(x)) (or down(p)) for the ordinary rows of a TwELL-packed p.
+
+    Rows with some count > slots are not written: pass `out` to pre-fill them (or fill them
+    afterwards); with `out=None` they hold whatever torch.empty left there. `config` overrides the
+    launch heuristic (`default_config(D)`). Returns `out` (or the new tensor).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
+    m, d = x.shape
+    if not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 32768:
+        raise ValueError(f"tile must be an int in [1, 32768], got {tile!r}")
+    if not isinstance(packed_weight, torch.Tensor):
+        raise TypeError(f"packed_weight must be a torch.Tensor, got {type(packed_weight).__name__}")
+    if packed_weight.dim() != 3 or packed_weight.shape[1] not in (1, 2) or packed_weight.shape[2] != d:
+        raise ValueError(f"packed_weight must have shape [H, 2, D] or [H, 1, D] with D = {d}, got "
+                         f"{list(packed_weight.shape)}")
+    _check_tensor(packed_weight, "packed_weight", tuple(packed_weight.shape), x.dtype, x.device)
+    if not packed_weight.is_contiguous():
+        raise ValueError("packed_weight must be contiguous (use prepare_up_down_weight)")
+    h, n_mat = packed_weight.shape[0], packed_weight.shape[1]
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() != 3:
+        raise ValueError(f"values must have shape [M, n_tiles, slots], got {list(values.shape)}")
+    n_tiles, slots = values.shape[1], values.shape[2]
+    if n_tiles != triton.cdiv(h, tile):
+        raise ValueError(f"values must have n_tiles = cdiv(H={h}, tile={tile}) = {triton.cdiv(h, tile)}"
+                         f" tiles, got {n_tiles}")
+    if not 1 <= slots <= tile:
+        raise ValueError(f"values must have 1 <= slots <= tile = {tile}, got slots = {slots}")
+    _check_tensor(values, "values", (m, n_tiles, slots), x.dtype, x.device)
+    _check_tensor(columns, "columns", (m, n_tiles, slots), torch.int16, x.device)
+    _check_tensor(counts, "counts", (m, n_tiles), torch.int32, x.device)
+    for name, t in (("values", values), ("columns", columns), ("counts", counts)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (TwELL layout)")
+    if out is None:
+        out = torch.empty(m, d, dtype=x.dtype, device=x.device)
+    else:
+        _check_tensor(out, "out", (m, d), x.dtype, x.device)
+        if d > 1 and out.stride(1) != 1:
+            raise ValueError(f"out must have unit stride along D, got strides {list(out.stride())}")
+    if config is None:
+        config = default_config(d)
+    elif not isinstance(config, UpDownConfig):
+        raise TypeError(f"config must be an UpDownConfig or None, got {type(config).__name__}")
+    if m == 0 or d == 0:
+        return out
+    if d > 1 and x.stride(1) != 1:
+        x = x.contiguous()  # the kernel reads 16-byte vectors along D
+
+    elem = x.element_size()
+    aligned = (  # what the kernel's multiple_of / max_constancy hints claim
+        d % 8 == 0
+        and config.block_d >= 8
+        and all(t.data_ptr() % 16 == 0 for t in (x, packed_weight, out))
+        and (x.stride(0) * elem) % 16 == 0
+        and (out.stride(0) * elem) % 16 == 0
+    )
+    if config.persistent:
+        sms = (torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda
+               else _INTERPRETER_SMS)
+        grid = (min(m, config.persistent * sms), triton.cdiv(d, config.block_d))
+    else:
+        grid = (triton.cdiv(m, config.block_m), triton.cdiv(d, config.block_d))
+    _twell_up_down_kernel[grid](
+        x, values, columns, counts, packed_weight, out,
+        m, d, n_tiles, tile, slots,
+        x.stride(0), packed_weight.stride(0), out.stride(0),
+        **_constexprs(config, d, n_tiles, slots, gated=n_mat == 2, aligned=aligned),
+        num_warps=config.num_warps,
+        maxnreg=config.max_regs,
+    )
+    return out
+
+
+def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]]]:
+    """Specializations to compile for sm_90a (tests/kernels/sm90_compile.py, 4 warps): for bf16
+    and fp16, gated and non-gated, the default config at the paper's shape (D = 2048, H = 5632,
+    tile 256, slots 32, aligned) and the generic paths (D = 100: unaligned and masked along D;
+    D = 16384: D split over programs); for bf16 gated every distinct specialization of
+    `benchmark_configs(2048)`, and the kernel variants (one chunk per batch without lookahead or
+    hints; register double buffering; persistent) for fp16 and for non-gated."""
+    shapes = [  # (config, D, n_tiles, slots, aligned)
+        (default_config(2048), 2048, 22, 32, True),
+        (default_config(100), 100, 8, 16, False),
+        (default_config(16384), 16384, 64, 32, True),
+    ]
+    base = default_config(2048)
+    r = dataclasses.replace
+    variants = [
+        r(base, block_n=base.block_u, lookahead=False, evict=False),
+        r(base, prefetch=True),
+        r(base, persistent=5),
+    ]
+    cases = []  # (dtype, gated, config, D, n_tiles, slots, aligned)
+    for ty, gated in itertools.product(_TL_DTYPES.values(), (True, False)):
+        cases += [(ty, gated, *shape) for shape in shapes]
+        if (ty, gated) != ("bf16", True):
+            cases += [(ty, gated, cfg, 2048, 22, 32, True) for cfg in variants]
+    cases += [("bf16", True, cfg, 2048, 22, 32, True) for cfg in benchmark_configs(2048)[1:]]
+    specs, seen = [], set()
+    for ty, gated, cfg, d, n_tiles, slots, aligned in cases:
+        constexprs = _constexprs(cfg, d, n_tiles, slots, gated=gated, aligned=aligned)
+        key = (ty, tuple(constexprs.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        signature = {
+            "x_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16", "counts_ptr": "*i32",
+            "weight_ptr": f"*{ty}", "out_ptr": f"*{ty}",
+            "M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32",
+            "stride_xm": "i32", "stride_wh": "i32", "stride_om": "i32",
+            **{k: "constexpr" for k in constexprs},
+        }
+        specs.append((_twell_up_down_kernel, signature, constexprs))
+    return specs

@@ -1,0 +1,164 @@
+"""The sparse path of `sparse_mlp` end to end (gate kernel -> fused up/down -> dense backup).
+
+On CPU the kernels run under Triton's interpreter (tests/conftest.py), so shapes stay small.
+Error rule (flash-attention): ‖y − ref‖ ≤ 2 · ‖dense torch − ref‖ + one rounding of the output.
+"""
+
+import os
+
+import pytest
+import torch
+
+import sparseffn
+from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.ops.reference import sparse_mlp_reference
+from sparseffn.ops.sparse_mlp import ModeDecision, choose_mode
+from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the Triton interpreter"
+)
+
+
+def _err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _check(mlp, threshold=None, tile=64, slots=8, expect_overflow=None):
+    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    y = sparseffn.sparse_mlp(*args, threshold, mode="sparse", tile=tile, slots=slots)
+    ref = sparse_mlp_reference(*(None if t is None else t.double() for t in args), threshold)
+    dense = dense_mlp(*args, threshold)
+    assert y.dtype == mlp.x.dtype and y.shape == mlp.x.shape
+    assert y.isfinite().all()
+    bound = 2 * _err(dense, ref) + torch.finfo(mlp.x.dtype).eps / 2
+    assert _err(y, ref) <= bound, (_err(y, ref), _err(dense, ref))
+    if expect_overflow is not None:
+        first = mlp.first_weight.float()
+        p = torch.relu(mlp.x.float() @ first.t() - (0 if threshold is None else threshold))
+        nnz_tiles = torch.nn.functional.pad((p > 0), (0, -p.shape[1] % tile)).view(p.shape[0], -1, tile).sum(-1)
+        assert bool((nnz_tiles > slots).any()) == expect_overflow
+    return y
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gated", [True, False])
+def test_sparse_path_matches_reference_with_overflow_rows(dtype, gated):
+    # H=200 is not a tile multiple, D=72 not a block multiple; heavy rows overflow slots=8.
+    mlp = synthetic_mlp(37, 72, 200, 10, dtype=dtype, device=DEVICE, seed=4, gated=gated, heavy_fraction=0.1)
+    _check(mlp, expect_overflow=True)
+
+
+@needs_kernels
+def test_sparse_path_with_threshold_zero_rows_and_dense_rows():
+    mlp = synthetic_mlp(20, 64, 128, 6, device=DEVICE, seed=5)
+    theta = torch.zeros(128, device=DEVICE)
+    theta[:4] = -50.0  # units that are always on
+    x = mlp.x.clone()
+    x[3] = 0  # a row with no active unit except the forced ones
+    x[7, 0] = -20.0  # the bias feature negative: every threshold flips, the row is dense
+    mlp = type(mlp)(**{**mlp.__dict__, "x": x})
+    _check(mlp, threshold=theta, expect_overflow=True)
+    _check(mlp, threshold=0.25)
+
+
+@needs_kernels
+def test_single_token_and_leading_dims():
+    mlp = synthetic_mlp(6, 64, 128, 5, device=DEVICE, seed=6)
+    prepared = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    args = (mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    y1 = sparseffn.sparse_mlp(mlp.x[:1], *args, mode="sparse", prepared=prepared, tile=64, slots=8)
+    y = sparseffn.sparse_mlp(mlp.x.view(2, 3, 64), *args, mode="sparse", prepared=prepared, tile=64, slots=8)
+    assert y.shape == (2, 3, 64)
+    torch.testing.assert_close(y.view(6, 64)[:1], y1, rtol=0, atol=0)
+
+
+@needs_kernels
+def test_prepared_weights_must_match():
+    mlp = synthetic_mlp(4, 64, 128, 5, device=DEVICE)
+    other = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight.clone(), mlp.down_weight)
+    with pytest.raises(ValueError, match="prepared was built from other weight tensors"):
+        sparseffn.sparse_mlp(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, mode="sparse", prepared=other)
+
+
+def test_mode_decisions_are_explained_and_overridable():
+    x = torch.zeros(16384, 64, dtype=torch.bfloat16)
+    up = torch.zeros(256, 64, dtype=torch.bfloat16)
+    assert choose_mode(x, up, mode="dense") == ModeDecision("dense", "requested")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        choose_mode(x, up, mode="fast")
+    with pytest.raises(NotImplementedError, match="mode='sparse' cannot run: .*float32"):
+        choose_mode(x.float(), up, mode="sparse")
+    with pytest.raises(NotImplementedError, match="gradients are required"):
+        choose_mode(x, up, mode="sparse", needs_grad=True)
+    auto = choose_mode(x, up)
+    if DEVICE == "cpu":
+        assert auto.mode == "dense" and ("cpu" in auto.reason or "CPU" in auto.reason)
+    else:
+        assert choose_mode(x.cuda(), up.cuda()).mode == "sparse"
+        assert choose_mode(x[:8].cuda(), up.cuda()).mode == "dense"
+        assert choose_mode(x.cuda(), up.cuda(), expected_nnz=200).mode == "dense"
+
+
+def test_autograd_inputs_take_the_dense_path_in_auto_mode():
+    mlp = synthetic_mlp(8, 32, 64, 4, dtype=torch.float32)
+    x = mlp.x.clone().requires_grad_()
+    y = sparseffn.sparse_mlp(x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("nnz", [29, 110, 900])
+def test_gpu_realistic_sizes_every_density(nnz):
+    mlp = synthetic_mlp(4096, 2048, 5632, nnz, device="cuda", seed=1)
+    _check(mlp, tile=256, slots=32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_torch_compile_fullgraph():
+    mlp = synthetic_mlp(1000, 256, 1024, 12, device="cuda", seed=2)
+    prepared = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+
+    def fn(x):
+        return sparseffn.sparse_mlp(x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, mode="sparse",
+                                    prepared=prepared)
+
+    eager = fn(mlp.x)
+    compiled = torch.compile(fn, fullgraph=True)(mlp.x)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_no_host_sync_and_cuda_graph_replay():
+    mlp = synthetic_mlp(2048, 256, 1024, 40, device="cuda", seed=3, heavy_fraction=0.02)
+    prepared = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    static_x = mlp.x.clone()
+
+    def fn():
+        return sparseffn.sparse_mlp(static_x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, mode="sparse",
+                                    prepared=prepared)
+
+    expected = fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = fn()
+    graph.replay()
+    torch.testing.assert_close(static_y, expected, rtol=0, atol=0)
+    # New inputs through the same graph: more heavy rows than before, still exact.
+    static_x.copy_(synthetic_mlp(2048, 256, 1024, 40, device="cuda", seed=4, heavy_fraction=0.2).x)
+    graph.replay()
+    torch.testing.assert_close(static_y, fn(), rtol=0, atol=0)
