@@ -113,15 +113,16 @@ def run_mlp_bench(cfg: MLPBenchConfig, device: torch.device | None = None, log: 
     if cfg.git_sha:
         meta["git_sha"] = cfg.git_sha
     rows: list[dict] = []
+    csv_path = Path(cfg.out_dir) / device_slug(device) / "mlp.csv"
     for d, h in _shapes(cfg.shapes):
         for target in _ints(cfg.nnz):
             for m in _ints(cfg.tokens):
                 mlp = synthetic_mlp(m, d, h, min(target, h), dtype=dtype, device=device, seed=cfg.seed)
                 rows += _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense)
+                _write_csv(rows, csv_path)  # after every case: a run cut short keeps what it measured
                 del mlp
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    _write_csv(rows, Path(cfg.out_dir) / device_slug(device) / "mlp.csv")
     return rows
 
 
