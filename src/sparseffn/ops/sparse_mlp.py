@@ -27,11 +27,13 @@ from sparseffn.ops.twell_mlp import KERNEL_DTYPES, SparseMLPWeights, dense_mlp, 
 
 MODES = ("auto", "sparse", "dense")
 
-# Auto-mode limits, from `sparseffn bench mlp` on the H200 (benchmarks/results/h200/mlp.csv): below
-# ~8K tokens the gate GEMM fills too few waves and ~0.35 ms of host launch work per call is not hidden;
-# above ~1% of H active units per token the gathers of the fused up/down cost more than dense GEMMs.
-AUTO_MIN_TOKENS = 8192
-AUTO_MAX_MEAN_NNZ_FRACTION = 0.01  # expected non-zeros per token / H above which dense wins
+# Auto-mode limits, from `sparseffn bench mlp` on the H200 (benchmarks/results/h200/mlp.csv, bf16, nnz 29
+# and 110): sparse won from 4096 tokens up and lost at 256 (host launch work, ~0.35 ms per call, is
+# not hidden by the GPU time there); it lost at 110 expected non-zeros per token on both shapes
+# (break-even ~69 at D=2048/H=5632, ~83 at D=4096/H=14336, whose gathered weights no longer fit L2).
+AUTO_MIN_TOKENS = 4096
+AUTO_MAX_MEAN_NNZ = 64.0
+AUTO_MAX_MEAN_NNZ_FRACTION = 0.01  # of H: small-H models break even at lower counts
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,9 @@ def choose_mode(
     tokens = x.numel() // max(x.shape[-1], 1)
     if tokens < AUTO_MIN_TOKENS:
         return ModeDecision("dense", f"{tokens} tokens < {AUTO_MIN_TOKENS}: too few to fill the GPU (no decode kernel)")
-    h = up_weight.shape[0]
-    if expected_nnz is not None and expected_nnz > AUTO_MAX_MEAN_NNZ_FRACTION * h:
-        return ModeDecision(
-            "dense", f"expected {expected_nnz:g} non-zeros per token > {AUTO_MAX_MEAN_NNZ_FRACTION:g} * H"
-        )
+    limit = min(AUTO_MAX_MEAN_NNZ, AUTO_MAX_MEAN_NNZ_FRACTION * up_weight.shape[0])
+    if expected_nnz is not None and expected_nnz > limit:
+        return ModeDecision("dense", f"expected {expected_nnz:g} non-zeros per token > {limit:g}")
     return ModeDecision("sparse", f"{tokens} tokens on {x.device}")
 
 
