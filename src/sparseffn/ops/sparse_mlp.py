@@ -27,11 +27,13 @@ from sparseffn.ops.twell_mlp import KERNEL_DTYPES, SparseMLPWeights, dense_mlp, 
 
 MODES = ("auto", "sparse", "dense")
 
-# Auto-mode limits, from `sparseffn bench mlp` on the H200 (benchmarks/results/h200/mlp.csv, bf16, nnz 29
-# and 110): sparse won from 4096 tokens up and lost at 256 (host launch work, ~0.35 ms per call, is
-# not hidden by the GPU time there); it lost at 110 expected non-zeros per token on both shapes
-# (break-even ~69 at D=2048/H=5632, ~83 at D=4096/H=14336, whose gathered weights no longer fit L2).
-AUTO_MIN_TOKENS = 4096
+# Auto-mode limits, from `sparseffn bench mlp` on the H200 (benchmarks/results/h200/mlp.csv, bf16):
+# - tokens: sparse won robustly from 16384 tokens (1.52x, 1.87x) and lost at 256 (~0.35 ms of host launch
+#   work per call is not hidden there); at 4096 it sits on that edge (1.09x for `sparse` but 0.71x for
+#   `auto`, same path, same run), so auto starts at 8192 (not measured between 4096 and 16384);
+# - density: sparse lost at 110 non-zeros per token on both shapes (break-even ~69 at D=2048/H=5632,
+#   ~83 at D=4096/H=14336, whose gathered weights no longer fit L2).
+AUTO_MIN_TOKENS = 8192
 AUTO_MAX_MEAN_NNZ = 64.0
 AUTO_MAX_MEAN_NNZ_FRACTION = 0.01  # of H: small-H models break even at lower counts
 
