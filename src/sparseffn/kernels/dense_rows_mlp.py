@@ -75,13 +75,13 @@ truncating casts).
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from sparseffn.kernels._runtime import interpreting, num_sms
 
 __all__ = ["DenseRowsConfig", "default_config", "dense_rows_mlp", "sm90_compile_specs"]
 
@@ -314,15 +314,6 @@ def default_config(d: int, *, cuda: bool) -> DenseRowsConfig:
                            num_warps=8 if block_dy >= 512 else 4, num_stages=3)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # ----------------------------------------------------------------------------------------------------
 # launcher
 
@@ -350,7 +341,7 @@ def _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold
         raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
     if x.dtype not in _TRITON_DTYPE:
         raise TypeError(f"x must be torch.bfloat16 or torch.float16, got {x.dtype}")
-    if not x.is_cuda and not _interpreting():
+    if not x.is_cuda and not interpreting():
         raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
     m, d = x.shape
     if m >= 2**31:
@@ -451,7 +442,7 @@ def dense_rows_mlp(
         aligned = True
     worst = triton.cdiv(m, config.block_r) * triton.cdiv(d, config.block_dy)  # tiles if all flagged
     if cuda:
-        programs = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        programs = num_sms(x.device)
     else:
         programs = _INTERPRETER_PROGRAMS
     grid = (min(worst, programs * config.programs_per_sm),)
@@ -466,7 +457,7 @@ def dense_rows_mlp(
         BLOCK_H=config.block_h,
         BLOCK_K=config.block_k,
         BLOCK_DY=config.block_dy,
-        DOT_IN_FP32=_interpreting(),
+        DOT_IN_FP32=interpreting(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -69,14 +69,15 @@ low-precision `tl.dot` is wrong there; results then differ from the GPU by summa
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from sparseffn.kernels._runtime import interpreting, num_sms
 
 SUPPORTED_TILES = (32, 64, 128, 256)
 MODES = ("pack", "counts", "dense")
@@ -390,15 +391,6 @@ def default_config(d: int, h: int, dtype: torch.dtype, tile: int, *, cuda: bool)
     return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=4, num_stages=min(4, max(2, k_tiles)))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """TMA descriptors need unit inner strides, 16-byte aligned bases and row strides."""
     es = x.element_size()
@@ -433,7 +425,7 @@ def _check_inputs(x, weight, threshold, tile, slots, mode, config):
         raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
     if weight.shape[1] > 1 and weight.stride(1) != 1:
         raise ValueError(f"weight must have unit stride along D (e.g. be contiguous), got strides {weight.stride()}")
-    if not x.is_cuda and not _interpreting():
+    if not x.is_cuda and not interpreting():
         raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
     if threshold is not None:
         if not isinstance(threshold, torch.Tensor):
@@ -511,7 +503,7 @@ def gate_twell(
 
     num_tiles = -(-m // config.block_m) * n_tiles
     if persistent:
-        sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) if cuda else 4
+        sms = num_sms(x.device) if cuda else 4
         grid = (min(num_tiles, sms * config.programs_per_sm),)
     else:
         grid = (num_tiles,)
@@ -520,7 +512,7 @@ def gate_twell(
         w_arg = TensorDescriptor(weight, [h, d], [weight.stride(0), 1], [tile, config.block_k])
     else:
         x_arg, w_arg = x, weight
-    interpret = _interpreting()
+    interpret = interpreting()
     _gate_twell_kernel[grid](
         x_arg,
         w_arg,

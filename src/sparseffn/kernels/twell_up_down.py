@@ -80,6 +80,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseffn.kernels._runtime import num_sms
+
 __all__ = [
     "UpDownConfig",
     "benchmark_configs",
@@ -631,7 +633,7 @@ def twell_up_down(
         and (out.stride(0) * elem) % 16 == 0
     )
     if config.persistent:
-        sms = (torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda
+        sms = (num_sms(x.device) if x.is_cuda
                else _INTERPRETER_SMS)
         grid = (min(m, config.persistent * sms), triton.cdiv(d, config.block_d))
     else:

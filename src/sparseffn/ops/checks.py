@@ -33,7 +33,7 @@ def check_mlp_inputs(
     """
     check_tensor(x, "x")
     if x.dim() < 1:
-        raise ValueError(f"x must have shape [..., D], got a 0-D tensor")
+        raise ValueError("x must have shape [..., D], got a 0-D tensor")
     d = x.shape[-1]
     check_tensor(up_weight, "up_weight", dims=2)
     h = up_weight.shape[0]
