@@ -18,7 +18,6 @@ with the GPU name, versions and git sha.
 from __future__ import annotations
 
 import csv
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -181,7 +180,3 @@ def _write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-
-
-def config_fields() -> tuple[dataclasses.Field, ...]:
-    return dataclasses.fields(MLPBenchConfig)

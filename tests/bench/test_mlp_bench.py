@@ -1,0 +1,40 @@
+import csv
+
+import pytest
+import torch
+
+from sparseffn.bench.mlp import CSV_FIELDS, MLPBenchConfig, run_mlp_bench
+from sparseffn.bench.report import mlp_table, plot_mlp, read_rows, replace_block
+
+
+def test_bench_runs_end_to_end_and_writes_a_well_formed_csv(tmp_path):
+    cfg = MLPBenchConfig(shapes="64x256", tokens="5", nnz="8,200", providers="dense,sparse,auto,gate_cublas,gate_pack",
+                         tile=64, slots=8, out_dir=str(tmp_path), git_sha="abc123")
+    rows = run_mlp_bench(cfg, torch.device("cpu"), log=lambda _: None)
+    assert len(rows) == 2 * 5
+    path = tmp_path / "cpu" / "mlp.csv"
+    with path.open() as f:
+        written = list(csv.DictReader(f))
+    assert tuple(written[0]) == CSV_FIELDS and len(written) == len(rows)
+    for row in written:
+        assert row["git_sha"] == "abc123" and row["gpu"].startswith("cpu")
+        assert float(row["median_ms"]) > 0 and float(row["p20_ms"]) <= float(row["p80_ms"])
+        if row["provider"] in ("dense", "sparse", "auto"):
+            assert row["within_bound"] == "True", row  # every output checked against the fp32 reference
+    sparse = [r for r in written if r["provider"] == "sparse"]
+    assert int(sparse[1]["overflow_rows"]) > 0  # the dense-ish case overflows and is still exact
+    assert {r["mode"] for r in written if r["provider"] == "auto"} == {"dense"}  # never interprets on CPU
+
+    table = mlp_table(read_rows(path))
+    assert table.count("\n| 64×256 |") == 2 and "git abc123" in table
+    pytest.importorskip("matplotlib")
+    assert plot_mlp(written, tmp_path / "mlp.png").stat().st_size > 0
+
+
+def test_replace_block_and_bad_providers():
+    text = "a\n<!-- bench:mlp -->\nold\n<!-- /bench:mlp -->\nb"
+    assert replace_block(text, "mlp", "new") == "a\n<!-- bench:mlp -->\nnew\n<!-- /bench:mlp -->\nb"
+    with pytest.raises(ValueError, match="no <!-- bench:e2e -->"):
+        replace_block(text, "e2e", "x")
+    with pytest.raises(ValueError, match="providers: unknown"):
+        run_mlp_bench(MLPBenchConfig(providers="dense,fastest"), torch.device("cpu"))
