@@ -26,6 +26,7 @@ from sparseffn.kernels.dense_rows_mlp import (
     dense_rows_mlp,
     sm90_compile_specs,
 )
+from tests.kernels.jit import do_not_specialize
 
 pytestmark = pytest.mark.filterwarnings(  # triton's interpreter turns 1-element arrays into ints
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning",
@@ -322,11 +323,7 @@ def test_cuda_graph_capture_and_replay_with_new_flags():
 def test_m_adds_no_specialization():
     """The MLP kernel never sees M, the scan has M do_not_specialize, the config depends on D only;
     on a GPU the compiled-kernel caches must not grow with M."""
-    kernel = _compact_rows_kernel  # a JITFunction, or an InterpretedFunction under the interpreter
-    do_not_specialize = getattr(kernel, "do_not_specialize", None)
-    if do_not_specialize is None:
-        do_not_specialize = kernel.kwargs["do_not_specialize"]
-    assert "M" in do_not_specialize
+    assert "M" in do_not_specialize(_compact_rows_kernel)
     assert "m" not in default_config.__code__.co_varnames[: default_config.__code__.co_argcount]
     if not CUDA:
         return

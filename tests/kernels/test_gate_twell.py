@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from sparseffn.kernels.gate_twell import GateTwellConfig, default_config, gate_twell, _gate_twell_kernel
+from tests.kernels.jit import do_not_specialize
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning",  # triton interpreter
@@ -333,11 +334,7 @@ def test_input_errors_name_the_argument():
 def test_m_adds_no_specialization():
     """M is do_not_specialize (Triton would otherwise specialize M == 1 and M % 16) and the config
     depends on (D, H, dtype, tile) only; on a GPU the compiled-kernel cache must not grow with M."""
-    kernel = _gate_twell_kernel  # a JITFunction, or an InterpretedFunction under the interpreter
-    do_not_specialize = getattr(kernel, "do_not_specialize", None)
-    if do_not_specialize is None:
-        do_not_specialize = kernel.kwargs["do_not_specialize"]
-    assert "M" in do_not_specialize
+    assert "M" in do_not_specialize(_gate_twell_kernel)
     assert "m" not in default_config.__code__.co_varnames[: default_config.__code__.co_argcount]
     if not CUDA:
         return
