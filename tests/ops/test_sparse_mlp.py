@@ -114,3 +114,55 @@ def test_cuda_matches_reference():
     y = sparseffn.sparse_mlp(x, gate, up, down)
     ref = sparse_mlp_reference(x.double(), gate.double(), up.double(), down.double())
     assert _max_err(y, ref) < 0.05
+
+
+def _reference_loss(x, gate, up, down, threshold, r, coeff):
+    """fp64 autograd truth for loss = (y·r).sum() + coeff·l1, l1 = mean over tokens of Σ|h|."""
+    from sparseffn.ops.reference import mlp_activation_reference
+
+    _, h = mlp_activation_reference(x, gate, up, threshold)
+    y = h @ down.t()
+    return (y * r).sum() + coeff * h.abs().sum(-1).mean()
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("threshold", [None, "tensor"])
+def test_return_l1_value_and_gradients_match_reference(gated, threshold):
+    x, gate, up, down = _inputs(m=9, d=12, h=20, dtype=torch.float64, gated=gated, seed=3)
+    if threshold == "tensor":
+        threshold = torch.linspace(-0.3, 0.3, 20, dtype=torch.float64)
+    r = torch.randn(9, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    params = [t.requires_grad_() for t in (x, gate, up, down) if t is not None]
+    y, l1 = sparseffn.sparse_mlp(x, gate, up, down, threshold, return_l1=True)
+    _, l1_bf16 = sparseffn.sparse_mlp(x.bfloat16(), *(None if t is None else t.bfloat16() for t in (gate, up, down)), return_l1=True)
+    assert l1_bf16.dtype == torch.float32
+    assert l1.dim() == 0 and l1.dtype == torch.float64 and l1.item() > 0
+    grads = torch.autograd.grad((y * r).sum() + 0.7 * l1, params)
+    ref_params = [t.detach().clone().requires_grad_() for t in params]
+    ref_x, ref_gate, ref_up, ref_down = (ref_params if gated else [ref_params[0], None, *ref_params[1:]])
+    ref_loss = _reference_loss(ref_x, ref_gate, ref_up, ref_down, threshold, r, 0.7)
+    ref_grads = torch.autograd.grad(ref_loss, ref_params)
+    _, ref_h = sparseffn.ops.reference.mlp_activation_reference(x.detach(), None if gate is None else gate.detach(),
+                                                                up.detach(), threshold)
+    torch.testing.assert_close(l1, ref_h.abs().sum(-1).mean())
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_gradcheck_through_eager_path(gated):
+    x, gate, up, down = _inputs(m=4, d=5, h=7, dtype=torch.float64, gated=gated, seed=5)
+    args = [t.requires_grad_() for t in (x, gate, up, down) if t is not None]
+
+    def f(*ts):
+        xs, rest = ts[0], list(ts[1:])
+        g = rest.pop(0) if gated else None
+        return sparseffn.sparse_mlp(xs, g, rest[0], rest[1], 0.05)
+
+    torch.autograd.gradcheck(f, args)
+
+
+def test_return_l1_must_be_bool():
+    x, gate, up, down = _inputs()
+    with pytest.raises(TypeError, match="return_l1 must be a bool, got int"):
+        sparseffn.sparse_mlp(x, gate, up, down, return_l1=1)

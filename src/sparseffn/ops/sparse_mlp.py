@@ -60,6 +60,7 @@ def choose_mode(
     mode: str = "auto",
     expected_nnz: float | None = None,
     needs_grad: bool = False,
+    return_l1: bool = False,
 ) -> ModeDecision:
     """Which path `sparse_mlp` takes for these arguments, and why. Raises if `mode="sparse"` cannot run."""
     if mode not in MODES:
@@ -73,6 +74,8 @@ def choose_mode(
         blockers.append(f"x is {x.dtype}: the kernels take bf16 or fp16")
     if needs_grad:
         blockers.append("gradients are required: the inference kernels have no backward")
+    if return_l1:
+        blockers.append("return_l1: the inference kernels do not compute the L1 penalty")
     if mode == "sparse":
         if blockers:
             raise NotImplementedError(f"mode='sparse' cannot run: {'; '.join(blockers)}")
@@ -117,16 +120,22 @@ def sparse_mlp(
     down_weight: torch.Tensor,
     threshold: torch.Tensor | float | None = None,
     *,
+    return_l1: bool = False,
     mode: str = "auto",
     prepared: SparseMLPWeights | None = None,
     expected_nnz: float | None = None,
     tile: int = 256,
     slots: int = 32,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """y = down(relu(x gate^T - θ) * (x up^T)), or down(relu(x up^T - θ)) when gate_weight is None.
 
     x [..., D]; gate_weight, up_weight [H, D]; down_weight [D, H] (Hugging Face layouts);
     threshold None, a number, or a per-unit tensor [H]. Returns [..., D] in x's dtype.
+    Differentiable with respect to x and the three weights (the threshold is a constant).
+
+    return_l1: also return the layer's L1 penalty (DESIGN §1), an fp32 scalar: the mean over tokens
+    of Σ_j |h_j|, h = relu(x gate^T - θ) * (x up^T) (or relu(x up^T - θ)). Differentiable, so
+    `loss = ce + coeff * l1` gets exactly that loss's gradient.
 
     mode: "auto" (see `choose_mode`), "sparse" (Triton kernels; raises NotImplementedError where
     they cannot run) or "dense". prepared: `SparseMLPWeights.prepare(gate, up, down)` built once and
@@ -137,9 +146,13 @@ def sparse_mlp(
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (x, gate_weight, up_weight, down_weight, threshold)
     )
-    decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad)
+    if not isinstance(return_l1, bool):
+        raise TypeError(f"return_l1 must be a bool, got {type(return_l1).__name__}")
+    decision = choose_mode(
+        x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad, return_l1=return_l1
+    )
     if decision.mode == "dense":
-        return dense_mlp(x, gate_weight, up_weight, down_weight, threshold)
+        return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
     if prepared is None:
         prepared = SparseMLPWeights.prepare(gate_weight, up_weight, down_weight)
     elif not prepared.matches(gate_weight, up_weight, down_weight):

@@ -69,15 +69,25 @@ def dense_mlp(
     up_weight: torch.Tensor,
     down_weight: torch.Tensor,
     threshold: torch.Tensor | float | None,
-) -> torch.Tensor:
-    """The MLP with three torch GEMMs in x's dtype (the eager path and the dense backup)."""
+    *,
+    return_l1: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The MLP with three torch GEMMs in x's dtype (the eager path and the dense backup).
+
+    Differentiable through torch autograd. With return_l1, also the layer's L1 penalty (DESIGN §1):
+    the mean over tokens of Σ_j |h_j|, summed in fp32 (fp64 for fp64 inputs) from h in x's dtype.
+    """
     first = F.linear(x, gate_weight if gate_weight is not None else up_weight)
     if threshold is not None:
         first = first - (threshold.to(first.dtype) if isinstance(threshold, torch.Tensor) else threshold)
     h = torch.relu(first)
     if gate_weight is not None:
         h = h * F.linear(x, up_weight)
-    return F.linear(h, down_weight)
+    y = F.linear(h, down_weight)
+    if not return_l1:
+        return y
+    sum_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+    return y, h.abs().sum(-1, dtype=sum_dtype).mean()
 
 
 def twell_mlp(
