@@ -24,9 +24,21 @@ import sparseffn.kernels
 
 H200 = GPUTarget("cuda", 90, 32)
 
+# kernels that must be among the compiled ones (a module that stops exposing them fails the run)
+REQUIRED = {
+    "twell_train._twell_train_forward_kernel",
+    "twell_train._twell_train_backward_kernel",
+    "unit_grads._unit_histogram_kernel",
+    "unit_grads._unit_scatter_kernel",
+    "unit_grads._unit_weight_grads_kernel",
+    "dense_rows_mlp_backward._dense_rows_mlp_backward_dx_kernel",
+    "dense_rows_mlp_backward._dense_rows_mlp_backward_dw_kernel",
+}
+
 
 def main() -> int:
     compiled = 0
+    names = set()
     for info in pkgutil.iter_modules(sparseffn.kernels.__path__):
         module = importlib.import_module(f"sparseffn.kernels.{info.name}")
         specs = getattr(module, "sm90_compile_specs", None)
@@ -40,8 +52,12 @@ def main() -> int:
             print(f"{info.name}.{fn.__name__} {constexprs}: ok ({kernel.metadata.num_warps} warps, "
                   f"{kernel.metadata.shared} B shared)")
             compiled += 1
+            names.add(f"{info.name}.{fn.__name__}")
     print(f"compiled {compiled} kernel variants for sm_90a")
-    return 0 if compiled else 1
+    missing = REQUIRED - names
+    if missing:
+        print(f"not compiled: {sorted(missing)}")
+    return 0 if compiled and not missing else 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """dense_rows_mlp: the dense MLP on device-flagged rows, against a float64 reference.
 
+The optional row_l1 output (Σ_j |h_j| per flagged row, fp32) is checked the same way: flash rule
+against torch's Σ|h| in the low dtype, and per row `|l1 - ref| <= 1e-5 (ref + Σ_j mag_j) + tiny`
+(fp32 h and sum); unflagged entries keep their bits; y is bit-identical with and without it.
+
 Flagged rows follow the flash-attention rule `max|out - ref| <= 2 max|torch_lowp - ref| + floor`
 and, per element, `|out - ref| <= eps·|ref| + 1e-4·mag` (mag = Σ |terms|): y is rounded once (the
 interpreter truncates: one ulp), and 1e-4 covers fp32 accumulation plus the hi + lo split of h
@@ -261,6 +265,107 @@ def test_empty_shapes_and_no_units():
 
 
 # ----------------------------------------------------------------------------------------------------
+# row L1 (the training forward's penalty term)
+
+
+def _l1_reference(x, gate, up, theta):
+    """(float64 Σ_j |h_j|, Σ_j of the |h_j| bound, torch's Σ|h| in the low dtype), all [M]."""
+    first = gate if gate is not None else up
+    x64 = x.double()
+    g = x64 @ first.double().t()
+    mag = x64.abs() @ first.double().abs().t()
+    glow = F.linear(x, first)
+    if theta is not None:
+        g, mag, glow = g - theta.double(), mag + theta.double().abs(), glow - theta.to(x.dtype)
+    h, hlow = torch.relu(g), torch.relu(glow)
+    if gate is not None:
+        h = h * (x64 @ up.double().t())
+        mag = mag * (x64.abs() @ up.double().abs().t())
+        hlow = hlow * F.linear(x, up)
+    return h.abs().sum(1), mag.sum(1), hlow.abs().sum(1).double()
+
+
+def _assert_l1_close(l1, ref, mag, lowp, rows):
+    l1, ref, mag, lowp = l1[rows].double(), ref[rows], mag[rows], lowp[rows]
+    assert torch.isfinite(l1).all(), "non-finite row_l1 in a flagged row"
+    tiny = torch.finfo(torch.float32).tiny
+    err = (l1 - ref).abs()
+    bound = 2 * (lowp - ref).abs().max().item() + 2**-23 * ref.abs().max().item() + tiny
+    assert err.max().item() <= bound, f"flash rule: max err {err.max().item():.3g} > {bound:.3g}"
+    worst = (err - (1e-5 * (ref + mag) + tiny)).max().item()
+    assert worst <= 0, f"row_l1 error exceeds 1e-5 (ref + |terms|) by {worst:.3g}"
+
+
+def _l1_cases():
+    """(M, D, H, dtype, gated, threshold, flags, config, strided row_l1), every value of each met."""
+    cases = []
+    for i, (dtype, gated, threshold, flag_kind) in enumerate(itertools.product(
+            DTYPES, (True, False), (False, True), ("none", "some", "all"))):
+        m, d, h = ((40, 72, 160), (7, 64, 100), (1, 72, 100))[i % 3]
+        if m == 1 and flag_kind == "some":
+            flag_kind = "all"
+        cases.append((m, d, h, dtype, gated, threshold, flag_kind, SMALL if i % 4 == 1 else None, i % 2 == 1))
+    return cases
+
+
+@pytest.mark.parametrize("case", _l1_cases(), ids=lambda c: "M{}-D{}-H{}-{}-{}-{}-{}-{}-{}".format(
+    c[0], c[1], c[2], str(c[3])[6:], "gated" if c[4] else "nongated", "theta" if c[5] else "nothr", c[6],
+    "small" if c[7] else "default", "strided" if c[8] else "contiguous"))
+def test_row_l1_matches_float64_reference(case):
+    """Flagged rows get Σ|h| (only one D-slice tile writes it: SMALL has 3 slices at D = 72),
+    unflagged entries keep their bits (random fp32 bits, NaNs included), and y is unchanged."""
+    m, d, h, dtype, gated, threshold, flag_kind, config, strided = case
+    gen = torch.Generator().manual_seed(m * 100 + d + h)
+    x = torch.randn(m, d, generator=gen).to(dtype)
+    gate, up, down_t = _weights(d, h, dtype, gated, gen, interleaved=False)
+    theta = (torch.randn(h, generator=gen) * 0.3) if threshold else None
+    flags = _flags(m, flag_kind)
+    out = _sentinel(m, d, dtype, gen)
+    l1_init = torch.randint(-(2**31), 2**31, (m * (2 if strided else 1),), generator=gen, dtype=torch.int32)
+    l1_init = l1_init.view(torch.float32)[::2 if strided else 1]
+    out_dev, l1_dev = _copy(out), _copy(l1_init)
+    dense_rows_mlp(*(_copy(t) for t in (x, flags, gate, up, down_t, theta)), out_dev, row_l1=l1_dev, config=config)
+    y, l1 = out_dev.cpu(), l1_dev.cpu()
+    assert torch.equal(y.view(torch.int16), _run(x, flags, gate, up, down_t, theta, out, config).view(torch.int16))
+    assert torch.equal(l1[~flags].view(torch.int32), l1_init[~flags].view(torch.int32)), "unflagged row_l1 written"
+    if flags.any():
+        _assert_l1_close(l1, *_l1_reference(x, gate, up, theta), flags)
+
+
+def test_row_l1_checker_is_not_vacuous():
+    m, d, h, dtype = 7, 64, 100, torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, d, generator=gen).to(dtype)
+    gate, up, _ = _weights(d, h, dtype, True, gen, interleaved=False)
+    ref, mag, lowp = _l1_reference(x, gate, up, None)
+    rows = torch.ones(m, dtype=torch.bool)
+    _assert_l1_close(ref.float(), ref, mag, lowp, rows)
+    for wrong in (ref * (1 + 2e-2), torch.zeros_like(ref), ref - 0.5 * ref.min()):
+        with pytest.raises(AssertionError):
+            _assert_l1_close(wrong.float(), ref, mag, lowp, rows)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_row_l1_no_units_and_no_columns(gated):
+    """H = 0: Σ over no units is 0. D = 0 (no MLP tile runs): g = 0, so h = relu(-θ) non-gated
+    and relu(-θ) * 0 = 0 gated, summed over the units. Unflagged entries keep their value."""
+    dtype = torch.bfloat16
+    flags = torch.tensor([True, False, True])
+    wh = torch.zeros(0, 64, dtype=dtype)
+    l1 = _copy(torch.full((3,), 7.0))
+    dense_rows_mlp(*(_copy(t) for t in (torch.randn(3, 64).to(dtype), flags)), _copy(wh) if gated else None,
+                   _copy(wh), _copy(wh), None, _copy(torch.zeros(3, 64, dtype=dtype)), row_l1=l1)
+    assert l1.cpu().tolist() == [0.0, 7.0, 0.0]
+    w0 = torch.zeros(4, 0, dtype=dtype)
+    theta = torch.tensor([-1.5, 2.0, -0.25, 0.0])
+    l1 = _copy(torch.full((3,), 7.0))
+    dense_rows_mlp(*(_copy(t) for t in (torch.empty(3, 0, dtype=dtype), flags)), _copy(w0) if gated else None,
+                   _copy(w0), _copy(w0), _copy(theta), _copy(torch.empty(3, 0, dtype=dtype)), row_l1=l1)
+    expect = 0.0 if gated else 1.75
+    assert l1.cpu().tolist() == [expect, 7.0, expect]
+
+
+# ----------------------------------------------------------------------------------------------------
 # no host synchronisation (GPU only)
 
 
@@ -374,6 +479,9 @@ def _valid_args(m=3, d=64, h=32, dtype=torch.bfloat16):
     (dict(out=torch.zeros(64, 3, dtype=torch.bfloat16).t()), ValueError, "out must have unit stride"),
     (dict(config=dict(block_r=16)), TypeError, "config"),
     ("in_place", ValueError, "out must not share memory with x"),
+    (dict(row_l1=torch.zeros(3, dtype=torch.float64)), TypeError, "row_l1 must be torch.float32"),
+    (dict(row_l1=torch.zeros(4)), ValueError, "row_l1 must have shape"),
+    (dict(row_l1=[0.0, 0.0, 0.0]), TypeError, "row_l1 must be None or a torch.Tensor"),
 ])
 def test_input_errors(change, error, match):
     args = {k: v.to(DEVICE) for k, v in _valid_args().items() if v is not None}
@@ -383,7 +491,8 @@ def test_input_errors(change, error, match):
     config = args.pop("config", None)
     with pytest.raises(error, match=match):
         dense_rows_mlp(args["x"], args["row_flags"], args["gate_weight"], args["up_weight"],
-                       args["down_weight_t"], args.get("threshold"), args["out"], config=config)
+                       args["down_weight_t"], args.get("threshold"), args["out"], row_l1=args.get("row_l1"),
+                       config=config)
 
 
 def test_config_validation_and_default():
@@ -405,17 +514,20 @@ def test_config_validation_and_default():
 
 def test_sm90_compile_specs_cover_launcher_variants():
     """The sm_90a compile list (tests/kernels/sm90_compile.py) has the scan and the MLP kernel for
-    both dtypes, gated and not, threshold on and off, aligned and generic loads."""
+    both dtypes, gated and not, threshold on and off, aligned and generic loads, and the row_l1
+    variants (aligned) of the training forward."""
     seen = set()
     for fn, signature, constexprs in sm90_compile_specs():
         assert set(constexprs) <= {k for k, v in signature.items() if v == "constexpr"}
         if fn is _compact_rows_kernel:
             seen.add("scan")
         else:
-            seen.add((signature["x_ptr"], constexprs["GATED"], constexprs["HAS_THRESHOLD"], constexprs["ALIGNED"]))
+            seen.add((signature["x_ptr"], constexprs["GATED"], constexprs["HAS_THRESHOLD"], constexprs["ALIGNED"],
+                      constexprs["WRITE_L1"]))
     assert "scan" in seen
     for ty, gated, thr, aligned in itertools.product(("*bf16", "*fp16"), (True, False), (True, False), (True, False)):
-        assert (ty, gated, thr, aligned) in seen
+        assert (ty, gated, thr, aligned, False) in seen
+        assert not aligned or (ty, gated, thr, aligned, True) in seen
     assert all(len(spec) == 4 for spec in sm90_compile_specs(with_options=True))
 
 

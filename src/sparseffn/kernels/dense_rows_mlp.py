@@ -6,9 +6,14 @@ Math. For x [M, D] and row flags f [M] (on the device), every flagged row m gets
     non-gated:  g = x[m] up^T   (fp32)                          h = relu(g - θ)          (fp32)
     out[m] = h down^T = Σ_j h_j · down_weight_t[j]      fp32 accumulation, rounded to x's dtype once
 
-θ [H] fp32 or None (0). relu keeps NaN (as torch does). Rows with f[m] == 0 are not touched: their
-bytes in `out` stay exactly what the caller wrote. This is the overflow path of the TwELL MLP
-(ops/twell_mlp.py): the caller passes f = (counts > slots).any(1), computed on the device.
+θ [H] fp32 or None (0). relu keeps NaN (as torch does). Optionally (`row_l1`, the training
+forward's L1 penalty) every flagged row also gets
+
+    row_l1[m] = Σ_j |h_j|          fp32, over all H units (the per-token term of the layer's L1)
+
+Rows with f[m] == 0 are not touched: their bytes in `out` (and `row_l1`) stay exactly what the
+caller wrote. This is the overflow path of the TwELL MLP (ops/twell_mlp.py, and of the training
+MLP, ops/train_mlp.py): the caller passes f = (counts > slots).any(1), computed on the device.
 
 No host synchronisation. The number R of flagged rows is data-dependent and never leaves the
 device, so the whole call can be captured in a CUDA graph:
@@ -33,12 +38,18 @@ slice (wgmma needs 64 rows per warpgroup) and the handful of tokens is the N dim
         h^T = relu(g^T - θ) * u^T                                     [BLOCK_H, BLOCK_R] fp32
         y^T += down_weight_t[chunk, slice]^T @ h^T                    [BLOCK_DY, BLOCK_R] fp32
     out[rows, slice] = y (rounded once)
+    row_l1[rows] = Σ over chunks of Σ_units |h^T|       (WRITE_L1; slice 0 only, see below)
 Recompute factor: each of the n_d slice tiles of a row block recomputes the whole g, u of its
 rows (the down GEMM is not repeated), so the gate/up GEMMs cost n_d times their dense flops: at
 D = 2048 with BLOCK_DY = 512, n_d = 4, and a gated backup row costs (2·4 + 2) / 3 ≈ 3.3x its dense
 flops (non-gated (4 + 2) / 2 = 3x; the 2 is the split down GEMM below), the extra gate/up weight
 reads coming mostly from L2. Acceptable because overflow rows are rare; keeping y for the whole of
 D in registers ([16, 2048] fp32 = 128 KB per tile) is what the split avoids. Not measured yet.
+
+Row L1: every slice tile of a row block recomputes the same h, so each could produce Σ|h|; only
+slice 0 stores it (the others mask the store), so each row_l1 element has one writer: no atomics,
+deterministic (chunk sums added in unit order). WRITE_L1 is a constexpr: without row_l1 the kernel
+is the same as before (no extra reduction).
 
 Loads: when the launcher proves alignment (`ALIGNED`: D % 8 == 0, 16-byte aligned bases and row
 strides) the kernel states it with `tl.multiple_of` / `tl.max_constancy`, so weight and x tiles move
@@ -62,11 +73,14 @@ Layouts:
                            are taken as they are, no copies.
     threshold      [H]     fp32 or None
     out            [M, D]  x's dtype, unit stride along D, any row stride
+    row_l1         [M]     fp32, any stride, or None
     ids [M] int32 and count [1] int32 are allocated per call (stream-ordered, graph-capturable).
 
 Constraints: any M >= 0, D >= 0, H >= 0 (H = 0 writes zeros to flagged rows); M < 2**31. Offsets
-that can pass 2**31 (row * stride, unit * stride) are int64. Compiled variants depend on dtype,
-gated, threshold and the config (a function of D only), never on M.
+that can pass 2**31 (row * stride, unit * stride) are int64. D = 0 with row_l1 launches no MLP
+tile: row_l1 of flagged rows is then set by torch ops on the device (h = relu(-θ) non-gated, 0
+gated; no sync). Compiled variants depend on dtype, gated, threshold, row_l1 on/off and the
+config (a function of D only), never on M.
 
 Interpreter (TRITON_INTERPRET=1, CPU tensors): dot operands are cast to fp32 (DOT_IN_FP32), since
 its low-precision `tl.dot` is wrong; the hi/lo split of h still runs (on the interpreter's
@@ -124,12 +138,14 @@ def _mma(a, b, acc, DOT_IN_FP32: tl.constexpr):
 @triton.jit
 def _mlp_tile(
     pid_r, pid_d, count,
-    x_ptr, ids_ptr, first_ptr, up_ptr, down_ptr, threshold_ptr, out_ptr,
-    D, H, stride_xm, stride_fh, stride_uh, stride_dh, stride_om,
-    GATED: tl.constexpr, HAS_THRESHOLD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DY: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    x_ptr, ids_ptr, first_ptr, up_ptr, down_ptr, threshold_ptr, out_ptr, row_l1_ptr,
+    D, H, stride_xm, stride_fh, stride_uh, stride_dh, stride_om, stride_l1,
+    GATED: tl.constexpr, HAS_THRESHOLD: tl.constexpr, WRITE_L1: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DY: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
-    """out[rows, slice] for the compacted entries [pid_r * BLOCK_R, +BLOCK_R) and y slice pid_d."""
+    """out[rows, slice] for the compacted entries [pid_r * BLOCK_R, +BLOCK_R) and y slice pid_d
+    (and row_l1[rows] when WRITE_L1 and pid_d == 0)."""
     low = down_ptr.dtype.element_ty
     SCALE_H: tl.constexpr = low == tl.float16  # fp16 needs per-token scaling of h (docstring)
 
@@ -147,6 +163,8 @@ def _mlp_tile(
         d_ok = tl.max_constancy(d_ok, 8)
 
     acc = tl.zeros((BLOCK_DY, BLOCK_R), dtype=tl.float32)  # [BLOCK_DY, BLOCK_R] fp32 y^T
+    if WRITE_L1:
+        l1 = tl.zeros((BLOCK_R,), dtype=tl.float32)  # [BLOCK_R] fp32 Σ|h| per token
     for h0 in range(0, H, BLOCK_H):
         units = h0 + offs_h  # [BLOCK_H]
         h_ok = units < H
@@ -187,6 +205,8 @@ def _mlp_tile(
         h = tl.where(g <= 0.0, 0.0, g)  # [BLOCK_H, BLOCK_R] fp32
         if GATED:
             h = h * u
+        if WRITE_L1:
+            l1 += tl.sum(tl.abs(h), axis=0)  # padded units have h = 0 (zero weights, θ = 0)
 
         # ---- y^T += down[chunk, slice]^T @ h^T, h as hi + lo in x's dtype -------------------------
         down_t = tl.trans(down)  # [BLOCK_DY, BLOCK_H]
@@ -214,6 +234,9 @@ def _mlp_tile(
         out_rows = tl.multiple_of(out_rows, 16)
     tl.store(out_rows[None, :] + offs_d[:, None], acc.to(out_ptr.dtype.element_ty),
              mask=d_ok[:, None] & row_ok[None, :])
+    if WRITE_L1:
+        # every slice tile computed the same sums; slice 0 is their one writer
+        tl.store(row_l1_ptr + rows * stride_l1, l1, mask=row_ok & (pid_d == 0))
 
 
 @triton.jit
@@ -226,6 +249,7 @@ def _dense_rows_mlp_kernel(
     down_ptr,  # [H, D] down_weight^T
     threshold_ptr,  # [H] fp32, None when not HAS_THRESHOLD
     out_ptr,  # [M, D], unit stride along D
+    row_l1_ptr,  # [M] fp32, None when not WRITE_L1
     D,
     H,
     stride_xm,  # row strides (all tensors have unit stride along D)
@@ -233,8 +257,10 @@ def _dense_rows_mlp_kernel(
     stride_uh,
     stride_dh,
     stride_om,
+    stride_l1,  # row_l1's stride (elements)
     GATED: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,
+    WRITE_L1: tl.constexpr,  # also row_l1[m] = Σ_j |h_j| (slice-0 tiles store it)
     ALIGNED: tl.constexpr,  # D % 8 == 0, 16-byte aligned bases and row strides: 16-byte vectors
     BLOCK_R: tl.constexpr,  # tokens per tile (the MMA N dimension, >= 8 on the GPU)
     BLOCK_H: tl.constexpr,  # units per chunk (MMA M of g^T, K of the down GEMM)
@@ -252,9 +278,9 @@ def _dense_rows_mlp_kernel(
         # the n_d slices of a row block are consecutive tiles: run side by side, they share the
         # gate/up weight reads through L2
         _mlp_tile(tile // n_d, tile % n_d, count,
-                  x_ptr, ids_ptr, first_ptr, up_ptr, down_ptr, threshold_ptr, out_ptr,
-                  D, H, stride_xm, stride_fh, stride_uh, stride_dh, stride_om,
-                  GATED, HAS_THRESHOLD, ALIGNED, BLOCK_R, BLOCK_H, BLOCK_K, BLOCK_DY, DOT_IN_FP32)
+                  x_ptr, ids_ptr, first_ptr, up_ptr, down_ptr, threshold_ptr, out_ptr, row_l1_ptr,
+                  D, H, stride_xm, stride_fh, stride_uh, stride_dh, stride_om, stride_l1,
+                  GATED, HAS_THRESHOLD, WRITE_L1, ALIGNED, BLOCK_R, BLOCK_H, BLOCK_K, BLOCK_DY, DOT_IN_FP32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -334,7 +360,7 @@ def _check_weight(t: object, name: str, h: int | None, x: torch.Tensor) -> torch
     return t
 
 
-def _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold, out, config):
+def _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold, out, row_l1, config):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -380,6 +406,15 @@ def _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold
         raise ValueError(f"out must have unit stride along D, got strides {list(out.stride())}")
     if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         raise ValueError("out must not share memory with x (other programs still read x while out is written)")
+    if row_l1 is not None:
+        if not isinstance(row_l1, torch.Tensor):
+            raise TypeError(f"row_l1 must be None or a torch.Tensor, got {type(row_l1).__name__}")
+        if row_l1.dtype != torch.float32:
+            raise TypeError(f"row_l1 must be torch.float32, got {row_l1.dtype}")
+        if tuple(row_l1.shape) != (m,):
+            raise ValueError(f"row_l1 must have shape [M] = [{m}], got {list(row_l1.shape)}")
+        if row_l1.device != x.device:
+            raise ValueError(f"row_l1 must be on x's device {x.device}, got {row_l1.device}")
     if config is not None and not isinstance(config, DenseRowsConfig):
         raise TypeError(f"config must be None or a DenseRowsConfig, got {type(config).__name__}")
 
@@ -393,6 +428,7 @@ def dense_rows_mlp(
     threshold: torch.Tensor | None,
     out: torch.Tensor,
     *,
+    row_l1: torch.Tensor | None = None,
     config: DenseRowsConfig | None = None,
 ) -> torch.Tensor:
     """out[m] = MLP(x[m]) for every row with row_flags[m] != 0, with no host synchronisation.
@@ -401,15 +437,24 @@ def dense_rows_mlp(
     (non-gated: h = relu(x up^T - θ)); up_weight [H, D]; down_weight_t [H, D] (down_proj.weight^T;
     weights need unit stride along D, any row stride, e.g. `up_down[:, 0]`, `up_down[:, 1]`);
     threshold fp32 [H] or None; out [M, D] in x's dtype, written in the flagged rows only.
+    row_l1: None, or fp32 [M] (any stride) that gets Σ_j |h_j| (fp32) in the flagged rows only.
     g, u, h and y are fp32, y is rounded once. `config` overrides `default_config(D)`. Returns out.
     """
-    _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold, out, config)
+    _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold, out, row_l1, config)
     m, d = x.shape
     h = up_weight.shape[0]
     cuda = x.is_cuda
     if config is None:
         config = default_config(d, cuda=cuda)
-    if m == 0 or d == 0:
+    if m == 0:
+        return out
+    if d == 0:
+        if row_l1 is not None:  # no MLP tile runs; h = relu(0 - θ) * 0 (gated) or relu(-θ)
+            if gate_weight is None and threshold is not None:
+                l1 = torch.relu(-threshold).sum()
+            else:
+                l1 = torch.zeros((), dtype=torch.float32, device=x.device)
+            row_l1.copy_(torch.where(row_flags != 0, l1, row_l1))
         return out
     if row_flags.dtype == torch.bool:
         row_flags = row_flags.view(torch.uint8)  # same bytes; Triton loads them as integers
@@ -447,11 +492,13 @@ def dense_rows_mlp(
         programs = _INTERPRETER_PROGRAMS
     grid = (min(worst, programs * config.programs_per_sm),)
     _dense_rows_mlp_kernel[grid](
-        x, ids, count, first, up_weight if gated else None, down_weight_t, threshold, out,
+        x, ids, count, first, up_weight if gated else None, down_weight_t, threshold, out, row_l1,
         d, h,
         x.stride(0), first.stride(0), up_weight.stride(0), down_weight_t.stride(0), out.stride(0),
+        row_l1.stride(0) if row_l1 is not None else 0,
         GATED=gated,
         HAS_THRESHOLD=threshold is not None,
+        WRITE_L1=row_l1 is not None,
         ALIGNED=aligned,
         BLOCK_R=config.block_r,
         BLOCK_H=config.block_h,
@@ -484,7 +531,8 @@ def sm90_compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs) for what the launcher runs on a Hopper GPU: the
     compaction scan, and the MLP kernel for bf16/fp16 x gated/non-gated x threshold on/off at the
     default configs of D = 2048 (aligned: 16-byte vectors; BLOCK_DY 512, 8 warps), D = 72
-    (aligned, BLOCK_DY 128, 4 warps) and D = 100 (unaligned, generic loads; BLOCK_DY 128, 8 warps).
+    (aligned, BLOCK_DY 128, 4 warps) and D = 100 (unaligned, generic loads; BLOCK_DY 128, 8 warps),
+    without row_l1, plus the row_l1 variants (the training forward) at D = 2048.
 
     with_options=True appends each variant's compile options (num_warps, num_stages) as a 4th
     element; sm90_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
@@ -503,7 +551,9 @@ def sm90_compile_specs(with_options: bool = False):
             {"BLOCK": _COMPACT_BLOCK}, {"num_warps": _COMPACT_WARPS})
 
     # (D, ALIGNED): the paper's D and a small one with 16-byte vectors, an odd D on the generic path
-    for d, aligned in ((2048, True), (72, True), (100, False)):
+    variants = [(d, aligned, False) for d, aligned in ((2048, True), (72, True), (100, False))]
+    variants.append((2048, True, True))
+    for d, aligned, write_l1 in variants:
         cfg = default_config(d, cuda=True)
         for dtype, ty in _TRITON_DTYPE.items():
             for gated in (True, False):
@@ -512,11 +562,12 @@ def sm90_compile_specs(with_options: bool = False):
                         "x_ptr": f"*{ty}", "ids_ptr": "*i32", "count_ptr": "*i32", "first_ptr": f"*{ty}",
                         "up_ptr": f"*{ty}" if gated else "constexpr", "down_ptr": f"*{ty}",
                         "threshold_ptr": "*fp32" if has_threshold else "constexpr", "out_ptr": f"*{ty}",
+                        "row_l1_ptr": "*fp32" if write_l1 else "constexpr",
                         "D": "i32", "H": "i32", "stride_xm": "i32", "stride_fh": "i32", "stride_uh": "i32",
-                        "stride_dh": "i32", "stride_om": "i32",
+                        "stride_dh": "i32", "stride_om": "i32", "stride_l1": "i32",
                     }
                     constexprs = {
-                        "GATED": gated, "HAS_THRESHOLD": has_threshold, "ALIGNED": aligned,
+                        "GATED": gated, "HAS_THRESHOLD": has_threshold, "WRITE_L1": write_l1, "ALIGNED": aligned,
                         "BLOCK_R": cfg.block_r, "BLOCK_H": cfg.block_h, "BLOCK_K": cfg.block_k,
                         "BLOCK_DY": cfg.block_dy, "DOT_IN_FP32": False,
                     }
@@ -524,6 +575,8 @@ def sm90_compile_specs(with_options: bool = False):
                         constexprs["up_ptr"] = None
                     if not has_threshold:
                         constexprs["threshold_ptr"] = None
+                    if not write_l1:
+                        constexprs["row_l1_ptr"] = None
                     add(_dense_rows_mlp_kernel, signature, constexprs,
                         {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     return specs

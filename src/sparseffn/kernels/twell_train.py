@@ -1,0 +1,697 @@
+"""Token-major kernels of the sparse MLP training path on a TwELL-packed first activation.
+
+Math, per ordinary (non-overflow) row m of x [M, D], over the valid slots (t, k) of that row
+(`k < counts[m, t]`, unit j = t * tile + columns[m, t, k], p_j = values[m, t, k] > 0):
+
+  forward
+    gated:      u_j = x[m] · up_weight[j]     h_j = p_j · u_j
+    non-gated:                                h_j = p_j        (p came from the up weight)
+                y[m] = Σ_j h_j · down_weight_t[j]              row_l1[m] = Σ_j |h_j|
+  backward (l1_grad[0] = upstream grad of the layer's L1 scalar / M, read on the device)
+                dh_j = dy[m] · down_weight_t[j] + l1_grad[0] · sign(h_j)
+    gated:      du_j = dh_j · p_j     dg_j = dh_j · u_j
+                dx[m] = Σ_j du_j · up_weight[j] + dg_j · gate_weight[j]
+    non-gated:  df_j = dh_j (stored in dg)       dx[m] = Σ_j df_j · up_weight[j]
+  (p_j > 0 on the support, so the ReLU masks are 1.)
+
+Products, u, h, dh, du, dg and the accumulations of y and dx are fp32; y and dx are rounded to the
+activation dtype once, at the store. Per-slot results (u in the forward; du, dg in the backward)
+are stored fp32 at the slot's own position (m, t, k) of a [M, n_tiles, slots] tensor, so later
+kernels read them by slot (the unit-major weight-gradient kernels of unit_grads.py included).
+Overflow rows (some `counts[m, t] > slots`, docs/format.md rule 3) are skipped: none of their
+output rows or slots is written (the dense-rows kernels own them). Unspecified slots are never read.
+
+Layouts:
+    x, dy          [M, D]                 bf16 / fp16, unit stride along D (any row stride)
+    values         [M, n_tiles, slots]    x's dtype, contiguous            (TwELL, docs/format.md)
+    columns        [M, n_tiles, slots]    int16, tile-local, contiguous
+    counts         [M, n_tiles]           int32, true counts, contiguous
+    gate_weight    [H, D]                 gate_proj.weight (gated backward only)
+    up_weight      [H, D]                 up_proj.weight (gated; non-gated: the first weight, read
+                                          by the backward only)
+    down_weight_t  [H, D]                 down_proj.weight^T: row j = down_proj.weight[:, j]
+                   weights: x's dtype, unit stride along D, any row stride
+    out, dx_out    [M, D]                 x's dtype, unit stride along D (any row stride)
+    u_out / u_slots, du_out, dg_out
+                   [M, n_tiles, slots]    fp32, contiguous; only valid slots of ordinary rows
+    row_l1_out     [M]                    fp32
+    l1_grad        [1]                    fp32, on the device (never read on the host)
+
+Why a new kernel rather than flags on `twell_up_down` (same design, different inputs). The
+inference kernel reads one interleaved [H, 2, D] copy of (up, down) built once per module. In
+training the weights change every optimizer step, so that copy would cost a read and a write of
+both matrices per layer and step (~90 MB at the 2B shape) and double their memory; these kernels
+read the two (three in the backward) [H, D] matrices through separate pointers instead - the same
+bytes per active unit, as 2 (3) rows of D issued together instead of one row of 2 D. They also
+need each unit's slot position (to store u, du, dg), which the inference register list does not
+carry. The inference variants measured within 5% of its default on the H200 (lookahead, register
+prefetch, persistent grid) are not carried over; the inference kernel, its tuned variants and its
+tests stay untouched. What is reused (the part that made it fast, DESIGN.md §3):
+  1. a program owns BLOCK_M consecutive tokens and one BLOCK_D slice of y / dx; per token it scans
+     the counts (BLOCK_T tiles at a time) and skips overflow rows;
+  2. batch slot gather: BLOCK_N valid slots at once, lane i finding its (tile, slot) from the
+     counts alone (`t = #{tiles with cumsum(counts) <= i}`, a [BLOCK_N, BLOCK_T] compare, no memory
+     traffic), then all BLOCK_N columns and values load together into a register list of
+     (unit << 32 | bits of fp32 p) plus the row-local slot index t * slots + k. Lanes past nnz
+     repeat the last valid slot with p = 0 and are masked out of every store and sum, so weight
+     loads need no per-unit mask; only the ~nnz valid slots are visited;
+  3. per chunk of BLOCK_U units (one tl.gather from each list), every weight row of the chunk is
+     issued at once ([BLOCK_U, BLOCK_D] tiles, 16-byte vectors when ALIGNED), the row dot products
+     reduce over D in registers, and the chunk's contribution is summed into the fp32 row.
+     L2 hints: weight rows evict_last (every token using the unit re-reads them), streamed token
+     data evict_first.
+When BLOCK_D >= D (the default up to D = 8192) x[m] / dy[m] and y[m] / dx[m] stay in registers
+for the whole row and each weight row is read once per (token, active unit): 2 rows in the gated
+forward, 1 non-gated; 3 in the gated backward, 2 non-gated. For larger D the grid splits D and
+each D-slice program re-reads whole rows to form u (forward) or dh (backward) over all of D; only
+the programs of the first D-slice store the per-slot results and row_l1.
+
+Constraints: M >= 0, any D >= 1, any H, 1 <= slots <= tile <= 32768, n_tiles = cdiv(H, tile).
+Offsets that can pass 2**31 (token rows, flat slot indices, weight rows) are int64. M is not
+specialized on: the compiled variants depend on (dtype, D, n_tiles, slots, config) only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseffn.kernels.twell_up_down import _load_counts
+
+__all__ = [
+    "TwellTrainConfig",
+    "default_backward_config",
+    "default_forward_config",
+    "sm90_compile_specs",
+    "twell_train_backward",
+    "twell_train_forward",
+]
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_TL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_MAX_BLOCK_D = 8192
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _row_scan(counts_row, cnt0, n_tiles, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """(largest count, number of valid slots if ordinary) of a row whose first counts segment
+    [BLOCK_T] is cnt0; further segments are loaded when n_tiles > BLOCK_T."""
+    worst = tl.max(cnt0, 0)
+    nnz = tl.sum(cnt0, 0)
+    for t0 in range(BLOCK_T, n_tiles, BLOCK_T):
+        seg = _load_counts(counts_row, t0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
+        worst = tl.maximum(worst, tl.max(seg, 0))
+        nnz += tl.sum(seg, 0)
+    return worst, nnz
+
+
+@triton.jit
+def _slot_batch(columns_ptr, values_ptr, counts_row, cnt0, row_slot0, b, nnz, n_tiles, tile, slots,
+                BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """Register lists of the valid slots b .. b + BLOCK_N - 1 of an ordinary row (nnz >= 1 valid
+    slots, first counts segment cnt0, flat slot base row_slot0 = m * n_tiles * slots):
+    (row-local slot t * slots + k [BLOCK_N] int32, pairs [BLOCK_N] int64 = unit << 32 | bits of
+    fp32 p). Lanes past nnz repeat the last valid slot with p = 0.
+
+    Compact index i -> (tile t, slot k) from the counts alone: t = #{tiles whose inclusive end
+    <= i}, k = i - (valid slots before t); every count of an ordinary row is <= slots."""
+    ic = tl.minimum(b + tl.arange(0, BLOCK_N), nnz - 1)  # [BLOCK_N] compact valid-slot indices
+    before = tl.cumsum(cnt0, 0)[None, :] <= ic[:, None]  # [BLOCK_N, BLOCK_T] tiles ending <= ic
+    t = tl.sum(before.to(tl.int32), 1)  # [BLOCK_N] int32
+    k = ic - tl.sum(tl.where(before, cnt0[None, :], 0), 1)  # [BLOCK_N] int32
+    base = tl.sum(cnt0, 0)
+    for t0 in range(BLOCK_T, n_tiles, BLOCK_T):  # further counts segments (n_tiles > BLOCK_T)
+        cnt = _load_counts(counts_row, t0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
+        before = (base + tl.cumsum(cnt, 0))[None, :] <= ic[:, None]  # [BLOCK_N, BLOCK_T]
+        t += tl.sum(before.to(tl.int32), 1)
+        k -= tl.sum(tl.where(before, cnt[None, :], 0), 1)
+        base += tl.sum(cnt, 0)
+    local = t * slots + k  # [BLOCK_N] int32 row-local slot (< n_tiles * slots)
+    stream: tl.constexpr = "evict_first" if EVICT else ""
+    col = tl.load(columns_ptr + row_slot0 + local, eviction_policy=stream)  # [BLOCK_N] int16
+    val = tl.load(values_ptr + row_slot0 + local, eviction_policy=stream)  # [BLOCK_N] x dtype
+    p = tl.where(b + tl.arange(0, BLOCK_N) < nnz, val.to(tl.float32), 0.0)  # [BLOCK_N] fp32
+    unit = t * tile + col.to(tl.int32)  # [BLOCK_N] global unit j < H
+    pairs = (unit.to(tl.int64) << 32) | (p.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    return local, pairs
+
+
+@triton.jit
+def _chunk(pairs, local, idx, BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(unit [BLOCK_U] int32, p [BLOCK_U] fp32, row-local slot [BLOCK_U] int32) at indices idx of
+    the batch lists (tl.gather: registers / shared memory, no global memory access)."""
+    if BLOCK_N == BLOCK_U:
+        got = pairs
+        loc = local
+    else:
+        got = tl.gather(pairs, idx, 0)
+        loc = tl.gather(local, idx, 0)
+    unit = (got >> 32).to(tl.int32)
+    p = (got & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    return unit, p, loc
+
+
+@triton.jit
+def _unit_rows(w_ptr, unit, stride_wh, offs_d, mask_d,
+               ALIGNED: tl.constexpr, EVEN_D: tl.constexpr, EVICT: tl.constexpr):
+    """[BLOCK_U, BLOCK_D] rows `unit` of an [H, D] weight at columns offs_d (every unit is a real
+    row: dead lanes repeat a live unit)."""
+    row = w_ptr + unit.to(tl.int64) * stride_wh  # [BLOCK_U] row starts
+    if ALIGNED:
+        row = tl.multiple_of(row, 16)
+    ptrs = row[:, None] + offs_d[None, :]  # [BLOCK_U, BLOCK_D]
+    policy: tl.constexpr = "evict_last" if EVICT else ""
+    if EVEN_D:
+        w = tl.load(ptrs, eviction_policy=policy)
+    else:
+        w = tl.load(ptrs, mask=mask_d[None, :], other=0.0, eviction_policy=policy)
+    return w
+
+
+@triton.jit
+def _unit_dots(w_ptr, unit, stride_wh, v_row, D,
+               ALIGNED: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
+    """[BLOCK_U] fp32 dot products w[unit] · v over all of D (D split over programs: every
+    program forms the whole dot from all D blocks)."""
+    row = w_ptr + unit.to(tl.int64) * stride_wh  # [BLOCK_U] row starts
+    if ALIGNED:
+        row = tl.multiple_of(row, 16)
+    acc = tl.zeros(unit.shape, dtype=tl.float32)  # [BLOCK_U] fp32
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        mask = offs < D
+        if ALIGNED:
+            mask = tl.max_constancy(mask, 8)
+        v = tl.load(v_row + offs, mask=mask, other=0.0)  # [BLOCK_D]
+        w = tl.load(row[:, None] + offs[None, :], mask=mask[None, :], other=0.0,
+                    eviction_policy="evict_last" if EVICT else "")  # [BLOCK_U, BLOCK_D]
+        acc += tl.sum(w.to(tl.float32) * v.to(tl.float32)[None, :], 1)
+    return acc
+
+
+@triton.jit
+def _load_token_row(row_ptr, offs_d, mask_d, EVEN_D: tl.constexpr, EVICT: tl.constexpr):
+    """[BLOCK_D] fp32 slice of a token row (x or dy)."""
+    stream: tl.constexpr = "evict_first" if EVICT else ""
+    if EVEN_D:
+        v = tl.load(row_ptr + offs_d, eviction_policy=stream)
+    else:
+        v = tl.load(row_ptr + offs_d, mask=mask_d, other=0.0, eviction_policy=stream)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _store_token_row(row_ptr, acc, offs_d, mask_d, EVEN_D: tl.constexpr, EVICT: tl.constexpr):
+    stream: tl.constexpr = "evict_first" if EVICT else ""
+    if EVEN_D:
+        tl.store(row_ptr + offs_d, acc.to(row_ptr.dtype.element_ty), eviction_policy=stream)
+    else:
+        tl.store(row_ptr + offs_d, acc.to(row_ptr.dtype.element_ty), mask=mask_d,
+                 eviction_policy=stream)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _twell_train_forward_kernel(
+    x_ptr, values_ptr, columns_ptr, counts_ptr, up_ptr, down_ptr, out_ptr, u_ptr, l1_ptr,
+    M, D, n_tiles, tile, slots,
+    stride_xm, stride_uh, stride_dh, stride_om,
+    GATED: tl.constexpr,          # h = p * (x · up) (True) or h = p (False: up_ptr, u_ptr unused)
+    ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides
+    ONE_D_BLOCK: tl.constexpr,    # BLOCK_D >= D: x[m] is loaded once per token, u needs no loop
+    EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D
+    BLOCK_M: tl.constexpr,        # tokens per program (consecutive)
+    BLOCK_U: tl.constexpr,        # active units per chunk (weight rows loaded together)
+    BLOCK_N: tl.constexpr,        # compact slots per batch (columns/values gathered together)
+    BLOCK_D: tl.constexpr,        # y columns per program (power of two)
+    BLOCK_T: tl.constexpr,        # tiles per counts segment (power of two)
+    EVICT: tl.constexpr,          # L2 hints: weights evict_last, streamed data evict_first
+):
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of y
+    mask_d = offs_d < D
+    if ALIGNED:
+        mask_d = tl.max_constancy(mask_d, 8)
+    lanes = tl.arange(0, BLOCK_U)
+    first_slice = pid_d == 0  # stores u and row_l1 (every D-slice computes them)
+    m_first = pid_m * BLOCK_M
+    for r in range(0, tl.minimum(M - m_first, BLOCK_M)):
+        m64 = (m_first + r).to(tl.int64)
+        counts_row = counts_ptr + m64 * n_tiles
+        cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
+        worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
+        if worst <= slots:  # overflow rows belong to the dense-rows path
+            x_row = x_ptr + m64 * stride_xm
+            if ALIGNED:
+                x_row = tl.multiple_of(x_row, 16)
+            if GATED and ONE_D_BLOCK:
+                xv = _load_token_row(x_row, offs_d, mask_d, EVEN_D, EVICT)  # [BLOCK_D] fp32
+            row_slot0 = m64 * n_tiles * slots
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32 slice of y[m]
+            l1 = tl.zeros([BLOCK_U], dtype=tl.float32)  # [BLOCK_U] fp32 partial Σ|h|
+            for b in range(0, nnz, BLOCK_N):
+                local, pairs = _slot_batch(columns_ptr, values_ptr, counts_row, cnt0, row_slot0, b,
+                                           nnz, n_tiles, tile, slots, BLOCK_N, BLOCK_T, EVICT)
+                for c0 in range(0, tl.minimum(nnz - b, BLOCK_N), BLOCK_U):
+                    idx = c0 + lanes
+                    live = b + idx < nnz  # [BLOCK_U] lanes holding a slot of their own
+                    unit, p, loc = _chunk(pairs, local, idx, BLOCK_U, BLOCK_N)
+                    # [BLOCK_U, BLOCK_D] down rows, issued first (they do not depend on u)
+                    down = _unit_rows(down_ptr, unit, stride_dh, offs_d, mask_d, ALIGNED, EVEN_D,
+                                      EVICT)
+                    if GATED:
+                        if ONE_D_BLOCK:
+                            up = _unit_rows(up_ptr, unit, stride_uh, offs_d, mask_d, ALIGNED,
+                                            EVEN_D, EVICT)  # [BLOCK_U, BLOCK_D]
+                            u = tl.sum(up.to(tl.float32) * xv[None, :], 1)  # [BLOCK_U] fp32
+                        else:
+                            u = _unit_dots(up_ptr, unit, stride_uh, x_row, D, ALIGNED, BLOCK_D,
+                                           EVICT)
+                        tl.store(u_ptr + row_slot0 + loc, u, mask=live & first_slice)
+                        h = tl.where(live, p * u, 0.0)  # [BLOCK_U] fp32
+                    else:
+                        h = p  # dead lanes have p = 0
+                    acc += tl.sum(h[:, None] * down.to(tl.float32), 0)
+                    l1 += tl.abs(h)
+            _store_token_row(out_ptr + m64 * stride_om, acc, offs_d, mask_d, EVEN_D, EVICT)
+            tl.store(l1_ptr + m64, tl.sum(l1, 0), mask=first_slice)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _twell_train_backward_kernel(
+    dy_ptr, values_ptr, columns_ptr, counts_ptr, u_ptr, gate_ptr, up_ptr, down_ptr, l1_grad_ptr,
+    dx_ptr, du_ptr, dg_ptr,
+    M, D, n_tiles, tile, slots,
+    stride_dym, stride_gh, stride_uh, stride_dh, stride_dxm,
+    GATED: tl.constexpr,          # True: du, dg from u (gate_ptr, u_ptr, du_ptr used); False: dg = dh
+    ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides
+    ONE_D_BLOCK: tl.constexpr,    # BLOCK_D >= D: dy[m] is loaded once per token, dh needs no loop
+    EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D
+    BLOCK_M: tl.constexpr,        # tokens per program (consecutive)
+    BLOCK_U: tl.constexpr,        # active units per chunk (weight rows loaded together)
+    BLOCK_N: tl.constexpr,        # compact slots per batch
+    BLOCK_D: tl.constexpr,        # dx columns per program (power of two)
+    BLOCK_T: tl.constexpr,        # tiles per counts segment (power of two)
+    EVICT: tl.constexpr,          # L2 hints: weights evict_last, streamed data evict_first
+):
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of dx
+    mask_d = offs_d < D
+    if ALIGNED:
+        mask_d = tl.max_constancy(mask_d, 8)
+    lanes = tl.arange(0, BLOCK_U)
+    first_slice = pid_d == 0  # stores du / dg (every D-slice computes them)
+    l1_grad = tl.load(l1_grad_ptr)  # fp32 scalar: d(loss)/d(row L1) for every row
+    m_first = pid_m * BLOCK_M
+    for r in range(0, tl.minimum(M - m_first, BLOCK_M)):
+        m64 = (m_first + r).to(tl.int64)
+        counts_row = counts_ptr + m64 * n_tiles
+        cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
+        worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
+        if worst <= slots:  # overflow rows belong to the dense-rows path
+            dy_row = dy_ptr + m64 * stride_dym
+            if ALIGNED:
+                dy_row = tl.multiple_of(dy_row, 16)
+            if ONE_D_BLOCK:
+                dyv = _load_token_row(dy_row, offs_d, mask_d, EVEN_D, EVICT)  # [BLOCK_D] fp32
+            row_slot0 = m64 * n_tiles * slots
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32 slice of dx[m]
+            for b in range(0, nnz, BLOCK_N):
+                local, pairs = _slot_batch(columns_ptr, values_ptr, counts_row, cnt0, row_slot0, b,
+                                           nnz, n_tiles, tile, slots, BLOCK_N, BLOCK_T, EVICT)
+                for c0 in range(0, tl.minimum(nnz - b, BLOCK_N), BLOCK_U):
+                    idx = c0 + lanes
+                    live = b + idx < nnz  # [BLOCK_U] lanes holding a slot of their own
+                    unit, p, loc = _chunk(pairs, local, idx, BLOCK_U, BLOCK_N)
+                    if GATED:
+                        u = tl.load(u_ptr + row_slot0 + loc, mask=live, other=0.0)  # [BLOCK_U] fp32
+                    # [BLOCK_U, BLOCK_D] rows of this slice; the down rows only when they give dh
+                    if ONE_D_BLOCK:
+                        down = _unit_rows(down_ptr, unit, stride_dh, offs_d, mask_d, ALIGNED,
+                                          EVEN_D, EVICT)
+                    up = _unit_rows(up_ptr, unit, stride_uh, offs_d, mask_d, ALIGNED, EVEN_D, EVICT)
+                    if GATED:
+                        gate = _unit_rows(gate_ptr, unit, stride_gh, offs_d, mask_d, ALIGNED,
+                                          EVEN_D, EVICT)
+                    if ONE_D_BLOCK:
+                        dh = tl.sum(down.to(tl.float32) * dyv[None, :], 1)  # [BLOCK_U] fp32
+                    else:
+                        dh = _unit_dots(down_ptr, unit, stride_dh, dy_row, D, ALIGNED, BLOCK_D,
+                                        EVICT)
+                    if GATED:
+                        h = p * u
+                    else:
+                        h = p
+                    sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))  # torch.sign
+                    dh = dh + l1_grad * sign
+                    if GATED:
+                        du = tl.where(live, dh * p, 0.0)  # [BLOCK_U] fp32
+                        dg = tl.where(live, dh * u, 0.0)  # [BLOCK_U] fp32
+                        acc += tl.sum(du[:, None] * up.to(tl.float32)
+                                      + dg[:, None] * gate.to(tl.float32), 0)
+                        tl.store(du_ptr + row_slot0 + loc, du, mask=live & first_slice)
+                    else:
+                        dg = tl.where(live, dh, 0.0)  # [BLOCK_U] fp32 d(first projection)
+                        acc += tl.sum(dg[:, None] * up.to(tl.float32), 0)
+                    tl.store(dg_ptr + row_slot0 + loc, dg, mask=live & first_slice)
+            _store_token_row(dx_ptr + m64 * stride_dxm, acc, offs_d, mask_d, EVEN_D, EVICT)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch configuration
+
+
+@dataclass(frozen=True)
+class TwellTrainConfig:
+    """Launch parameters of the two token-major training kernels. Sizes are powers of two."""
+
+    block_m: int = 2        # tokens per program (consecutive)
+    block_u: int = 4        # active units per chunk: 2-3 weight rows each, loaded together
+    block_d: int = 2048     # output columns per program; >= D keeps token rows in registers
+    block_n: int = 64       # compact slots per batch, columns/values gathered at once (>= block_u)
+    max_block_t: int = 256  # tiles per counts segment at most
+    num_warps: int = 4
+    evict: bool = True      # L2 hints: weights evict_last, streamed token data evict_first
+    max_regs: int | None = None  # register cap per thread (ptxas .maxnreg)
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TwellTrainConfig.{name} must be a positive int, got {value!r}")
+            if name != "block_m" and value & (value - 1):
+                raise ValueError(f"TwellTrainConfig.{name} must be a power of two, got {value}")
+        if not isinstance(self.evict, bool):
+            raise TypeError(f"TwellTrainConfig.evict must be a bool, got {self.evict!r}")
+        if self.max_regs is not None and (not isinstance(self.max_regs, int)
+                                          or isinstance(self.max_regs, bool)
+                                          or not 24 <= self.max_regs <= 255):
+            raise ValueError(f"TwellTrainConfig.max_regs must be None or an int in [24, 255], got "
+                             f"{self.max_regs!r}")
+        if self.block_n < self.block_u:
+            raise ValueError(f"TwellTrainConfig.block_n must be >= block_u = {self.block_u}, "
+                             f"got {self.block_n}")
+
+
+def _base_config(d: int, max_block_u: int) -> TwellTrainConfig:
+    """The whole row of D in one program up to D = 8192, 8 contiguous elements per thread along D,
+    up to 4 warps, ~8K elements per weight tile of a chunk (at most max_block_u units), batches of
+    64 slots, 2 tokens per program: twell_up_down.default_config's structure, which measured best
+    there."""
+    block_d = min(triton.next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
+    num_warps = max(1, min(4, block_d // 512))
+    block_u = max(1, min(max_block_u, 8192 // block_d))
+    return TwellTrainConfig(block_m=2, block_u=block_u, block_d=block_d, block_n=max(64, block_u),
+                            num_warps=num_warps)
+
+
+def default_forward_config(d: int) -> TwellTrainConfig:
+    """Heuristic forward config for hidden size d (2 weight rows per unit when gated): block_u 4
+    at D = 2048, up to 8 for small D. Not timed on a GPU yet; ptxas (sm_90a, bf16, D = 2048):
+    128 registers gated, 71 non-gated, no spills."""
+    return _base_config(d, 8)
+
+
+def default_backward_config(d: int) -> TwellTrainConfig:
+    """Heuristic backward config for hidden size d (3 weight rows per unit when gated, so 12 rows
+    in flight per chunk at D = 2048): block_u 4 at most. Not timed on a GPU yet; ptxas (sm_90a,
+    bf16, D = 2048): 168 registers gated (3 programs per SM), 128 non-gated."""
+    return _base_config(d, 4)
+
+
+def _constexprs(config: TwellTrainConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
+                aligned: bool) -> dict[str, object]:
+    """The kernels' meta-parameters for a launch; they depend on D, n_tiles and slots, never on
+    M (so the number of compiled variants stays put when only M changes)."""
+    return dict(
+        GATED=gated,
+        ALIGNED=aligned,
+        ONE_D_BLOCK=config.block_d >= d,
+        EVEN_D=d % config.block_d == 0,
+        BLOCK_M=config.block_m,
+        BLOCK_U=config.block_u,
+        # no batch needs more lanes than a row can have valid slots
+        BLOCK_N=max(config.block_u, min(config.block_n, triton.next_power_of_2(n_tiles * slots))),
+        BLOCK_D=config.block_d,
+        BLOCK_T=min(triton.next_power_of_2(n_tiles), config.max_block_t),
+        EVICT=config.evict,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _check(t: object, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+           device: torch.device, *, contiguous: bool = False, unit_stride: bool = False) -> torch.Tensor:
+    """Raise TypeError / ValueError naming `name` unless t is a tensor of that shape, dtype and
+    device (and contiguous / of unit stride along its last dimension when asked)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if unit_stride and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dimension, got strides "
+                         f"{list(t.stride())}")
+    return t
+
+
+def _check_packed(values, columns, counts, m: int, dtype: torch.dtype, device: torch.device,
+                  tile: object) -> tuple[int, int, int]:
+    """(tile, n_tiles, slots) of the TwELL fields after checking them against M rows of dtype."""
+    if not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 32768:
+        raise ValueError(f"tile must be an int in [1, 32768], got {tile!r}")
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() != 3:
+        raise ValueError(f"values must have shape [M, n_tiles, slots], got {list(values.shape)}")
+    n_tiles, slots = values.shape[1], values.shape[2]
+    if not 1 <= slots <= tile:
+        raise ValueError(f"values must have 1 <= slots <= tile = {tile}, got slots = {slots}")
+    _check(values, "values", (m, n_tiles, slots), dtype, device, contiguous=True)
+    _check(columns, "columns", (m, n_tiles, slots), torch.int16, device, contiguous=True)
+    _check(counts, "counts", (m, n_tiles), torch.int32, device, contiguous=True)
+    return tile, n_tiles, slots
+
+
+def _check_weight(w: object, name: str, n_tiles: int, tile: int, d: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, int]:
+    """(w, H) for an [H, D] weight whose H has cdiv(H, tile) = n_tiles."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 2 or w.shape[1] != d:
+        raise ValueError(f"{name} must have shape [H, D] with D = {d}, got {list(w.shape)}")
+    h = w.shape[0]
+    if triton.cdiv(h, tile) != n_tiles:
+        raise ValueError(f"{name} has H = {h} rows, but values has n_tiles = {n_tiles} tiles of "
+                         f"{tile}: expected cdiv(H, tile) == n_tiles")
+    _check(w, name, (h, d), dtype, device, unit_stride=True)
+    return w, h
+
+
+def _check_config(config: object, default: TwellTrainConfig) -> TwellTrainConfig:
+    if config is None:
+        return default
+    if not isinstance(config, TwellTrainConfig):
+        raise TypeError(f"config must be a TwellTrainConfig or None, got {type(config).__name__}")
+    return config
+
+
+def _check_gated(gated: object) -> bool:
+    if not isinstance(gated, bool):
+        raise TypeError(f"gated must be a bool, got {gated!r}")
+    return gated
+
+
+def _aligned(d: int, block_d: int, rows: list[torch.Tensor]) -> bool:
+    """What the kernels' multiple_of / max_constancy hints claim: D % 8 == 0 and 16-byte aligned
+    bases and row strides of every [*, D] operand."""
+    return (d % 8 == 0 and block_d >= 8
+            and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+                    for t in rows))
+
+
+def twell_train_forward(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    columns: torch.Tensor,
+    counts: torch.Tensor,
+    up_weight: torch.Tensor | None,
+    down_weight_t: torch.Tensor,
+    *,
+    tile: int,
+    gated: bool,
+    out: torch.Tensor,
+    u_out: torch.Tensor | None,
+    row_l1_out: torch.Tensor,
+    config: TwellTrainConfig | None = None,
+) -> None:
+    """Training forward of the ordinary rows of a TwELL-packed p: writes y into `out` [M, D],
+    u (gated) into the valid slots of `u_out` [M, n_tiles, slots] fp32 and Σ_j |h_j| into
+    `row_l1_out` [M] fp32. Rows with some count > slots are not written in any output.
+    Non-gated: `up_weight` and `u_out` are unused and may be None. `config` overrides
+    `default_forward_config(D)`. No host synchronisation."""
+    gated = _check_gated(gated)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
+    m, d = x.shape
+    tile, n_tiles, slots = _check_packed(values, columns, counts, m, x.dtype, x.device, tile)
+    down_weight_t, h = _check_weight(down_weight_t, "down_weight_t", n_tiles, tile, d, x.dtype,
+                                     x.device)
+    if gated:
+        up_weight, _ = _check_weight(up_weight, "up_weight", n_tiles, tile, d, x.dtype, x.device)
+        if tuple(up_weight.shape) != (h, d):
+            raise ValueError(f"up_weight must have down_weight_t's shape {[h, d]}, got "
+                             f"{list(up_weight.shape)}")
+        _check(u_out, "u_out", (m, n_tiles, slots), torch.float32, x.device, contiguous=True)
+    _check(out, "out", (m, d), x.dtype, x.device, unit_stride=True)
+    _check(row_l1_out, "row_l1_out", (m,), torch.float32, x.device, contiguous=True)
+    config = _check_config(config, default_forward_config(d))
+    if m == 0:
+        return
+    if d > 1 and x.stride(1) != 1:
+        x = x.contiguous()  # the kernel reads 16-byte vectors along D
+    rows = [x, down_weight_t, out] + ([up_weight] if gated else [])
+    aligned = _aligned(d, config.block_d, rows)
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(d, config.block_d))
+    _twell_train_forward_kernel[grid](
+        x, values, columns, counts, up_weight if gated else down_weight_t, down_weight_t, out,
+        u_out if gated else row_l1_out, row_l1_out,
+        m, d, n_tiles, tile, slots,
+        x.stride(0), up_weight.stride(0) if gated else 0, down_weight_t.stride(0), out.stride(0),
+        **_constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned),
+        num_warps=config.num_warps,
+        maxnreg=config.max_regs,
+    )
+
+
+def twell_train_backward(
+    dy: torch.Tensor,
+    values: torch.Tensor,
+    columns: torch.Tensor,
+    counts: torch.Tensor,
+    u_slots: torch.Tensor | None,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight_t: torch.Tensor,
+    l1_grad: torch.Tensor,
+    *,
+    tile: int,
+    gated: bool,
+    dx_out: torch.Tensor,
+    du_out: torch.Tensor | None,
+    dg_out: torch.Tensor,
+    config: TwellTrainConfig | None = None,
+) -> None:
+    """Token-major backward of the ordinary rows of a TwELL-packed p: writes dx into `dx_out`
+    [M, D] (dy's dtype) and, at the valid slots of [M, n_tiles, slots] fp32 tensors, du into
+    `du_out` and dg into `dg_out` (gated), or d(first projection) into `dg_out` (non-gated;
+    `u_slots`, `gate_weight`, `du_out` must then be None). `u_slots` is the forward's `u_out`;
+    `up_weight` is the first weight when non-gated. `l1_grad` is a 1-element fp32 tensor on the
+    device. Rows with some count > slots are not written. `config` overrides
+    `default_backward_config(D)`. No host synchronisation. The layer input x is not needed: u comes
+    from `u_slots`, and dx needs only dy and the weights."""
+    gated = _check_gated(gated)
+    if not isinstance(dy, torch.Tensor):
+        raise TypeError(f"dy must be a torch.Tensor, got {type(dy).__name__}")
+    if dy.dim() != 2:
+        raise ValueError(f"dy must have shape [M, D], got {list(dy.shape)}")
+    if dy.dtype not in _DTYPES:
+        raise TypeError(f"dy must be bf16 or fp16, got {dy.dtype}")
+    m, d = dy.shape
+    dev = dy.device
+    tile, n_tiles, slots = _check_packed(values, columns, counts, m, dy.dtype, dev, tile)
+    down_weight_t, h = _check_weight(down_weight_t, "down_weight_t", n_tiles, tile, d, dy.dtype, dev)
+    _check(up_weight, "up_weight", (h, d), dy.dtype, dev, unit_stride=True)
+    if gated:
+        _check(gate_weight, "gate_weight", (h, d), dy.dtype, dev, unit_stride=True)
+        _check(u_slots, "u_slots", (m, n_tiles, slots), torch.float32, dev, contiguous=True)
+        _check(du_out, "du_out", (m, n_tiles, slots), torch.float32, dev, contiguous=True)
+    else:
+        for name, t in (("gate_weight", gate_weight), ("u_slots", u_slots), ("du_out", du_out)):
+            if t is not None:
+                raise ValueError(f"{name} must be None when gated=False, got a "
+                                 f"{type(t).__name__}")
+    _check(dg_out, "dg_out", (m, n_tiles, slots), torch.float32, dev, contiguous=True)
+    _check(l1_grad, "l1_grad", (1,), torch.float32, dev)
+    _check(dx_out, "dx_out", (m, d), dy.dtype, dev, unit_stride=True)
+    config = _check_config(config, default_backward_config(d))
+    if m == 0:
+        return
+    if d > 1 and dy.stride(1) != 1:
+        dy = dy.contiguous()  # the kernel reads 16-byte vectors along D
+    rows = [dy, up_weight, down_weight_t, dx_out] + ([gate_weight] if gated else [])
+    aligned = _aligned(d, config.block_d, rows)
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(d, config.block_d))
+    _twell_train_backward_kernel[grid](
+        dy, values, columns, counts, u_slots if gated else dg_out,
+        gate_weight if gated else up_weight, up_weight, down_weight_t, l1_grad,
+        dx_out, du_out if gated else dg_out, dg_out,
+        m, d, n_tiles, tile, slots,
+        dy.stride(0), gate_weight.stride(0) if gated else 0, up_weight.stride(0),
+        down_weight_t.stride(0), dx_out.stride(0),
+        **_constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned),
+        num_warps=config.num_warps,
+        maxnreg=config.max_regs,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# sm_90a compile coverage (tests/kernels/sm90_compile.py)
+
+
+def sm90_compile_specs(with_options: bool = False):
+    """(jit_function, signature, constexprs[, options]) for both kernels, bf16 and fp16, gated and
+    non-gated, at the default configs of D = 2048 (the paper's shape: H = 5632, tile 256, slots
+    32, aligned), D = 100 (unaligned, masked along D) and D = 16384 (D split over programs)."""
+    specs = []
+    shapes = [(2048, 22, 32, True), (100, 8, 16, False), (16384, 64, 32, True)]
+    for (d, n_tiles, slots, aligned), ty, gated in itertools.product(
+            shapes, _TL_DTYPES.values(), (True, False)):
+        for kernel, config in ((_twell_train_forward_kernel, default_forward_config(d)),
+                               (_twell_train_backward_kernel, default_backward_config(d))):
+            constexprs = _constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned)
+            if kernel is _twell_train_forward_kernel:
+                signature = {
+                    "x_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16",
+                    "counts_ptr": "*i32", "up_ptr": f"*{ty}", "down_ptr": f"*{ty}",
+                    "out_ptr": f"*{ty}", "u_ptr": "*fp32", "l1_ptr": "*fp32",
+                    "M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32",
+                    "stride_xm": "i32", "stride_uh": "i32", "stride_dh": "i32", "stride_om": "i32",
+                }
+            else:
+                signature = {
+                    "dy_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16",
+                    "counts_ptr": "*i32", "u_ptr": "*fp32", "gate_ptr": f"*{ty}",
+                    "up_ptr": f"*{ty}", "down_ptr": f"*{ty}", "l1_grad_ptr": "*fp32",
+                    "dx_ptr": f"*{ty}", "du_ptr": "*fp32", "dg_ptr": "*fp32",
+                    "M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32",
+                    "stride_dym": "i32", "stride_gh": "i32", "stride_uh": "i32", "stride_dh": "i32",
+                    "stride_dxm": "i32",
+                }
+            signature.update({k: "constexpr" for k in constexprs})
+            options = {"num_warps": config.num_warps}
+            if config.max_regs is not None:
+                options["maxnreg"] = config.max_regs
+            spec = (kernel, signature, constexprs)
+            specs.append(spec + (options,) if with_options else spec)
+    return specs

@@ -1,0 +1,432 @@
+"""slots_by_unit / unit_weight_grads against references built from dense tensors, and the whole
+training path (forward, token-major backward, unit-major weight gradients) against autograd.
+
+Packed inputs are adversarial (tests/kernels/test_twell_up_down.py `_activation`, `_pack`): rows
+of every kind including overflow rows, shuffled valid slots, garbage in unspecified slots. Per-slot
+fp32 inputs hold NaN outside the valid ordinary slots and the gradient buffers start as NaN, so a
+slot read that should not happen, or a row left unwritten, shows.
+
+Tolerances: the CSR is compared exactly (entry order too when deterministic); weight gradients
+(fp32 accumulation of fp32 terms) per element at fp32 slack of the magnitude of their terms, and
+by the flash-attention rule against torch's own fp32 computation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseffn.format import TwELL
+from sparseffn.kernels import unit_grads
+from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
+from sparseffn.kernels.unit_grads import (
+    UnitGradsConfig,
+    _unit_histogram_kernel,
+    _unit_scatter_kernel,
+    default_unit_grads_config,
+    sm90_compile_specs,
+    slots_by_unit,
+    unit_weight_grads,
+)
+from sparseffn.ops.reference import mlp_activation_reference
+from tests.kernels.jit import do_not_specialize
+from tests.kernels.test_twell_up_down import _activation, _pack
+
+pytestmark = pytest.mark.filterwarnings(  # triton's interpreter turns 1-element arrays into ints
+    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (M, H, tile, slots): M = 1, odd M, H off the tile multiple, several row blocks of the
+# deterministic counting sort (at least 16 rows each) at M = 40
+CSR_SHAPES = [(1, 100, 64, 16), (5, 320, 64, 4), (33, 100, 32, 4), (40, 320, 128, 16)]
+
+
+def _packed(m, h, tile, slots, dtype, seed, dead=(3, 17)):
+    """(p [M, H], values, columns, counts, overflow) with units `dead` never active."""
+    gen = torch.Generator().manual_seed(seed)
+    p = _activation(m, h, tile, slots, dtype, gen)
+    p[:, [j for j in dead if j < h]] = 0
+    values, columns, counts, overflow = _pack(p, tile, slots, gen)
+    return p, values, columns, counts, overflow
+
+
+def _reference_csr(columns, counts, overflow, tile, h):
+    """(offsets int64 [H + 1], entries int64 [E] ordered by (unit, flat slot index))."""
+    n_tiles, slots = columns.shape[1:]
+    k = torch.arange(slots)
+    mask = (k < counts.clamp(max=slots)[..., None]) & ~overflow[:, None, None]
+    row, t, kk = mask.nonzero(as_tuple=True)
+    unit = t * tile + columns[row, t, kk].long()
+    flat = (row * n_tiles + t) * slots + kk
+    order = torch.sort(unit * (columns.numel() + 1) + flat).indices
+    offsets = torch.zeros(h + 1, dtype=torch.int64)
+    offsets[1:] = torch.bincount(unit, minlength=h).cumsum(0)
+    return offsets, flat[order]
+
+
+def _run_csr(columns, counts, tile, h, slots, deterministic):
+    offsets, entries = slots_by_unit(columns.to(DEVICE), counts.to(DEVICE), tile=tile, h=h,
+                                     slots=slots, deterministic=deterministic)
+    return offsets.cpu(), entries.cpu()
+
+
+def _assert_csr(offsets, entries, ref_offsets, ref_entries, deterministic):
+    assert torch.equal(offsets.long(), ref_offsets)
+    n = int(ref_offsets[-1])
+    got = entries[:n].long()
+    if deterministic:
+        assert torch.equal(got, ref_entries), "entries of a unit not in flat slot order"
+    else:
+        for j in range(len(ref_offsets) - 1):
+            a, b = int(ref_offsets[j]), int(ref_offsets[j + 1])
+            assert torch.equal(got[a:b].sort().values, ref_entries[a:b]), f"unit {j}"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("shape", CSR_SHAPES, ids=lambda s: "M{}-H{}-t{}-s{}".format(*s))
+def test_slots_by_unit_matches_reference(shape, deterministic):
+    m, h, tile, slots = shape
+    _, _, columns, counts, overflow = _packed(m, h, tile, slots, torch.bfloat16, seed=m + h)
+    if m >= 6:
+        assert overflow.any() and not overflow.all()
+    offsets, entries = _run_csr(columns, counts, tile, h, slots, deterministic)
+    assert offsets.dtype == entries.dtype == torch.int32
+    assert offsets.shape == (h + 1,) and entries.shape == (columns.numel(),)
+    _assert_csr(offsets, entries, *_reference_csr(columns, counts, overflow, tile, h),
+                deterministic)
+
+
+def test_slots_by_unit_many_blocks_int64_and_reproducible(monkeypatch):
+    """The deterministic path with many row blocks (2 rows each) and int64 indices (forced: the
+    real switch is M * n_tiles * slots >= 2**31) gives the exact ordered CSR, twice bit for bit;
+    the fast path gives the same CSR up to the order inside units."""
+    monkeypatch.setattr(unit_grads, "_MIN_DET_ROWS", 2)
+    monkeypatch.setattr(unit_grads, "_index_dtype", lambda n: torch.int64)
+    m, h, tile, slots = 23, 100, 32, 8
+    _, _, columns, counts, overflow = _packed(m, h, tile, slots, torch.float16, seed=9)
+    assert unit_grads._det_rows_per_block(m) == 2
+    ref = _reference_csr(columns, counts, overflow, tile, h)
+    first = _run_csr(columns, counts, tile, h, slots, True)
+    second = _run_csr(columns, counts, tile, h, slots, True)
+    assert first[0].dtype == first[1].dtype == torch.int64
+    _assert_csr(*first, *ref, True)
+    n = int(ref[0][-1])
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1][:n], second[1][:n])
+    _assert_csr(*_run_csr(columns, counts, tile, h, slots, False), *ref, False)
+
+
+def test_slots_by_unit_edge_cases():
+    # no rows
+    offsets, entries = slots_by_unit(torch.empty(0, 2, 4, dtype=torch.int16, device=DEVICE),
+                                     torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
+                                     tile=64, h=100, slots=4, deterministic=True)
+    assert offsets.shape == (101,) and (offsets == 0).all().item() and entries.numel() == 0
+    # only empty and overflow rows: no entries at all
+    columns = torch.full((3, 2, 4), -1, dtype=torch.int16)
+    counts = torch.tensor([[0, 0], [5, 0], [0, 0]], dtype=torch.int32)
+    for det in (False, True):
+        offsets, _ = _run_csr(columns, counts, 64, 100, 4, det)
+        assert (offsets == 0).all()
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(columns=torch.zeros(3, 2, 4, dtype=torch.int32)), TypeError, "columns must have dtype"),
+    (dict(columns=torch.zeros(3, 2, 5, dtype=torch.int16)), ValueError, "columns must have shape"),
+    (dict(counts=torch.zeros(3, 3, dtype=torch.int32)), ValueError, "counts must have shape"),
+    (dict(h=200), ValueError, "columns must have shape"),
+    (dict(slots=65), ValueError, "slots"),
+    (dict(tile=0), ValueError, "tile"),
+    (dict(deterministic=None), TypeError, "deterministic"),
+])
+def test_slots_by_unit_input_errors(change, error, match):
+    args = dict(columns=torch.zeros(3, 2, 4, dtype=torch.int16),
+                counts=torch.zeros(3, 2, dtype=torch.int32), tile=64, h=100, slots=4,
+                deterministic=False)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        slots_by_unit(**args)
+
+
+# ----------------------------------------------------------------------------------------------------
+# unit_weight_grads
+
+# D split over programs (D = 100) with several steps per unit and partial steps
+SPLIT = UnitGradsConfig(block_e=4, block_d=64, num_warps=1)
+# (M, D, H, tile, slots, dtype, strided x / dy, config)
+GRAD_SHAPES = [
+    (1, 64, 100, 64, 16, torch.bfloat16, False, None),
+    (33, 100, 100, 32, 4, torch.float16, False, SPLIT),
+    (40, 64, 160, 64, 16, torch.bfloat16, True, None),
+]
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    m, d = t.shape
+    return torch.cat([t.new_zeros(m, 1), t, t.new_zeros(m, 4)], 1)[:, 1:d + 1]
+
+
+def _grad_problem(m, d, h, tile, slots, dtype, gated, seed):
+    """Packed p, token rows and fp32 per-slot inputs (NaN outside the valid ordinary slots), and
+    their dense [M, H] float64 versions (zero outside)."""
+    p, values, columns, counts, overflow = _packed(m, h, tile, slots, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, d, generator=gen).to(dtype)
+    dy = torch.randn(m, d, generator=gen).to(dtype)
+    k = torch.arange(slots)
+    mask = (k < counts.clamp(max=slots)[..., None]) & ~overflow[:, None, None]
+    row, t, kk = mask.nonzero(as_tuple=True)
+    unit = t * tile + columns[row, t, kk].long()
+    per_slot, dense = {}, {}
+    for name in ("u", "du", "dg"):
+        s = torch.full(values.shape, float("nan"))
+        s[mask] = torch.randn(int(mask.sum()), generator=gen)
+        per_slot[name] = s
+        dense[name] = torch.zeros(m, h, dtype=torch.float64)
+        dense[name][row, unit] = s[row, t, kk].double()
+    dense["p"] = torch.zeros(m, h, dtype=torch.float64)
+    dense["p"][row, unit] = values[row, t, kk].double()
+    return dict(x=x, dy=dy, values=values, columns=columns, counts=counts, overflow=overflow,
+                slots=per_slot, dense=dense)
+
+
+def _run_grads(prob, gated, offsets, entries, tile, strided=False, config=None):
+    m, d = prob["x"].shape
+    n_tiles, slots = prob["values"].shape[1:]
+    h = offsets.shape[0] - 1
+    outs = [torch.full((h, d), float("nan"), device=DEVICE) for _ in range(3)]
+    if not gated:
+        outs[0] = None
+    x, dy = (_strided(prob["x"]), _strided(prob["dy"])) if strided else (prob["x"], prob["dy"])
+    s = prob["slots"]
+    unit_weight_grads(
+        x.to(DEVICE), dy.to(DEVICE), prob["values"].to(DEVICE),
+        s["u"].to(DEVICE) if gated else None, s["du"].to(DEVICE) if gated else None,
+        s["dg"].to(DEVICE), offsets.to(DEVICE), entries.to(DEVICE), n_tiles=n_tiles, slots=slots,
+        gated=gated, grad_gate_out=outs[0], grad_up_out=outs[1], grad_down_t_out=outs[2],
+        config=config)
+    return [None if o is None else o.cpu() for o in outs]
+
+
+def _grad_references(prob, gated):
+    """[(name, float64 ref, |terms| bound, torch fp32 result)] for the gradients the kernel writes."""
+    dn = prob["dense"]
+    x64, dy64 = prob["x"].double(), prob["dy"].double()
+    h = dn["p"] * dn["u"] if gated else dn["p"]
+    pairs = [("grad_up", dn["du"] if gated else dn["dg"], x64), ("grad_down_t", h, dy64)]
+    if gated:
+        pairs.insert(0, ("grad_gate", dn["dg"], x64))
+    return [(name, a.t() @ b, a.abs().t() @ b.abs(), (a.float().t() @ b.float()).double())
+            for name, a, b in pairs]
+
+
+def _assert_grads(outs, prob, gated):
+    refs = _grad_references(prob, gated)
+    outs = [o for o in outs if o is not None]
+    assert len(outs) == len(refs)
+    for out, (name, ref, mag, torch32) in zip(outs, refs):
+        out = out.double()
+        assert torch.isfinite(out).all(), f"{name}: non-finite (a row left unwritten?)"
+        err = (out - ref).abs()
+        floor = torch.finfo(torch.float32).eps * ref.abs().max().item() + 1e-30
+        bound = 2 * (torch32 - ref).abs().max().item() + floor
+        assert err.max().item() <= bound, f"{name}: flash rule {err.max().item():.3g} > {bound:.3g}"
+        assert (err <= 1e-5 * mag + 1e-30).all(), f"{name}: beyond fp32 slack"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("shape", GRAD_SHAPES,
+                         ids=lambda s: "M{}-D{}-H{}-t{}-s{}-{}-{}-{}".format(
+                             *s[:5], str(s[5])[6:], "strided" if s[6] else "contig",
+                             "split" if s[7] else "default"))
+def test_unit_weight_grads_match_reference(shape, gated, deterministic):
+    m, d, h, tile, slots, dtype, strided, config = shape
+    prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=m + d + h)
+    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, deterministic)
+    assert (offsets[1:] == offsets[:-1])[3].item(), "unit 3 should have no entries"
+    outs = _run_grads(prob, gated, offsets, entries, tile, strided, config)
+    _assert_grads(outs, prob, gated)
+    for out in outs:
+        if out is not None:
+            assert (out[3] == 0).all(), "a unit without entries must be overwritten with 0"
+
+
+def test_deterministic_weight_grads_are_bitwise_reproducible():
+    """deterministic=True, run twice from the packing on: bitwise equal gradients (and equal to
+    the fast path's within fp32 rounding)."""
+    m, d, h, tile, slots = 40, 64, 100, 32, 8
+    prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, True, seed=21)
+    runs = []
+    for _ in range(2):
+        offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
+        runs.append(_run_grads(prob, True, offsets, entries, tile))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, False)
+    for a, b in zip(runs[0], _run_grads(prob, True, offsets, entries, tile)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_tolerance_rejects_a_missing_entry():
+    m, d, h, tile, slots = 12, 64, 100, 64, 16
+    prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, True, seed=4)
+    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
+    _assert_grads(_run_grads(prob, True, offsets, entries, tile), prob, True)
+    j = int(torch.argmax((offsets[1:] - offsets[:-1]).float()))
+    lost = entries.clone()
+    lost[int(offsets[j])] = lost[int(offsets[j]) + 1]  # one entry of unit j counted twice
+    with pytest.raises(AssertionError):
+        _assert_grads(_run_grads(prob, True, offsets, lost, tile), prob, True)
+
+
+def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
+    return dict(
+        x=torch.randn(m, d).to(dtype), dy=torch.randn(m, d).to(dtype),
+        values=torch.zeros(m, n_tiles, slots, dtype=dtype),
+        u_slots=torch.zeros(m, n_tiles, slots), du_slots=torch.zeros(m, n_tiles, slots),
+        dg_slots=torch.zeros(m, n_tiles, slots),
+        offsets=torch.zeros(h + 1, dtype=torch.int32),
+        entries=torch.zeros(m * n_tiles * slots, dtype=torch.int32),
+        n_tiles=n_tiles, slots=slots, gated=True,
+        grad_gate_out=torch.zeros(h, d), grad_up_out=torch.zeros(h, d),
+        grad_down_t_out=torch.zeros(h, d),
+    )
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(x=torch.randn(3, 64)), TypeError, "x must be bf16 or fp16"),
+    (dict(dy=torch.randn(3, 64).half()), TypeError, "dy must have dtype"),
+    (dict(values=torch.zeros(3, 2, 5, dtype=torch.bfloat16)), ValueError, "values must have shape"),
+    (dict(u_slots=None), TypeError, "u_slots"),
+    (dict(du_slots=torch.zeros(3, 2, 4, dtype=torch.bfloat16)), TypeError, "du_slots"),
+    (dict(gated=False), ValueError, "u_slots must be None"),
+    (dict(offsets=torch.zeros(101, dtype=torch.int64)), TypeError, "offsets must have dtype"),
+    (dict(entries=torch.zeros(23, dtype=torch.int32)), ValueError, "entries must have shape"),
+    (dict(grad_up_out=torch.zeros(100, 64, dtype=torch.bfloat16)), TypeError, "grad_up_out"),
+    (dict(grad_down_t_out=torch.zeros(64, 100).t()), ValueError, "grad_down_t_out must have unit"),
+    (dict(grad_gate_out=torch.zeros(99, 64)), ValueError, "grad_gate_out must have shape"),
+    (dict(slots=0), ValueError, "slots"),
+    (dict(config=UnitGradsConfig(block_e=8).__dict__), TypeError, "config"),
+])
+def test_unit_weight_grads_input_errors(change, error, match):
+    args = dict(_grad_args(), **change)
+    with pytest.raises(error, match=match):
+        unit_weight_grads(**args)
+
+
+def test_config_validation_and_default():
+    with pytest.raises(ValueError, match="block_e"):
+        UnitGradsConfig(block_e=3)
+    with pytest.raises(ValueError, match="num_warps"):
+        UnitGradsConfig(num_warps=0)
+    assert default_unit_grads_config(2048) == UnitGradsConfig(block_e=32, block_d=128, num_warps=4)
+    assert default_unit_grads_config(100).block_e == 8 and default_unit_grads_config(40).block_d == 64
+
+
+def test_m_adds_no_specialization():
+    for kernel in (_unit_histogram_kernel, _unit_scatter_kernel):
+        assert "M" in do_not_specialize(kernel)
+    fn = default_unit_grads_config
+    assert fn.__code__.co_varnames[: fn.__code__.co_argcount] == ("d",)
+
+
+def test_sm90_compile_specs_cover_launcher_variants():
+    specs = sm90_compile_specs(with_options=True)
+    names = {fn.__name__ for fn, *_ in specs}
+    assert names == {"_unit_histogram_kernel", "_unit_scatter_kernel", "_unit_weight_grads_kernel"}
+    assert {c["SERIAL"] for fn, _, c, _ in specs if "SERIAL" in c} == {True, False}
+    grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"])
+             for fn, s, c, _ in specs if fn.__name__ == "_unit_weight_grads_kernel"}
+    assert len(grads) == 16
+    for _, signature, constexprs, _ in specs:
+        assert set(constexprs) == {k for k, v in signature.items() if v == "constexpr"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the whole training path against autograd
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_training_path_matches_autograd(gated):
+    """Forward, token-major backward and unit-major weight gradients on `TwELL.from_dense` of the
+    activation from `mlp_activation_reference`, against float64 autograd of
+    loss = Σ y·dy_seed + λ · mean over the M tokens of Σ_j |h_j|, restricted to ordinary rows
+    (the dense-rows kernels own the others). p is the activation rounded to bf16 as the gate
+    kernel stores it; its gradient flows through the ReLU."""
+    m, d, h, tile, slots, dtype, lam = 24, 64, 192, 64, 12, torch.bfloat16, 3.0
+    gen = torch.Generator().manual_seed(17 + gated)
+    x = torch.randn(m, d, generator=gen)
+    x[::5] *= 3  # heavy tokens: these rows overflow
+    x = x.to(dtype)
+    gate = (torch.randn(h, d, generator=gen) / d**0.5).to(dtype) if gated else None
+    up = (torch.randn(h, d, generator=gen) / d**0.5).to(dtype)
+    down = (torch.randn(d, h, generator=gen) / h**0.5).to(dtype)
+    dy = (torch.randn(m, d, generator=gen) * 0.1).to(dtype)
+    theta = 1.0 + torch.randn(h, generator=gen).abs()  # ~5% of units active per ordinary token
+    theta[:4] = -1.0  # hot units
+    p32, _ = mlp_activation_reference(x, gate, up, theta)
+    packed = TwELL.from_dense(p32.to(dtype), tile=tile, slots=slots)
+    ordinary = torch.ones(m, dtype=torch.bool)
+    ordinary[packed.overflow_rows] = False
+    assert 0 < int(ordinary.sum()) < m
+    n_tiles = packed.num_tiles
+    down_t = down.t().contiguous()
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+
+    y = torch.zeros(m, d, dtype=dtype, device=DEVICE)
+    u_out = torch.zeros(m, n_tiles, slots, device=DEVICE) if gated else None
+    row_l1 = torch.zeros(m, device=DEVICE)
+    fields = [dev(packed.values), dev(packed.columns), dev(packed.counts)]
+    twell_train_forward(dev(x), *fields, dev(up) if gated else None, dev(down_t), tile=tile,
+                        gated=gated, out=y, u_out=u_out, row_l1_out=row_l1)
+    dx = torch.zeros(m, d, dtype=dtype, device=DEVICE)
+    du = torch.zeros(m, n_tiles, slots, device=DEVICE) if gated else None
+    dg = torch.zeros(m, n_tiles, slots, device=DEVICE)
+    l1_grad = torch.tensor([lam / m], device=DEVICE)
+    twell_train_backward(dev(dy), *fields, u_out, dev(gate), dev(up), dev(down_t), l1_grad,
+                         tile=tile, gated=gated, dx_out=dx, du_out=du, dg_out=dg)
+    offsets, entries = slots_by_unit(fields[1], fields[2], tile=tile, h=h, slots=slots,
+                                     deterministic=True)
+    grads = [torch.zeros(h, d, device=DEVICE) if gated else None,
+             torch.zeros(h, d, device=DEVICE), torch.zeros(h, d, device=DEVICE)]
+    unit_weight_grads(dev(x), dev(dy), fields[0], u_out, du, dg, offsets, entries,
+                      n_tiles=n_tiles, slots=slots, gated=gated, grad_gate_out=grads[0],
+                      grad_up_out=grads[1], grad_down_t_out=grads[2])
+
+    def reference(lam):
+        leaves = [t.double().requires_grad_() for t in (x, gate, up, down) if t is not None]
+        xr, *w = leaves
+        gr, ur, dr = (w if gated else [None, *w])
+        first = xr[ordinary] @ (gr if gated else ur).t() - theta.double()
+        p_lowp = packed.to_dense()[ordinary].double()
+        # value: p as stored (bf16); gradient: the ReLU's, on the stored support
+        p = torch.where(p_lowp > 0, first + (p_lowp - first).detach(), 0.0)
+        hh = p * (xr[ordinary] @ ur.t()) if gated else p
+        yr = hh @ dr.t()
+        loss = (yr * dy[ordinary].double()).sum() + lam * hh.abs().sum() / m
+        loss.backward()
+        got = [leaf.grad for leaf in leaves]
+        l1 = hh.abs().sum(1)
+        return yr.detach(), l1.detach(), got
+
+    y_ref, l1_ref, (dx_ref, *w_ref) = reference(lam)
+    _, _, (dx_nol1, *w_nol1) = reference(0.0)
+    dw_ref = ([w_ref[0], w_ref[1]] if gated else [None, w_ref[0]]) + [w_ref[-1].t()]
+    dw_nol1 = ([w_nol1[0], w_nol1[1]] if gated else [None, w_nol1[0]]) + [w_nol1[-1].t()]
+
+    def rel(a, b):
+        return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+    eps = torch.finfo(dtype).eps  # y and dx: fp32 accumulation, one rounding to bf16
+    assert rel(y.cpu()[ordinary], y_ref) <= eps
+    assert rel(row_l1.cpu()[ordinary], l1_ref) <= 1e-5
+    assert rel(dx.cpu()[ordinary], dx_ref[ordinary]) <= eps
+    assert rel(dx_nol1[ordinary], dx_ref[ordinary]) > 10 * eps, "the L1 term must matter here"
+    for i, (got, ref, nol1) in enumerate(zip(grads, dw_ref, dw_nol1)):
+        if ref is None:
+            assert got is None
+            continue
+        assert rel(got.cpu(), ref) <= 1e-4
+        if i < 2:  # gate and up gradients carry the L1 term (down's does not: dWd = dy^T h)
+            assert rel(nol1, ref) > 1e-2, "the L1 term must matter here"
