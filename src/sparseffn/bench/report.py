@@ -91,6 +91,145 @@ def plot_mlp(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def _times(row: dict | None, key: str) -> str:
+    return f"{float(row[key]):.2f}x" if row else "–"
+
+
+def train_table(rows: list[dict]) -> str:
+    """One line per (shape, density, M) of `bench mlp --train`: step time, speed-up, peak memory, errors."""
+    if not rows:
+        return "(no rows)"
+    first = rows[0]
+    header = (
+        f"{first['gpu']}, {first['dtype']}, torch {first['torch']}, triton {first['triton']}, git {first['git_sha']}. "
+        "One step = forward + backward of the MLP block with the L1 penalty (gradients of x and the three "
+        "weights). Speed-up = dense autograd time / time (median of CUDA-event timings, L2 flushed, same run, "
+        "same inputs); peak = max memory allocated during the step above what was allocated before it. "
+        "Error = max over the four gradients of ‖g − g_fp32‖ / ‖g_fp32‖.\n\n"
+        "| D×H | mean nnz (max) | M | overflow rows | dense ms | compiled | sparse | dense peak MiB "
+        "| sparse peak / dense | sparse grad err | dense grad err |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [header]
+    for (d, h, _, m), prov in _cases(rows).items():
+        row = next(iter(prov.values()))
+        dense, sparse, compiled = prov.get("dense"), prov.get("sparse"), prov.get("dense_compiled")
+        if dense is None:
+            continue
+        lines.append(
+            f"| {d}×{h} | {float(row['mean_nnz']):.1f} ({row['max_nnz']}) | {m} | {row['overflow_rows']} "
+            f"| {float(dense['median_ms']):.3f} | {_times(compiled, 'speedup_vs_dense')} "
+            f"| {_times(sparse, 'speedup_vs_dense')} | {float(dense['peak_mib']):.0f} "
+            f"| {_times(sparse, 'peak_vs_dense')} | {sparse['grad_rel_err'] if sparse else '–'} "
+            f"| {row['dense_grad_rel_err']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_train(rows: list[dict], path: Path) -> Path:
+    """Step speed-up and peak-memory ratio vs tokens, one panel pair per shape, one line per density."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(int(r["d"]), int(r["h"])) for r in rows})
+    fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 7.5), squeeze=False)
+    for col, (d, h) in enumerate(shapes):
+        series: dict[float, list] = defaultdict(list)
+        for r in rows:
+            if (int(r["d"]), int(r["h"])) == (d, h) and r["provider"] == "sparse":
+                series[float(r["target_nnz"])].append(
+                    (int(r["m"]), float(r["speedup_vs_dense"]), float(r["peak_vs_dense"] or "nan")))
+        for nnz, points in sorted(series.items()):
+            points.sort()
+            ms, speed, mem = zip(*points)
+            axes[0][col].plot(ms, speed, "-o", label=f"nnz {nnz:g}")
+            axes[1][col].plot(ms, mem, "-s", label=f"nnz {nnz:g}")
+        for row, label in ((0, "fwd+bwd speed-up vs dense autograd"), (1, "peak memory / dense")):
+            ax = axes[row][col]
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens M")
+            ax.set_ylabel(label)
+            ax.set_title(f"D={d}, H={h}")
+            ax.legend(fontsize=7)
+    gpu = rows[0]["gpu"] if rows else ""
+    fig.suptitle(f"sparseffn MLP training step, {gpu}, git {rows[0]['git_sha'] if rows else ''}")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def e2e_table(rows: list[dict]) -> str:
+    """Headline table of `bench e2e`: throughput, memory and energy, sparse vs dense, per phase and batch."""
+    if not rows:
+        return "(no rows)"
+    first = rows[0]
+    header = (
+        f"{first['gpu']}, model `{first['model']}` (random weights, per-neuron thresholds calibrated to "
+        f"{first['target_nnz']} non-zeros per token per layer, measured {first['mean_nnz']}), {first['dtype']}, "
+        f"sequence {first['seq_len']}, attention {first['attention']}, torch {first['torch']}, "
+        f"transformers {first['transformers']}, git {first['git_sha']}. Forward = prefill "
+        "(`logits_to_keep=1`, no grad); train = forward + backward + AdamW step with the L1 penalty. Dense = the "
+        "same model with its MLPs in `mode=\"dense\"`; median of CUDA-event timings, same run.\n\n"
+        "| phase | tokens | dense tok/ms | sparse tok/ms | speed-up | MLP share of dense | peak mem sparse/dense "
+        "| energy/token sparse/dense | logits rel. err |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [header]
+    by_case: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by_case[(r["phase"], int(r["batch"]))][r["provider"]] = r
+    for (phase, batch), prov in by_case.items():
+        dense, sparse = prov.get("dense"), prov.get("sparse")
+        if not dense or not sparse:
+            continue
+        share = f"{float(dense['mlp_share']):.0%}" if dense["mlp_share"] else "–"
+        energy = f"{float(sparse['energy_vs_dense']):.2f}x" if sparse["energy_vs_dense"] else "n/a"
+        lines.append(
+            f"| {phase} | {batch}×{dense['seq_len']} | {float(dense['tokens_per_ms']):.1f} "
+            f"| {float(sparse['tokens_per_ms']):.1f} | {float(sparse['speedup_vs_dense']):.3f}x | {share} "
+            f"| {_times(sparse, 'peak_vs_dense')} | {energy} | {sparse['logits_rel_err'] or '–'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_e2e(rows: list[dict], path: Path) -> Path:
+    """Throughput and peak-memory bars per phase and batch size, dense vs sparse."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["phase"], int(r["batch"])) for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.38
+    for i, provider in enumerate(("dense", "sparse")):
+        values = {(r["phase"], int(r["batch"])): r for r in rows if r["provider"] == provider}
+        xs = [k + (i - 0.5) * width for k in range(len(cases))]
+        axes[0].bar(xs, [float(values[c]["tokens_per_ms"]) if c in values else 0 for c in cases], width,
+                    label=provider)
+        axes[1].bar(xs, [float(values[c]["peak_mib"]) / 1024 if c in values else 0 for c in cases], width,
+                    label=provider)
+    labels = [f"{phase}\nbatch {batch}" for phase, batch in cases]
+    for ax, title in ((axes[0], "throughput, tokens/ms"), (axes[1], "peak memory, GiB")):
+        ax.set_xticks(range(len(cases)), labels)
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"sparseffn end to end, {rows[0]['model']}, {rows[0]['gpu']}, git {rows[0]['git_sha']}"
+                 if rows else "")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def replace_block(text: str, name: str, body: str) -> str:
     """Replace the text between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` markers."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"

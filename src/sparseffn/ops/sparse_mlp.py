@@ -10,9 +10,13 @@ Two paths compute it:
   rows whose tiles overflow are computed densely.
 - "dense": three torch GEMMs in the input dtype.
 
+Calls that need gradients or the L1 penalty (`return_l1=True`) take the training kernels on the sparse
+path (ops/train_mlp.py: TwELL forward that keeps only the packed activation, backward with the L1
+gradient folded in), registered as `sparseffn::sparse_mlp_train_fwd` / `_bwd` with autograd.
+
 `mode="auto"` (default) picks with `choose_mode`, without looking at the data: sparse needs a CUDA
-tensor in bf16/fp16, no autograd (training kernels come separately), enough tokens for the gate GEMM
-to fill the GPU, and an expected density under the measured break-even when the caller gives one.
+tensor in bf16/fp16, enough tokens for the gate GEMM to fill the GPU, and an expected density under
+the measured break-even when the caller gives one.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sparseffn.kernels.dense_rows_mlp import cuda_supported
 from sparseffn.ops.checks import check_mlp_inputs
+from sparseffn.ops.train_mlp import sparse_mlp_train
 from sparseffn.ops.twell_mlp import KERNEL_DTYPES, SparseMLPWeights, dense_mlp, threshold_vector, twell_mlp
 
 MODES = ("auto", "sparse", "dense")
@@ -61,8 +67,13 @@ def choose_mode(
     expected_nnz: float | None = None,
     needs_grad: bool = False,
     return_l1: bool = False,
+    weights: tuple[torch.Tensor | None, ...] = (),
 ) -> ModeDecision:
-    """Which path `sparse_mlp` takes for these arguments, and why. Raises if `mode="sparse"` cannot run."""
+    """Which path `sparse_mlp` takes for these arguments, and why. Raises if `mode="sparse"` cannot run.
+
+    needs_grad / return_l1 select the training kernels; `weights` (the [H, D] gate/up views the
+    kernels read) lets the check include their alignment on CUDA.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
@@ -72,10 +83,10 @@ def choose_mode(
         blockers.append(why)
     if x.dtype not in KERNEL_DTYPES:
         blockers.append(f"x is {x.dtype}: the kernels take bf16 or fp16")
-    if needs_grad:
-        blockers.append("gradients are required: the inference kernels have no backward")
-    if return_l1:
-        blockers.append("return_l1: the inference kernels do not compute the L1 penalty")
+    if (needs_grad or return_l1) and x.is_cuda:
+        aligned = [w for w in (up_weight, *weights) if w is not None]
+        if not cuda_supported(x.shape[-1], *aligned):
+            blockers.append("the training kernels need D % 8 == 0 and 16-byte aligned weight rows on CUDA")
     if mode == "sparse":
         if blockers:
             raise NotImplementedError(f"mode='sparse' cannot run: {'; '.join(blockers)}")
@@ -143,21 +154,27 @@ def sparse_mlp(
     caller's estimate of non-zeros per token, used by auto mode. tile/slots: TwELL capacity.
     """
     check_mlp_inputs(x, gate_weight, up_weight, down_weight, threshold)
+    if isinstance(threshold, torch.Tensor) and threshold.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("threshold requires grad: sparse_mlp treats the threshold as a constant "
+                                  "(pass threshold.detach())")
     needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, gate_weight, up_weight, down_weight, threshold)
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, gate_weight, up_weight, down_weight)
     )
     if not isinstance(return_l1, bool):
         raise TypeError(f"return_l1 must be a bool, got {type(return_l1).__name__}")
-    decision = choose_mode(
-        x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad, return_l1=return_l1
-    )
+    decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad,
+                           return_l1=return_l1, weights=(gate_weight,))
     if decision.mode == "dense":
         return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
+    x2d = x.reshape(-1, x.shape[-1])
+    if needs_grad or return_l1:
+        theta = threshold_vector(threshold, up_weight.shape[0], x.device)
+        y, l1 = sparse_mlp_train(x2d.contiguous(), gate_weight, up_weight, down_weight, theta, tile=tile, slots=slots)
+        return (y.view(x.shape), l1) if return_l1 else y.view(x.shape)
     if prepared is None:
         prepared = SparseMLPWeights.prepare(gate_weight, up_weight, down_weight)
     elif not prepared.matches(gate_weight, up_weight, down_weight):
         raise ValueError("prepared was built from other weight tensors than gate_weight/up_weight/down_weight")
     theta = threshold_vector(threshold, up_weight.shape[0], x.device)
-    x2d = x.reshape(-1, x.shape[-1])
     y = _twell_mlp_op(x2d, gate_weight, up_weight, down_weight, prepared.up_down, theta, tile, slots)
     return y.view(x.shape)

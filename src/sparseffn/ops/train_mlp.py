@@ -1,0 +1,188 @@
+"""The sparse MLP for training: forward + backward on TwELL with the L1 penalty folded in.
+
+Math (DESIGN.md §1, §3), HF layouts, θ a per-unit constant:
+
+    gated:      g = x Wg^T, p = relu(g - θ), u = x Wu^T, h = p ⊙ u
+    non-gated:  p = relu(x Wu^T - θ), h = p
+    y = h Wd^T,   l1 = (1/M) Σ_m Σ_j |h_mj|
+
+    dh = (dy Wd)|_supp(p) + (∂L/∂l1 / M) sign(h)       (the L1 gradient folded into dh)
+    gated:      du = dh ⊙ p,  dg = dh ⊙ u ⊙ 1[g > θ],  dx = du Wu + dg Wg,  dWu = du^T x,  dWg = dg^T x
+    non-gated:  df = dh ⊙ 1[x Wu^T > θ],  dx = df Wu,  dWu = df^T x
+    dWd = dy^T h
+
+Forward (no host synchronisation):
+    1. kernels/gate_twell.py       the first GEMM packs p into TwELL (values, columns, counts);
+                                   rows with a tile over capacity are flagged (row_flags, on device)
+    2. kernels/twell_train.py      ordinary rows: u on p's support (kept per slot, fp32), y, Σ|h|
+    3. kernels/dense_rows_mlp.py   flagged rows: y and Σ|h| densely, exact
+Saved for backward: the TwELL of p, u per slot, row flags — no dense [M, H] tensor. Backward:
+    4. kernels/twell_train.py      ordinary rows: dh on the support (+ L1 term), du, dg per slot, dx
+    5. kernels/unit_grads.py       the slots grouped by unit (CSR, on device), then per unit
+                                   dWg[j], dWu[j], dWd^T[j] gathered from x and dy rows (fp32)
+    6. kernels/dense_rows_mlp_backward.py   flagged rows: dx, and their weight-gradient terms added
+Weight gradients accumulate in fp32 and are rounded to the weights' dtype once.
+
+Both halves are `torch.library` custom ops (`sparseffn::sparse_mlp_train_fwd` / `_bwd`) with fake
+implementations, and the forward has a registered autograd formula, so torch.compile, activation
+checkpointing (the recompute runs the same op) and DDP/FSDP (weights are ordinary tensors read only
+inside the ops) see ordinary differentiable ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from sparseffn.kernels.dense_rows_mlp import dense_rows_mlp
+from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
+from sparseffn.kernels.gate_twell import gate_twell
+from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
+from sparseffn.kernels.unit_grads import slots_by_unit, unit_weight_grads
+
+
+def _empty_slots(x: torch.Tensor, n_tiles: int, slots: int) -> torch.Tensor:
+    return torch.empty(x.shape[0], n_tiles, slots, dtype=torch.float32, device=x.device)
+
+
+@torch.library.custom_op("sparseffn::sparse_mlp_train_fwd", mutates_args=())
+def sparse_mlp_train_fwd(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    threshold: torch.Tensor | None,
+    tile: int,
+    slots: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [M, D], l1 fp32 [], values, columns, counts, u_slots fp32, row_flags bool [M]) for x [M, D].
+
+    u_slots is [M, n_tiles, slots] when gated, [0] otherwise. threshold: fp32 [H] or None.
+    """
+    m, d = x.shape
+    gated = gate_weight is not None
+    first = gate_weight if gated else up_weight
+    values, columns, counts = gate_twell(x, first, threshold, tile=tile, slots=slots)
+    row_flags = (counts > slots).any(1)
+    down_t = down_weight.t().contiguous()
+    y = torch.empty(m, d, dtype=x.dtype, device=x.device)
+    u_slots = _empty_slots(x, values.shape[1], slots) if gated else x.new_empty(0, dtype=torch.float32)
+    row_l1 = torch.empty(m, dtype=torch.float32, device=x.device)
+    twell_train_forward(x, values, columns, counts, up_weight, down_t, tile=tile, gated=gated, out=y,
+                        u_out=u_slots if gated else None, row_l1_out=row_l1)
+    dense_rows_mlp(x, row_flags, gate_weight, up_weight, down_t, threshold, y, row_l1=row_l1)
+    l1 = row_l1.sum() / m if m else row_l1.sum() * float("nan")
+    return y, l1, values, columns, counts, u_slots, row_flags
+
+
+@sparse_mlp_train_fwd.register_fake
+def _(x, gate_weight, up_weight, down_weight, threshold, tile, slots):
+    m, d = x.shape
+    n_tiles = triton.cdiv(up_weight.shape[0], tile)
+    u_rows = m if gate_weight is not None else 0
+    return (
+        x.new_empty(m, d),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty(m, n_tiles, slots),
+        x.new_empty(m, n_tiles, slots, dtype=torch.int16),
+        x.new_empty(m, n_tiles, dtype=torch.int32),
+        x.new_empty(u_rows, n_tiles, slots, dtype=torch.float32) if u_rows else x.new_empty(0, dtype=torch.float32),
+        x.new_empty(m, dtype=torch.bool),
+    )
+
+
+@torch.library.custom_op("sparseffn::sparse_mlp_train_bwd", mutates_args=())
+def sparse_mlp_train_bwd(
+    dy: torch.Tensor,
+    l1_grad: torch.Tensor,
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    threshold: torch.Tensor | None,
+    values: torch.Tensor,
+    columns: torch.Tensor,
+    counts: torch.Tensor,
+    u_slots: torch.Tensor,
+    row_flags: torch.Tensor,
+    tile: int,
+    slots: int,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d gate_weight (empty [0] when non-gated), d up_weight, d down_weight).
+
+    l1_grad: fp32 [1] on x's device, ∂L/∂l1 / M (already divided by the token count).
+    """
+    m, d = x.shape
+    h = up_weight.shape[0]
+    gated = gate_weight is not None
+    n_tiles = values.shape[1]
+    dy = dy.contiguous()
+    down_t = down_weight.t().contiguous()
+    dx = torch.empty_like(x)
+    du_slots = _empty_slots(x, n_tiles, slots) if gated else None
+    dg_slots = _empty_slots(x, n_tiles, slots)
+    twell_train_backward(dy, values, columns, counts, u_slots if gated else None, gate_weight, up_weight, down_t,
+                         l1_grad, tile=tile, gated=gated, dx_out=dx, du_out=du_slots, dg_out=dg_slots)
+    offsets, entries = slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic)
+    grad_gate = torch.empty(h, d, dtype=torch.float32, device=x.device) if gated else None
+    grad_up = torch.empty(h, d, dtype=torch.float32, device=x.device)
+    grad_down_t = torch.empty(h, d, dtype=torch.float32, device=x.device)
+    unit_weight_grads(x, dy, values, u_slots if gated else None, du_slots, dg_slots, offsets, entries,
+                      n_tiles=n_tiles, slots=slots, gated=gated, grad_gate_out=grad_gate, grad_up_out=grad_up,
+                      grad_down_t_out=grad_down_t)
+    dense_rows_mlp_backward(x, dy, row_flags, gate_weight, up_weight, down_t, threshold, l1_grad, dx_out=dx,
+                            grad_gate_acc=grad_gate, grad_up_acc=grad_up, grad_down_t_acc=grad_down_t)
+    d_gate = grad_gate.to(gate_weight.dtype) if gated else x.new_empty(0)
+    d_down = grad_down_t.t().to(down_weight.dtype, memory_format=torch.contiguous_format)  # one pass: cast + transpose
+    return dx, d_gate, grad_up.to(up_weight.dtype), d_down
+
+
+@sparse_mlp_train_bwd.register_fake
+def _(dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots, row_flags,
+      tile, slots, deterministic):
+    d_gate = torch.empty_like(gate_weight) if gate_weight is not None else x.new_empty(0)
+    return torch.empty_like(x), d_gate, torch.empty_like(up_weight), torch.empty_like(down_weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, gate_weight, up_weight, down_weight, threshold, tile, slots = inputs
+    _, _, values, columns, counts, u_slots, row_flags = output
+    ctx.save_for_backward(x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots,
+                          row_flags)
+    ctx.tile, ctx.slots = tile, slots
+    ctx.deterministic = torch.are_deterministic_algorithms_enabled()
+
+
+def _backward(ctx, dy, dl1, *_):
+    x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots, row_flags = ctx.saved_tensors
+    m = x.shape[0]
+    if dl1 is None:
+        l1_grad = torch.zeros(1, dtype=torch.float32, device=x.device)
+    else:
+        l1_grad = (dl1.float() / max(m, 1)).reshape(1)
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, d_gate, d_up, d_down = sparse_mlp_train_bwd(
+        dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots, row_flags,
+        ctx.tile, ctx.slots, ctx.deterministic,
+    )
+    return dx, (d_gate if gate_weight is not None else None), d_up, d_down, None, None, None
+
+
+sparse_mlp_train_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sparse_mlp_train(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    threshold: torch.Tensor | None,
+    *,
+    tile: int = 256,
+    slots: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [M, D], l1) through the training kernels; x [M, D] bf16/fp16 on the kernels' device."""
+    y, l1, *_ = sparse_mlp_train_fwd(x, gate_weight, up_weight, down_weight, threshold, tile, slots)
+    return y, l1

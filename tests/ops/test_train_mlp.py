@@ -1,0 +1,218 @@
+"""The training path of `sparse_mlp` (return_l1, gradients) through the TwELL training kernels.
+
+On CPU the kernels run under Triton's interpreter (tests/conftest.py), so shapes stay small.
+Truth: fp64 autograd of `sparse_mlp_reference` on the loss (y·r).sum() + c·l1. Rule (flash-attention):
+error ≤ 2 · (dense torch's error in the same dtype) + one rounding.
+"""
+
+import os
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import sparseffn
+from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.ops.reference import mlp_activation_reference
+from sparseffn.ops.sparse_mlp import choose_mode
+from sparseffn.ops.train_mlp import sparse_mlp_train_bwd, sparse_mlp_train_fwd
+from sparseffn.ops.twell_mlp import dense_mlp
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the Triton interpreter"
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+COEFF = 3.0
+
+
+def _err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _params(mlp):
+    return [t.detach().clone().requires_grad_() for t in (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+            if t is not None]
+
+
+def _split(params, gated):
+    return (params[0], params[1], params[2], params[3]) if gated else (params[0], None, params[1], params[2])
+
+
+def _step(fn, params, gated, r, threshold):
+    y, l1 = fn(*_split(params, gated), threshold)
+    grads = torch.autograd.grad((y.double() * r).sum() + COEFF * l1.double(), params)
+    return y, l1, grads
+
+
+def _sparse(x, gate, up, down, threshold, **kw):
+    return sparseffn.sparse_mlp(x, gate, up, down, threshold, mode="sparse", return_l1=True, tile=64, slots=8, **kw)
+
+
+def _dense(x, gate, up, down, threshold):
+    return dense_mlp(x, gate, up, down, threshold, return_l1=True)
+
+
+def _reference(params, gated, r, threshold):
+    leaves = [p.detach().double().requires_grad_() for p in params]
+    x, gate, up, down = _split(leaves, gated)
+    th = threshold.double() if isinstance(threshold, torch.Tensor) else threshold
+    _, h = mlp_activation_reference(x, gate, up, th)
+    y, l1 = h @ down.t(), h.abs().sum(-1).mean()
+    return y, l1, torch.autograd.grad((y * r).sum() + COEFF * l1, leaves)
+
+
+def _check(mlp, threshold=None, expect_overflow=None):
+    gated = mlp.gate_weight is not None
+    params = _params(mlp)
+    r = torch.randn(mlp.x.shape, dtype=torch.float64, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+    y, l1, grads = _step(_sparse, params, gated, r, threshold)
+    y_d, l1_d, grads_d = _step(_dense, params, gated, r, threshold)
+    y_r, l1_r, grads_r = _reference(params, gated, r, threshold)
+    floor = torch.finfo(mlp.x.dtype).eps / 2
+    assert y.dtype == mlp.x.dtype and l1.dtype == torch.float32 and l1.dim() == 0
+    assert _err(y, y_r) <= 2 * _err(y_d, y_r) + floor
+    assert _err(l1, l1_r) <= 2 * _err(l1_d, l1_r) + floor
+    for name, g, g_d, g_r in zip(("x", "gate", "up", "down") if gated else ("x", "up", "down"), grads, grads_d, grads_r):
+        assert g.dtype == mlp.x.dtype and g.shape == g_r.shape, name
+        assert _err(g, g_r) <= 2 * _err(g_d, g_r) + floor, (name, _err(g, g_r), _err(g_d, g_r))
+    if expect_overflow is not None:
+        _, _, _, _, counts, _, flags = sparse_mlp_train_fwd(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight,
+                                                            None if threshold is None else _theta(threshold, mlp),
+                                                            64, 8)
+        assert bool(flags.any()) == expect_overflow
+    return grads
+
+
+def _theta(threshold, mlp):
+    h = mlp.up_weight.shape[0]
+    if isinstance(threshold, torch.Tensor):
+        return threshold.float()
+    return torch.full((h,), float(threshold), device=DEVICE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gated", [True, False])
+def test_gradients_match_reference_with_overflow_rows(dtype, gated):
+    # H=200 is not a tile multiple, D=72 not a block multiple; heavy rows overflow slots=8.
+    mlp = synthetic_mlp(37, 72, 200, 10, dtype=dtype, device=DEVICE, seed=4, gated=gated, heavy_fraction=0.1)
+    _check(mlp, expect_overflow=True)
+
+
+@needs_kernels
+def test_gradients_without_overflow_rows():
+    mlp = synthetic_mlp(33, 64, 192, 4, device=DEVICE, seed=7, heavy_fraction=0.0)
+    _check(mlp, expect_overflow=False)
+
+
+@needs_kernels
+def test_threshold_zero_rows_and_dense_rows():
+    mlp = synthetic_mlp(20, 64, 128, 6, device=DEVICE, seed=5)
+    theta = torch.zeros(128, device=DEVICE)
+    theta[:4] = -50.0  # units that are always on
+    x = mlp.x.clone()
+    x[3] = 0  # no active unit except the forced ones
+    x[7, 0] = -20.0  # the bias feature negative: every threshold flips, the row is dense
+    mlp = type(mlp)(**{**mlp.__dict__, "x": x})
+    _check(mlp, threshold=theta, expect_overflow=True)
+    _check(mlp, threshold=0.25)
+
+
+@needs_kernels
+def test_every_row_dense():
+    mlp = synthetic_mlp(9, 64, 128, 100, device=DEVICE, seed=8)
+    _check(mlp, expect_overflow=True)
+
+
+@needs_kernels
+def test_deterministic_mode_is_bitwise_repeatable():
+    mlp = synthetic_mlp(24, 64, 128, 8, device=DEVICE, seed=9, heavy_fraction=0.1)
+    r = torch.randn(mlp.x.shape, dtype=torch.float64, device=DEVICE)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [_step(_sparse, _params(mlp), True, r, None)[2] for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+def test_l1_unused_and_y_unused():
+    mlp = synthetic_mlp(16, 64, 128, 6, device=DEVICE, seed=10)
+    params = _params(mlp)
+    y, l1 = _sparse(*_split(params, True), None)
+    g_y = torch.autograd.grad(y.float().sum(), params, retain_graph=True)
+    g_l1 = torch.autograd.grad(l1, params)
+    y_d, l1_d = _dense(*_split(params, True), None)
+    g_y_d = torch.autograd.grad(y_d.float().sum(), params, retain_graph=True)
+    g_l1_d = torch.autograd.grad(l1_d, params, allow_unused=True)  # l1 does not depend on down
+    g_l1_d = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(params, g_l1_d))
+    assert torch.equal(g_l1[3], torch.zeros_like(params[3]))
+    for a, b in zip(g_y + g_l1, g_y_d + g_l1_d):
+        assert _err(a, b) < 2e-2 or (b.abs().max() == 0 and a.abs().max() == 0)
+
+
+@needs_kernels
+def test_activation_checkpointing_recomputes_the_same_path():
+    mlp = synthetic_mlp(16, 64, 128, 6, device=DEVICE, seed=11)
+    params = _params(mlp)
+
+    def block(x, gate, up, down):
+        y, l1 = _sparse(x, gate, up, down, None)
+        return y.float().sum() + l1
+
+    plain = torch.autograd.grad(block(*params), params)
+    ckpt = torch.autograd.grad(checkpoint(block, *params, use_reentrant=False), params)
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
+
+
+@needs_kernels
+def test_custom_ops_pass_opcheck():
+    mlp = synthetic_mlp(8, 64, 128, 6, device=DEVICE, seed=12)
+    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, None, 64, 8)
+    torch.library.opcheck(sparse_mlp_train_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    out = sparse_mlp_train_fwd(*args)
+    bwd_args = (torch.randn_like(mlp.x), torch.ones(1, device=DEVICE), mlp.x, mlp.gate_weight, mlp.up_weight,
+                mlp.down_weight, None, out[2], out[3], out[4], out[5], out[6], 64, 8, False)
+    torch.library.opcheck(sparse_mlp_train_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_auto_mode_takes_the_training_kernels_only_where_they_run():
+    x = torch.randn(4, 8)
+    up = torch.randn(16, 8)
+    assert choose_mode(x, up, needs_grad=True).mode == "dense"
+    assert choose_mode(x.double(), up.double(), needs_grad=True, return_l1=True).mode == "dense"
+
+
+@needs_cuda
+def test_auto_mode_trains_sparse_on_cuda_at_scale():
+    x = torch.randn(16384, 64, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    assert choose_mode(x, up, needs_grad=True, return_l1=True).mode == "sparse"
+
+
+@needs_cuda
+def test_torch_compile_fullgraph_training_step():
+    mlp = synthetic_mlp(512, 256, 1024, 12, device="cuda", seed=13)
+    params = _params(mlp)
+
+    def block(x, gate, up, down):
+        y, l1 = sparseffn.sparse_mlp(x, gate, up, down, mode="sparse", return_l1=True)
+        return y.float().square().mean() + l1
+
+    eager = torch.autograd.grad(block(*params), params)
+    compiled = torch.autograd.grad(torch.compile(block, fullgraph=True)(*params), params)
+    for a, b in zip(eager, compiled):
+        assert _err(a, b) < 1e-2
+
+
+@needs_cuda
+def test_realistic_size_on_gpu():
+    mlp = synthetic_mlp(4096, 2048, 5632, 29, device="cuda", seed=14)
+    _check(mlp)
+    mlp = synthetic_mlp(2048, 2048, 5632, 110, device="cuda", seed=15)
+    _check(mlp, expect_overflow=True)
