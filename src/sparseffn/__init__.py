@@ -1,18 +1,38 @@
 """sparseffn: sparse transformer feed-forward layers (ReLU + L1 sparsity, TwELL packing, Triton kernels)."""
 
 from sparseffn.format import Hybrid, TwELL, UnitMajor
+from sparseffn.models import (
+    SparsityConfig,
+    build_model,
+    calibrate_thresholds,
+    collect_l1,
+    load_pretrained,
+    model_config,
+    sparsify_,
+    unsparsify_,
+)
+from sparseffn.nn import SparseMLP
 from sparseffn.ops import SparseMLPWeights, choose_mode, l1_penalty, sparse_mlp, sparse_mlp_reference
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Hybrid",
+    "SparseMLP",
     "SparseMLPWeights",
+    "SparsityConfig",
     "TwELL",
     "UnitMajor",
     "__version__",
+    "build_model",
+    "calibrate_thresholds",
     "choose_mode",
+    "collect_l1",
     "l1_penalty",
+    "load_pretrained",
+    "model_config",
     "sparse_mlp",
     "sparse_mlp_reference",
+    "sparsify_",
+    "unsparsify_",
 ]

@@ -1,0 +1,35 @@
+"""Hugging Face integration: sparsify a causal LM in place, named model configs, save/load, calibration.
+
+transformers is imported inside the functions that need it, so importing this package stays light.
+"""
+
+from sparseffn.models.calibrate import calibrate_thresholds
+from sparseffn.models.config import SparsityConfig
+from sparseffn.models.pretrained import load_pretrained
+from sparseffn.models.registry import MODEL_NAMES, build_model, model_config, parameter_count
+from sparseffn.models.sparsify import (
+    collect_l1,
+    named_sparse_mlps,
+    set_track_l1,
+    sparse_mlps,
+    sparsify_,
+    sparsity_config,
+    unsparsify_,
+)
+
+__all__ = [
+    "MODEL_NAMES",
+    "SparsityConfig",
+    "build_model",
+    "calibrate_thresholds",
+    "collect_l1",
+    "load_pretrained",
+    "model_config",
+    "named_sparse_mlps",
+    "parameter_count",
+    "set_track_l1",
+    "sparse_mlps",
+    "sparsify_",
+    "sparsity_config",
+    "unsparsify_",
+]

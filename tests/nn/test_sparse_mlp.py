@@ -1,0 +1,269 @@
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from sparseffn.nn import DenseMLP, SparseMLP
+from sparseffn.ops.reference import l1_penalty
+
+D, H = 48, 80
+
+
+def _llama_mlp(act="relu", seed=0, dtype=torch.float32):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mlp = LlamaMLP(LlamaConfig(hidden_size=D, intermediate_size=H, num_attention_heads=1, hidden_act=act)).to(dtype)
+    return mlp
+
+
+def _x(*shape, seed=1, dtype=torch.float32):
+    return torch.randn(*shape, D, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _theta(seed=2):
+    return torch.rand(H, generator=torch.Generator().manual_seed(seed)) * 0.3
+
+
+def _by_hand(mlp, x, theta=None):
+    """down(relu(gate(x) - θ) * up(x)) and h, written out."""
+    g = F.linear(x, mlp.gate_proj.weight)
+    if theta is not None:
+        g = g - theta.to(g.dtype)
+    h = torch.relu(g) * F.linear(x, mlp.up_proj.weight)
+    return F.linear(h, mlp.down_proj.weight), h
+
+
+def test_equals_llama_mlp_with_relu_bitwise():
+    hf = _llama_mlp()
+    sparse = SparseMLP.from_dense(hf)
+    x = _x(3, 7)
+    y = sparse(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.equal(y, hf(x))
+    # Built directly and loaded from the Llama MLP's state dict: same keys plus the threshold.
+    direct = SparseMLP(D, H)
+    assert set(direct.state_dict()) == set(hf.state_dict()) | {"threshold"}
+    missing, unexpected = direct.load_state_dict(hf.state_dict(), strict=False)
+    assert missing == ["threshold"] and unexpected == []
+    assert torch.equal(direct(x), hf(x))
+
+
+def test_from_dense_shares_parameters():
+    hf = _llama_mlp()
+    sparse = SparseMLP.from_dense(hf, mode="dense")
+    assert sparse.mode == "dense" and sparse.expected_nnz is None
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert getattr(sparse, name).weight is getattr(hf, name).weight
+    n_params = sum(p.numel() for p in hf.parameters())
+    assert sum(p.numel() for p in sparse.parameters()) == n_params
+    assert sparse.threshold.dtype == torch.float32 and not sparse.threshold.any() and not sparse.has_threshold
+    with torch.no_grad():
+        hf.up_proj.weight.mul_(2)  # an optimizer step on the HF module is seen by the sparse one
+    x = _x(4)
+    assert torch.equal(sparse(x), hf(x))
+
+
+def test_to_dense_round_trip():
+    silu = _llama_mlp(act="silu")
+    sparse = SparseMLP.from_dense(silu)
+    x = _x(2, 5)
+    relu_dense = sparse.to_dense()
+    assert isinstance(relu_dense, DenseMLP) and relu_dense.gate_proj.weight is silu.gate_proj.weight
+    assert torch.equal(relu_dense(x), sparse(x))
+    back = sparse.to_dense(act="silu")
+    assert torch.equal(back(x), silu(x))
+    assert not torch.equal(back(x), sparse(x))
+    # Non-gated: down(relu(up(x))).
+    plain = SparseMLP(D, H, gated=False)
+    assert plain.gate_proj is None
+    dense = plain.to_dense()
+    assert torch.equal(dense(x), plain(x))
+    assert torch.equal(plain(x), F.linear(torch.relu(F.linear(x, plain.up_proj.weight)), plain.down_proj.weight))
+
+
+def test_threshold_forward_mask_and_flag():
+    hf = _llama_mlp()
+    sparse = SparseMLP.from_dense(hf)
+    x, theta = _x(3, 11), _theta()
+    assert sparse.set_threshold_(theta) is sparse
+    assert sparse.has_threshold and "threshold=per-unit" in repr(sparse)
+    y_ref, h_ref = _by_hand(hf, x, theta)
+    assert torch.equal(sparse(x), y_ref)
+    mask = sparse.activation_mask(x)
+    assert mask.shape == (3, 11, H) and mask.dtype == torch.bool and not mask.requires_grad
+    assert torch.equal(mask, F.linear(x, hf.gate_proj.weight) - theta > 0)
+    assert 0 < mask.sum() < mask.numel() and mask.sum() < sparse.set_threshold_(None).activation_mask(x).sum()
+    assert not sparse.has_threshold and torch.equal(sparse(x), hf(x))
+    sparse.set_threshold_(0.25)
+    assert torch.equal(sparse.threshold, torch.full((H,), 0.25))
+    assert torch.equal(sparse(x), _by_hand(hf, x, torch.full((H,), 0.25))[0])
+
+
+def test_threshold_survives_dtype_casts_and_load_state_dict():
+    sparse = SparseMLP.from_dense(_llama_mlp())
+    theta = _theta()
+    sparse.set_threshold_(theta)
+    sparse.to(torch.bfloat16)
+    assert sparse.up_proj.weight.dtype == torch.bfloat16
+    assert sparse.threshold.dtype == torch.float32 and torch.equal(sparse.threshold, theta)
+    sparse.half().float()
+    assert sparse.threshold.dtype == torch.float32 and torch.equal(sparse.threshold, theta)
+    # load_state_dict copies into the buffer behind set_threshold_'s back: the flag must follow.
+    other = SparseMLP.from_dense(_llama_mlp())
+    assert not other.has_threshold
+    other.load_state_dict(sparse.float().state_dict())
+    assert other.has_threshold and torch.equal(other.threshold, theta)
+    x = _x(6)
+    assert torch.equal(other(x), sparse(x))
+    other.load_state_dict(SparseMLP.from_dense(_llama_mlp()).state_dict())
+    assert not other.has_threshold
+
+
+def test_to_dense_with_threshold():
+    hf = _llama_mlp()
+    sparse = SparseMLP.from_dense(hf).set_threshold_(_theta())
+    with pytest.raises(ValueError, match="keep_threshold=True"):
+        sparse.to_dense()
+    with pytest.raises(ValueError, match="act must be 'relu'"):
+        sparse.to_dense("silu", keep_threshold=True)
+    folded = sparse.to_dense(keep_threshold=True)
+    assert folded.gate_proj.weight is hf.gate_proj.weight
+    assert torch.equal(folded.gate_proj.bias, -sparse.threshold)
+    x = _x(4, 9)
+    torch.testing.assert_close(folded(x), sparse(x))
+
+
+def test_last_l1_value_and_gradient_match_reference():
+    theta = _theta()
+    hf = _llama_mlp()
+    sparse = SparseMLP.from_dense(hf).set_threshold_(theta)
+    x = _x(3, 6).requires_grad_()
+    y = sparse(x)
+    l1 = sparse.last_l1
+    assert l1.dtype == torch.float32 and l1.dim() == 0 and l1.requires_grad
+    (y.square().sum() + 0.1 * l1).backward()
+    got = [t.grad.clone() for t in (x, hf.gate_proj.weight, hf.up_proj.weight, hf.down_proj.weight)]
+
+    for t in (x, hf.gate_proj.weight, hf.up_proj.weight, hf.down_proj.weight):
+        t.grad = None
+    y_ref, h_ref = _by_hand(hf, x, theta)
+    l1_ref = l1_penalty(h_ref)
+    torch.testing.assert_close(l1, l1_ref)
+    (y_ref.square().sum() + 0.1 * l1_ref).backward()
+    want = [t.grad for t in (x, hf.gate_proj.weight, hf.up_proj.weight, hf.down_proj.weight)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    # The L1 term really is in the gradient: without it the gate gradient differs.
+    for t in (x, hf.gate_proj.weight, hf.up_proj.weight, hf.down_proj.weight):
+        t.grad = None
+    _by_hand(hf, x, theta)[0].square().sum().backward()
+    assert not torch.allclose(hf.gate_proj.weight.grad, want[1])
+
+
+def test_track_l1_off():
+    sparse = SparseMLP.from_dense(_llama_mlp())
+    assert sparse.track_l1 and sparse.last_l1 is None
+    sparse(_x(2))
+    assert sparse.last_l1 is not None
+    sparse.track_l1 = False
+    y = sparse(_x(2))
+    assert sparse.last_l1 is None and isinstance(y, torch.Tensor)
+    assert "track_l1=False" in repr(sparse)
+
+
+def test_bias_module_matches_formula():
+    sparse = SparseMLP(D, H, bias=True)
+    theta = _theta()
+    sparse.set_threshold_(theta)
+    x = _x(5)
+    g = sparse.gate_proj(x) - theta
+    h = torch.relu(g) * sparse.up_proj(x)
+    assert torch.equal(sparse(x), sparse.down_proj(h))
+    torch.testing.assert_close(sparse.last_l1, l1_penalty(h))
+    assert torch.equal(sparse.activation_mask(x), g > 0)
+    assert "bias=True" in repr(sparse)
+
+
+def test_autocast_matches_llama_mlp():
+    hf = _llama_mlp()
+    sparse = SparseMLP.from_dense(hf)
+    x = _x(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_hf = sparse(x), hf(x)
+        y_half_input = sparse(x.bfloat16())  # bf16 activations with fp32 weights, as under autocast
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_hf)
+    assert torch.equal(y_half_input, y_hf)
+
+
+def test_extra_repr_and_attributes():
+    sparse = SparseMLP(D, H, mode="dense")
+    sparse.expected_nnz = 12
+    text = repr(sparse)
+    for part in (f"hidden_size={D}", f"intermediate_size={H}", "gated=True", "bias=False", "mode='dense'",
+                 "threshold=zero", "expected_nnz=12"):
+        assert part in text
+    assert sparse.expected_nnz == 12.0 and isinstance(sparse.expected_nnz, float)
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: SparseMLP(0, H), ValueError, "hidden_size must be >= 1, got 0"),
+        (lambda: SparseMLP(D, 2.5), TypeError, "intermediate_size must be an int, got float"),
+        (lambda: SparseMLP(D, H, gated=1), TypeError, "gated must be a bool"),
+        (lambda: SparseMLP(D, H, mode="fast"), ValueError, "mode must be one of"),
+        (lambda: setattr(SparseMLP(D, H), "mode", "fast"), ValueError, "mode must be one of"),
+        (lambda: setattr(SparseMLP(D, H), "expected_nnz", -1), ValueError, "expected_nnz must be a finite number >= 0"),
+        (lambda: setattr(SparseMLP(D, H), "expected_nnz", "10"), TypeError, "expected_nnz must be None or a number"),
+        (lambda: setattr(SparseMLP(D, H), "track_l1", 1), TypeError, "track_l1 must be a bool"),
+        (lambda: SparseMLP.from_dense(torch.nn.Linear(D, H)), TypeError, "mlp must have an nn.Linear gate_proj"),
+        (lambda: SparseMLP.from_dense("mlp"), TypeError, "mlp must be an nn.Module, got str"),
+        (lambda: SparseMLP(D, H).to_dense(act="gelu"), ValueError, "act must be one of"),
+        (lambda: SparseMLP(D, H).set_threshold_(torch.zeros(H + 1)), ValueError, r"threshold must have shape \[\] or \[H\]"),
+        (lambda: SparseMLP(D, H).set_threshold_(torch.zeros(H, dtype=torch.long)), TypeError,
+         "threshold must be a floating-point tensor"),
+        (lambda: SparseMLP(D, H).set_threshold_("0.1"), TypeError, "threshold must be None, a number or a tensor"),
+        (lambda: SparseMLP(D, H).set_threshold_(float("nan")), ValueError, "threshold must be finite"),
+        (lambda: SparseMLP(D, H)(torch.randn(3, D + 1)), ValueError, r"up_weight must be \[H, D\]"),
+        (lambda: SparseMLP(D, H)(torch.randn(3, D).double()), TypeError, "has dtype torch.float32 but x has torch.float64"),
+    ],
+)
+def test_bad_inputs_name_the_argument(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_nan_threshold_leaves_module_usable():
+    sparse = SparseMLP.from_dense(_llama_mlp())
+    with pytest.raises(ValueError):
+        sparse.set_threshold_(torch.full((H,), float("inf")))
+    assert not sparse.has_threshold and not sparse.threshold.any()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the sparse path needs CUDA or Triton's CPU interpreter",
+)
+def test_sparse_path_caches_prepared_weights():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = _llama_mlp(dtype=torch.bfloat16).to(device)
+    sparse = SparseMLP.from_dense(hf, mode="sparse").set_threshold_(_theta().to(device))
+    sparse.track_l1 = False
+    x = _x(5, dtype=torch.bfloat16).to(device)
+    with torch.no_grad():
+        y = sparse(x)
+        prepared = sparse._prepared
+        assert prepared is not None and sparse(x) is not None and sparse._prepared is prepared
+        y_ref, _ = _by_hand(copy.deepcopy(hf).float(), x.float(), sparse.threshold)  # the bf16 weights, in fp32
+        dense_err = (_by_hand(hf, x, sparse.threshold)[0].float() - y_ref).abs().max()
+        assert (y.float() - y_ref).abs().max() <= 2 * dense_err + 1e-3
+        hf.up_proj.weight.mul_(2)  # in-place weight change: the cache is rebuilt, the output follows
+        y2 = sparse(x)
+        assert sparse._prepared is not prepared
+        assert not torch.equal(y2, y)
+        sparse.release_cache_()
+        assert sparse._prepared is None
