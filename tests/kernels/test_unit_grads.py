@@ -8,7 +8,9 @@ slot read that should not happen, or a row left unwritten, shows.
 
 Tolerances: the CSR is compared exactly (entry order too when deterministic); weight gradients
 (fp32 accumulation of fp32 terms) per element at fp32 slack of the magnitude of their terms, and
-by the flash-attention rule against torch's own fp32 computation.
+by the flash-attention rule against torch's own fp32 computation. The kernel multiplies on tensor
+cores with each fp32 coefficient split into three terms of x's dtype, which is exact: units with
+a single entry are checked to within three fp32 roundings, which a two-term split would fail.
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CSR_SHAPES = [(1, 100, 64, 16), (5, 320, 64, 4), (33, 100, 32, 4), (40, 320, 128, 16)]
 
 
-def _packed(m, h, tile, slots, dtype, seed, dead=(3, 17)):
-    """(p [M, H], values, columns, counts, overflow) with units `dead` never active."""
+def _packed(m, h, tile, slots, dtype, seed, dead=(3, 17), hot=()):
+    """(p [M, H], values, columns, counts, overflow) with units `dead` never active and units `hot`
+    active in every row (those rows of ordinary kind that still fit hold them: many entries)."""
     gen = torch.Generator().manual_seed(seed)
     p = _activation(m, h, tile, slots, dtype, gen)
+    p[:, list(hot)] = 1.5
     p[:, [j for j in dead if j < h]] = 0
     values, columns, counts, overflow = _pack(p, tile, slots, gen)
     return p, values, columns, counts, overflow
@@ -152,7 +156,8 @@ def test_slots_by_unit_input_errors(change, error, match):
 # unit_weight_grads
 
 # D split over programs (D = 100) with several steps per unit and partial steps
-SPLIT = UnitGradsConfig(block_e=4, block_d=64, num_warps=1)
+SPLIT = UnitGradsConfig(block_e=16, block_d=32, num_warps=1, num_stages=1, units_per_program=4,
+                        max_regs=None)
 # (M, D, H, tile, slots, dtype, strided x / dy, config)
 GRAD_SHAPES = [
     (1, 64, 100, 64, 16, torch.bfloat16, False, None),
@@ -166,10 +171,11 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.new_zeros(m, 1), t, t.new_zeros(m, 4)], 1)[:, 1:d + 1]
 
 
-def _grad_problem(m, d, h, tile, slots, dtype, gated, seed):
+def _grad_problem(m, d, h, tile, slots, dtype, gated, seed, hot=(), spread=0):
     """Packed p, token rows and fp32 per-slot inputs (NaN outside the valid ordinary slots), and
-    their dense [M, H] float64 versions (zero outside)."""
-    p, values, columns, counts, overflow = _packed(m, h, tile, slots, dtype, seed)
+    their dense [M, H] float64 versions (zero outside). spread > 0: the per-slot inputs are scaled
+    by 2^k, k uniform in [-spread, spread] (beyond fp16's range for spread > 16)."""
+    p, values, columns, counts, overflow = _packed(m, h, tile, slots, dtype, seed, hot=hot)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, d, generator=gen).to(dtype)
     dy = torch.randn(m, d, generator=gen).to(dtype)
@@ -181,6 +187,9 @@ def _grad_problem(m, d, h, tile, slots, dtype, gated, seed):
     for name in ("u", "du", "dg"):
         s = torch.full(values.shape, float("nan"))
         s[mask] = torch.randn(int(mask.sum()), generator=gen)
+        if spread:
+            k = torch.randint(-spread, spread + 1, (int(mask.sum()),), generator=gen)
+            s[mask] *= torch.pow(2.0, k.float())
         per_slot[name] = s
         dense[name] = torch.zeros(m, h, dtype=torch.float64)
         dense[name][row, unit] = s[row, t, kk].double()
@@ -280,6 +289,64 @@ def test_grad_tolerance_rejects_a_missing_entry():
         _assert_grads(_run_grads(prob, True, offsets, lost, tile), prob, True)
 
 
+# several steps per unit (hot units), units of one program of every length, D off the slice width
+HOT_CONFIGS = [
+    UnitGradsConfig(block_e=16, block_d=32, num_warps=1, num_stages=1, units_per_program=2,
+                    max_regs=None),
+    UnitGradsConfig(block_e=16, block_d=64, num_warps=2, num_stages=1, units_per_program=32,
+                    max_regs=None),
+]
+
+
+@pytest.mark.parametrize("config", HOT_CONFIGS, ids=["2units", "32units"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_unit_weight_grads_hot_units_wide_range(dtype, gated, config):
+    """Hot units walk several steps (and share programs with short and empty units), and the
+    per-slot coefficients span 2^-30 .. 2^30: fp16's range without the kernel's power-of-two
+    scaling would overflow and flush them. Same tolerances as everywhere."""
+    m, d, h, tile, slots = 72, 48, 64, 32, 8
+    prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=5, hot=(0, 1, 2, 40), spread=30)
+    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
+    n = offsets[1:] - offsets[:-1]
+    assert int(n.max()) > 2 * config.block_e and int((n == 0).sum()) >= 2
+    outs = _run_grads(prob, gated, offsets, entries, tile, config=config)
+    _assert_grads(outs, prob, gated)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_single_entry_units_are_exact_to_fp32_rounding(dtype):
+    """The coefficient split is exact (three terms of x's dtype; module docstring): a unit with one
+    entry e gets c_e * x[m_e] up to the fp32 roundings of h = p u and of the sum of the three rows
+    (<= 3 * 2^-24 relative). A two-term hi + lo split (~2^-17 .. 2^-16 relative) fails this."""
+    m, d, h, tile, slots = 24, 64, 100, 64, 16
+    prob = _grad_problem(m, d, h, tile, slots, dtype, True, seed=8, spread=12)
+    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
+    single = (offsets[1:] - offsets[:-1]) == 1
+    assert int(single.sum()) >= 5
+    outs = _run_grads(prob, True, offsets, entries, tile)
+    for out, (name, ref, _, _) in zip(outs, _grad_references(prob, True)):
+        err = (out.double() - ref)[single].abs()
+        assert (err <= 2.0**-22 * ref[single].abs() + 1e-45).all(), f"{name}: {err.max():.3g}"
+
+
+def test_misaligned_values_view_gives_the_same_gradients():
+    """values is read as aligned 32-bit words; a contiguous view at an odd 2-byte offset is copied
+    by the launcher and gives bitwise the same result."""
+    m, d, h, tile, slots = 12, 64, 100, 64, 16
+    prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, True, seed=4)
+    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
+    want = _run_grads(prob, True, offsets, entries, tile)
+    values = prob["values"]
+    storage = torch.zeros(values.numel() + 1, dtype=values.dtype)
+    shifted = storage[1:].view(values.shape)
+    shifted.copy_(values)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 4 == 2
+    got = _run_grads(dict(prob, values=shifted), True, offsets, entries, tile)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
 def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
     return dict(
         x=torch.randn(m, d).to(dtype), dy=torch.randn(m, d).to(dtype),
@@ -307,7 +374,7 @@ def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
     (dict(grad_down_t_out=torch.zeros(64, 100).t()), ValueError, "grad_down_t_out must have unit"),
     (dict(grad_gate_out=torch.zeros(99, 64)), ValueError, "grad_gate_out must have shape"),
     (dict(slots=0), ValueError, "slots"),
-    (dict(config=UnitGradsConfig(block_e=8).__dict__), TypeError, "config"),
+    (dict(config=UnitGradsConfig(block_e=16).__dict__), TypeError, "config"),
 ])
 def test_unit_weight_grads_input_errors(change, error, match):
     args = dict(_grad_args(), **change)
@@ -318,10 +385,24 @@ def test_unit_weight_grads_input_errors(change, error, match):
 def test_config_validation_and_default():
     with pytest.raises(ValueError, match="block_e"):
         UnitGradsConfig(block_e=3)
+    with pytest.raises(ValueError, match="block_e must be >= 16"):
+        UnitGradsConfig(block_e=8)
+    with pytest.raises(ValueError, match="block_d must be >= 16"):
+        UnitGradsConfig(block_d=8)
     with pytest.raises(ValueError, match="num_warps"):
         UnitGradsConfig(num_warps=0)
-    assert default_unit_grads_config(2048) == UnitGradsConfig(block_e=32, block_d=128, num_warps=4)
-    assert default_unit_grads_config(100).block_e == 8 and default_unit_grads_config(40).block_d == 64
+    with pytest.raises(ValueError, match="num_stages"):
+        UnitGradsConfig(num_stages=0)
+    with pytest.raises(ValueError, match="units_per_program"):
+        UnitGradsConfig(units_per_program=3)
+    with pytest.raises(ValueError, match="max_regs"):
+        UnitGradsConfig(max_regs=300)
+    assert default_unit_grads_config(2048) == UnitGradsConfig(
+        block_e=32, block_d=256, num_warps=8, num_stages=7, units_per_program=8, max_regs=128)
+    assert default_unit_grads_config(100) == UnitGradsConfig(
+        block_e=16, block_d=64, num_warps=4, num_stages=1, max_regs=None)
+    assert default_unit_grads_config(40).block_d == 64 and default_unit_grads_config(40).num_warps == 4
+    assert default_unit_grads_config(1).block_d == 16
 
 
 def test_m_adds_no_specialization():
@@ -339,6 +420,11 @@ def test_sm90_compile_specs_cover_launcher_variants():
     grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"])
              for fn, s, c, _ in specs if fn.__name__ == "_unit_weight_grads_kernel"}
     assert len(grads) == 16
+    for fn, s, c, options in specs:  # the launcher's pipelining and register cap are compiled too
+        if fn.__name__ == "_unit_weight_grads_kernel":
+            assert not c["DOT_IN_FP32"]
+            if c["ALIGNED"]:
+                assert options["num_stages"] > 1 and options["maxnreg"] == 128
     for _, signature, constexprs, _ in specs:
         assert set(constexprs) == {k for k, v in signature.items() if v == "constexpr"}
 

@@ -42,30 +42,74 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
        array, the obvious alternative, moves ~24x more keys than there are entries at the paper's
        sparsity).
 
-2. `unit_weight_grads`: one program per (unit, BLOCK_D-wide slice of D). It walks its unit's
-   entries BLOCK_E at a time (entry indices prefetched one block ahead), gathers the token rows
-   x[m] and dy[m] ([BLOCK_E, BLOCK_D] tiles, 16-byte vectors when ALIGNED) and the per-slot scalars,
-   and accumulates weighted rows in [BLOCK_E, BLOCK_D] fp32 registers, reduced over E once at the
-   end. The bytes moved are the gathered rows (2 rows of BLOCK_D per entry and slice): the kernel
-   is L2/HBM-gather bound.
-   Balance: unit counts are skewed (hot units have thousands of entries, dead ones none), and a
-   unit's sum is never split across programs (so the result is deterministic given the entry
-   order, with no atomics and no scratch). Instead programs run hottest unit first (a stable
-   device argsort of the H counts, longest-processing-time order), so the long programs start
-   early and the short ones fill the tail. The D slice is the slow grid axis: all units of one
-   slice run together, so the gathered x / dy slices (2 * M * BLOCK_D * 2 bytes: 32 MB at
-   M = 65536, BLOCK_D = 128) stay in L2 while every unit of a token reads them.
+2. `unit_weight_grads`: per unit j and D slice, a reduction over the unit's entries on tensor
+   cores. One step takes BLOCK_E entries e of the unit, gathers the token rows X = x[m_e, slice] and
+   DY = dy[m_e, slice] ([BLOCK_E, BLOCK_D] in x's dtype, straight into shared memory: see
+   "Pipeline") and the entries' fp32 coefficients, and adds
+       acc_x  [16, BLOCK_D] += A_x  [16, BLOCK_E] @ X     rows 0-2: dg terms, rows 3-5: du terms
+       acc_dy [16, BLOCK_D] += A_dy [16, BLOCK_E] @ DY    rows 0-2: h terms (non-gated: row 0 = p)
+   (other rows of A are 0). At the unit's last step the rows are summed in fp32 (grad_gate = rows
+   0 + 1 + 2 of acc_x, grad_up = rows 3 + 4 + 5 (non-gated: grad_up = rows 0-2), grad_down_t = the
+   rows of acc_dy) and stored, and the accumulators restart at 0 for the program's next unit.
+   Precision. Tensor cores take x's dtype, so each fp32 coefficient c is written as three terms of
+   that dtype, c = c0 + c1 + c2 with c0 = rnd(c), c1 = rnd(c - c0), c2 = rnd(c - c0 - c1) (each
+   difference is exact in fp32). 3 x 8 significant bits (bf16) / 3 x 11 (fp16) >= fp32's 24, so
+   the split is EXACT for normal c (bf16 has fp32's exponent range; only terms below 2^-126, i.e.
+   |c| < ~2^-110, lose bits to subnormals), and each product c_k * x is exact in the MMA's fp32
+   (8 x 8 / 11 x 11 significant bits). What rounds is only the fp32 accumulation, as in an fp32
+   FMA loop (the summation order differs: per MMA, then per step, then across the three rows).
+   Two terms (the hi + lo of kernels/dense_rows_mlp.py) would keep ~16 bits (2^-16 relative per
+   term, above the tests' fp32 slack); the third term costs nothing, since the A rows are free (the
+   MMA is 16 rows tall whatever we put in them). fp16's range is small (65504 down to 2^-24), so
+   for fp16 each coefficient kind (dg, du, h) of a unit is multiplied by 2^14 / s, s a running
+   power of two = max over the unit's steps so far of 2^e(max|c| of the step), at least 2^-100
+   (exact; scaled |c| < 2^15); the accumulator rows are kept in units of s * 2^-14 (multiplied by
+   s_old / s_new <= 1 when s grows: exact, never an overflow) and multiplied by s * 2^-14 when
+   stored. Coefficients within 2^-6 of the unit's maximum keep all 24 bits; smaller ones lose bits
+   only below 2^-39 * max|c| (c2 in fp16 subnormals), far under an fp32 rounding of the sum.
+   bf16 needs no scale. Non-gated h = p is already in x's dtype: one row, exact. Non-finite
+   coefficients give non-finite results (inf turns into NaN through c - c0; the old FMA loop gave
+   inf or NaN), as do inf / NaN in x or dy.
+   Programs. Units run hottest first (a stable device argsort of the H counts: longest-processing-
+   time order). The grid is (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes the sorted
+   positions g, 2G-1-g, 2G+g, 4G-1-g, ... (a snake over rounds of G, so every program gets one unit
+   of each round: balanced totals) and walks all their steps in ONE flat loop of sum_j
+   max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one empty step that stores its
+   zeros). The step -> (unit, first entry) map is a handful of reductions over the program's UNITS
+   slots (one-hot on first_step <= i < last_step), so no work depends on data-dependent control
+   flow and short units (median ~3 steps at the paper's shapes) do not pay a pipeline fill each.
+   A unit's sum is never split across programs: deterministic given the entry order, no atomics, no
+   scratch. The D slice is the slow grid axis: all units of one slice run together, so the x / dy
+   slices (2 * M * BLOCK_D * 2 bytes: 16 MB at M = 16384, BLOCK_D = 256) stay in L2 while every
+   unit of a token reads them.
+   Pipeline. The flat loop is software-pipelined by Triton (num_stages): the entry indices are
+   fetched with cp.async two steps ahead, the row gathers X, DY (16-byte vectors when ALIGNED) and
+   the coefficients one step later into a ring of shared-memory buffers (num_stages 7 -> 3 buffers:
+   2 steps, 64 KB at BLOCK_E 32, BLOCK_D 256, in flight per program while the MMAs of the current
+   step run), so the gather latency is overlapped without holding tiles in registers. p is read as
+   the aligned 32-bit word holding it (cp.async moves >= 4 bytes; a 2-byte load would stay
+   synchronous and stall every step on an L2 round trip) and its half selected by the slot's parity;
+   values must be 4-byte aligned (the launcher copies a misaligned view). Bytes moved: 2 rows of
+   BLOCK_D per entry and slice, gathered from L2 (dead lanes of a partial step move nothing): the
+   kernel is L2-gather bound, ~4 GB per call at M = 16384, D = 2048, 475k entries.
+   D % 8 != 0 or misaligned x / dy: element loads (cp.async needs 4 bytes), not pipelined, smaller
+   tiles (a correctness path; real models have D % 8 == 0).
 
 Layouts:
     columns   [M, n_tiles, slots]  int16 tile-local, contiguous;  counts [M, n_tiles] int32, contiguous
     x, dy     [M, D]               bf16 / fp16 (one dtype), unit stride along D, any row stride
-    values    [M, n_tiles, slots]  x's dtype, contiguous
+    values    [M, n_tiles, slots]  x's dtype, contiguous (read as 32-bit words: a view that is not
+                                   4-byte aligned is copied)
     u_slots, du_slots, dg_slots
               [M, n_tiles, slots]  fp32, contiguous (gated: all three; non-gated: dg_slots only)
     grad_*_out [H, D]              fp32, unit stride along D (any row stride)
 
 Constraints: any M >= 0, D >= 1, H >= 1, 1 <= slots <= tile <= 32768, n_tiles = cdiv(H, tile).
 Entries are assumed to come from `slots_by_unit` on the same packed activation.
+
+Interpreter (TRITON_INTERPRET=1, CPU tensors): dot operands are cast to fp32 (DOT_IN_FP32), since
+its low-precision `tl.dot` is wrong; the three-term split still runs (exact with the interpreter's
+truncating bf16 casts too: each residual keeps at most 16, then 8 significant bits).
 """
 
 from __future__ import annotations
@@ -77,6 +121,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseffn.kernels._runtime import interpreting
 from sparseffn.kernels.twell_train import _check
 
 __all__ = [
@@ -93,6 +138,7 @@ _MAX_DET_BLOCKS = 1024  # deterministic slots_by_unit: row blocks at most ([n_bl
 _MIN_DET_ROWS = 16      # ... and rows per block at least
 _SLOT_LANES = 2048      # [BLOCK_T, BLOCK_S] slots per step of the slot kernels
 _SLOT_WARPS = 4
+_S_FLOOR: tl.constexpr = tl.constexpr(7.888609052210118e-31)  # 2^-100: fp16 scales start here
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -189,44 +235,114 @@ def _unit_scatter_kernel(
 
 
 @triton.jit
-def _store_slice(row_ptr, v, offs_d, mask_d, EVEN_D: tl.constexpr):
-    if EVEN_D:
-        tl.store(row_ptr + offs_d, v)
+def _mma(a, b, acc, DOT_IN_FP32: tl.constexpr):
+    """acc + a @ b, fp32 accumulation (a, b in a 16-bit dtype); fp32 operands on the interpreter."""
+    if DOT_IN_FP32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        tl.store(row_ptr + offs_d, v, mask=mask_d)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _pow2_of_max(c):
+    """2^e with max|c| in [2^e, 2^(e+1)); 0 when max|c| is 0, subnormal, >= 2^127 or not finite."""
+    bits = tl.max(tl.abs(c), 0).to(tl.int32, bitcast=True) & 0x7F800000
+    return tl.where((bits > 0) & (bits < 0x7F000000), bits.to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def _inv_pow2(s):
+    """1 / s, exactly, for s = 2^e with -126 <= e <= 126."""
+    return (0x7F000000 - s.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rescale(c, s_run):
+    """fp16 range: (c * 2^14 / s_new, s_old / s_new, s_new) with s_new = max(s_run, 2^e of max|c|)
+    the unit's running power-of-two scale (s_run starts at 2^-100). Scaled |c| < 2^15 <= fp16's
+    65504, and the third term of a coefficient within 2^-6 of the maximum stays a normal fp16.
+    The accumulator rows, kept in units of s_run * 2^-14, are multiplied by s_old / s_new <= 1:
+    exact (or an underflow of contributions 2^-126 below the new ones), never an overflow, and no
+    second product tile (registers)."""
+    s_new = tl.maximum(s_run, _pow2_of_max(c))
+    inv = _inv_pow2(s_new)
+    return c * (inv * 16384.0), s_run * inv, s_new
+
+
+@triton.jit
+def _three_term_rows(rows, first: tl.constexpr, c, other, LOW: tl.constexpr):
+    """[16, BLOCK_E] fp32: rows first, first + 1, first + 2 hold the three LOW-dtype terms of the fp32
+    coefficients c [BLOCK_E] (c = c0 + c1 + c2, module docstring); `other` elsewhere."""
+    c0 = c.to(LOW)
+    r1 = c - c0.to(tl.float32)  # exact
+    c1 = r1.to(LOW)
+    c2 = (r1 - c1.to(tl.float32)).to(LOW)  # the residual is exact; its rounding is exact in
+    # normal range (<= 8 / 11 significant bits left)
+    return tl.where(rows == first, c0.to(tl.float32)[None, :],
+                    tl.where(rows == first + 1, c1.to(tl.float32)[None, :],
+                             tl.where(rows == first + 2, c2.to(tl.float32)[None, :], other)))
 
 
 @triton.jit
 def _unit_weight_grads_kernel(
     x_ptr, dy_ptr, values_ptr, u_ptr, du_ptr, dg_ptr, offsets_ptr, entries_ptr, order_ptr,
     grad_gate_ptr, grad_up_ptr, grad_down_ptr,
-    D, row_slots,
+    D, H, n_groups, row_slots,
     stride_xm, stride_dym, stride_gg, stride_gu, stride_gd,
     GATED: tl.constexpr,          # three gradients from (dg, du, p u); False: two from (dg, p)
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides of x, dy
-    EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D
-    BLOCK_E: tl.constexpr,        # entries (token rows) per step
-    BLOCK_D: tl.constexpr,        # gradient columns per program
+    EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D on the gathers
+    BLOCK_E: tl.constexpr,        # entries (token rows) per step, >= 16 (the MMA's K)
+    BLOCK_D: tl.constexpr,        # gradient columns per program (the D slice), >= 16
+    UNITS: tl.constexpr,          # units per program (snake over the hottest-first order)
+    DOT_IN_FP32: tl.constexpr,    # interpreter: its low-precision tl.dot is wrong
 ):
-    j = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)  # this program's unit (hottest first)
+    """Program (g, s): the rows of the units at sorted positions g, 2G-1-g, 2G+g, ... (G = n_groups)
+    in D slice s, one flat pipelined loop over all their steps (module docstring)."""
+    LOW: tl.constexpr = x_ptr.dtype.element_ty
+    SCALE: tl.constexpr = LOW == tl.float16  # fp16: per-step power-of-two scaling (docstring)
+    g = tl.program_id(0)
     pid_d = tl.program_id(1)
+
+    # ---- the program's UNITS slots: unit, entry range, step range ------------------------------------
+    slot = tl.arange(0, UNITS)  # [UNITS]
+    pos = slot * n_groups + tl.where(slot % 2 == 0, g, n_groups - 1 - g)  # snake over rounds of G
+    has = pos < H  # only the last round can run past H
+    unit_of = tl.load(order_ptr + pos, mask=has, other=0)  # [UNITS] int64 unit ids
+    start_of = tl.load(offsets_ptr + unit_of, mask=has, other=0)  # [UNITS] index dtype
+    end_of = tl.load(offsets_ptr + unit_of + 1, mask=has, other=0)
+    # a unit without entries takes one empty step (it stores its zeros); absent slots take none
+    n_steps = tl.where(has, tl.maximum(tl.cdiv(end_of - start_of, BLOCK_E), 1), 0)  # [UNITS]
+    last_of = tl.cumsum(n_steps, 0)  # [UNITS] one past each slot's last step
+    first_of = last_of - n_steps
+    e0_base = start_of - first_of * BLOCK_E  # step i of slot k starts at entry e0_base[k] + i BLOCK_E
+    total = tl.sum(n_steps, 0)
+
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of D
     mask_d = offs_d < D
     if ALIGNED:
         mask_d = tl.max_constancy(mask_d, 8)
-    start = tl.load(offsets_ptr + j)
-    end = tl.load(offsets_ptr + j + 1)
-    lanes = tl.arange(0, BLOCK_E)
-    acc_first = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)  # Σ dg x  (gate / first weight)
-    acc_up = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)     # Σ du x  (gated only)
-    acc_down = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)   # Σ h dy
-    # [BLOCK_E] flat slot indices of the first step; each step prefetches the next step's
-    flat_next = tl.load(entries_ptr + start + lanes, mask=start + lanes < end, other=0)
-    for e0 in range(start, end, BLOCK_E):
+    lanes = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    rows = tl.arange(0, 16)[:, None]  # [16, 1] rows of the A operands / accumulators
+    # p is read as the aligned 32-bit word that holds it (cp.async moves >= 4 bytes; docstring)
+    words_ptr = values_ptr.to(tl.pointer_type(tl.int32))
+    acc_x = tl.zeros([16, BLOCK_D], dtype=tl.float32)   # [16, BLOCK_D] fp32 rows: dg terms, du terms
+    acc_dy = tl.zeros([16, BLOCK_D], dtype=tl.float32)  # [16, BLOCK_D] fp32 rows: h terms
+    # running power-of-two scales of the current unit's coefficients (fp16; 1 for bf16); the
+    # accumulator rows are in units of s * out_scale
+    out_scale = 6.103515625e-05 if SCALE else 1.0  # 2^-14
+    s_dg = _S_FLOOR if SCALE else 1.0
+    s_du = _S_FLOOR if SCALE else 1.0
+    s_h = _S_FLOOR if SCALE else 1.0
+    for i in range(0, total):
+        at = (first_of <= i) & (i < last_of)  # [UNITS] one-hot: the slot step i belongs to
+        j = tl.sum(tl.where(at, unit_of, 0), 0)  # int64 unit
+        e0 = tl.sum(tl.where(at, e0_base, 0), 0) + i * BLOCK_E
+        end = tl.sum(tl.where(at, end_of, 0), 0)
+        unit_done = tl.sum(tl.where(at, last_of, 0), 0) == i + 1  # the unit's last step
         live = e0 + lanes < end  # [BLOCK_E]
-        flat = flat_next
-        flat_next = tl.load(entries_ptr + e0 + BLOCK_E + lanes, mask=e0 + BLOCK_E + lanes < end,
-                            other=0)
+        flat = tl.load(entries_ptr + e0 + lanes, mask=live, other=0)  # [BLOCK_E] flat slot indices
         m = (flat // row_slots).to(tl.int64)  # [BLOCK_E] token of each entry
         if EVEN_D:
             rmask = live[:, None]  # [BLOCK_E, 1]
@@ -237,27 +353,54 @@ def _unit_weight_grads_kernel(
         if ALIGNED:
             x_rows = tl.multiple_of(x_rows, 16)
             dy_rows = tl.multiple_of(dy_rows, 16)
-        # [BLOCK_E, BLOCK_D] gathered token rows (dead lanes load nothing and give 0)
-        xv = tl.load(x_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
-        dyv = tl.load(dy_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
-        p = tl.load(values_ptr + flat, mask=live, other=0.0).to(tl.float32)  # [BLOCK_E] fp32
+        # [BLOCK_E, BLOCK_D] gathered token rows in x's dtype (dead lanes move nothing and give 0)
+        xv = tl.load(x_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
+        dyv = tl.load(dy_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
         dg = tl.load(dg_ptr + flat, mask=live, other=0.0)  # [BLOCK_E] fp32
+        word = tl.load(words_ptr + (flat >> 1), mask=live, other=0)  # [BLOCK_E] int32
+        half = ((word >> ((flat & 1) * 16).to(tl.int32)) & 0xFFFF).to(tl.int16)  # little-endian
+        p = half.to(LOW, bitcast=True)  # [BLOCK_E] x's dtype
         if GATED:
-            u = tl.load(u_ptr + flat, mask=live, other=0.0)
+            u = tl.load(u_ptr + flat, mask=live, other=0.0)  # [BLOCK_E] fp32
             du = tl.load(du_ptr + flat, mask=live, other=0.0)
-            acc_up += du[:, None] * xv
-            h = p * u
+            h = p.to(tl.float32) * u
+            if SCALE:
+                dg, keep_dg, s_dg = _rescale(dg, s_dg)
+                du, keep_du, s_du = _rescale(du, s_du)
+                h, keep_h, s_h = _rescale(h, s_h)
+                acc_x = acc_x * tl.where(rows < 3, keep_dg, keep_du)
+                acc_dy = acc_dy * keep_h
+            # [16, BLOCK_E] A operands: the coefficients' terms in rows, zeros elsewhere
+            a_x = _three_term_rows(rows, 0, dg, _three_term_rows(rows, 3, du, 0.0, LOW), LOW)
+            a_dy = _three_term_rows(rows, 0, h, 0.0, LOW)
         else:
-            h = p
-        acc_first += dg[:, None] * xv
-        acc_down += h[:, None] * dyv
-    # [BLOCK_D] fp32 slices of row j, reduced over the entries once
-    if GATED:
-        _store_slice(grad_gate_ptr + j * stride_gg, tl.sum(acc_first, 0), offs_d, mask_d, EVEN_D)
-        _store_slice(grad_up_ptr + j * stride_gu, tl.sum(acc_up, 0), offs_d, mask_d, EVEN_D)
-    else:
-        _store_slice(grad_up_ptr + j * stride_gu, tl.sum(acc_first, 0), offs_d, mask_d, EVEN_D)
-    _store_slice(grad_down_ptr + j * stride_gd, tl.sum(acc_down, 0), offs_d, mask_d, EVEN_D)
+            if SCALE:
+                dg, keep_dg, s_dg = _rescale(dg, s_dg)
+                acc_x = acc_x * keep_dg
+            a_x = _three_term_rows(rows, 0, dg, 0.0, LOW)
+            a_dy = tl.where(rows == 0, p[None, :], 0.0)  # h = p: exact in one row
+        acc_x = _mma(a_x.to(LOW), xv, acc_x, DOT_IN_FP32)  # [16, BLOCK_D] fp32
+        acc_dy = _mma(a_dy.to(LOW), dyv, acc_dy, DOT_IN_FP32)
+        if unit_done:
+            # [BLOCK_D] fp32 slices of row j: the terms' rows summed once per unit (fp16: times the
+            # unit's power-of-two scale, exact)
+            if GATED:
+                tl.store(grad_gate_ptr + j * stride_gg + offs_d,
+                         tl.sum(tl.where(rows < 3, acc_x, 0.0), 0) * (s_dg * out_scale), mask=mask_d)
+                tl.store(grad_up_ptr + j * stride_gu + offs_d,
+                         tl.sum(tl.where(rows < 3, 0.0, acc_x), 0) * (s_du * out_scale), mask=mask_d)
+                tl.store(grad_down_ptr + j * stride_gd + offs_d, tl.sum(acc_dy, 0) * (s_h * out_scale),
+                         mask=mask_d)
+            else:
+                tl.store(grad_up_ptr + j * stride_gu + offs_d, tl.sum(acc_x, 0) * (s_dg * out_scale),
+                         mask=mask_d)
+                tl.store(grad_down_ptr + j * stride_gd + offs_d, tl.sum(acc_dy, 0), mask=mask_d)
+            acc_x = tl.zeros([16, BLOCK_D], dtype=tl.float32)
+            acc_dy = tl.zeros([16, BLOCK_D], dtype=tl.float32)
+            if SCALE:
+                s_dg = _S_FLOOR
+                s_du = _S_FLOOR
+                s_h = _S_FLOOR
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -343,35 +486,64 @@ def slots_by_unit(
 
 @dataclass(frozen=True)
 class UnitGradsConfig:
-    """Launch parameters of `_unit_weight_grads_kernel`. Sizes are powers of two."""
+    """Launch parameters of `_unit_weight_grads_kernel`. block_e, block_d, num_warps and
+    units_per_program are powers of two; block_e and block_d >= 16 (the MMA's K and N)."""
 
-    block_e: int = 32    # entries (gathered token rows) per step
-    block_d: int = 128   # gradient columns per program (the D slice)
-    num_warps: int = 4
+    block_e: int = 32            # entries (gathered token rows) per step
+    block_d: int = 256           # gradient columns per program (the D slice)
+    num_warps: int = 8
+    num_stages: int = 7          # software pipeline (7 -> 3 shared-memory buffers of x / dy rows)
+    units_per_program: int = 8   # units per program (UNITS)
+    max_regs: int | None = 128   # register cap per thread (ptxas .maxnreg); None: no cap
 
     def __post_init__(self) -> None:
-        for name in ("block_e", "block_d", "num_warps"):
+        for name in ("block_e", "block_d", "num_warps", "num_stages", "units_per_program"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"UnitGradsConfig.{name} must be a positive int, got {value!r}")
-            if value & (value - 1):
+            if name != "num_stages" and value & (value - 1):
                 raise ValueError(f"UnitGradsConfig.{name} must be a power of two, got {value}")
+        for name in ("block_e", "block_d"):
+            if getattr(self, name) < 16:
+                raise ValueError(f"UnitGradsConfig.{name} must be >= 16 (an MMA dimension), got "
+                                 f"{getattr(self, name)}")
+        if self.max_regs is not None and (not isinstance(self.max_regs, int)
+                                          or isinstance(self.max_regs, bool)
+                                          or not 24 <= self.max_regs <= 255):
+            raise ValueError(f"UnitGradsConfig.max_regs must be None or an int in [24, 255], got "
+                             f"{self.max_regs!r}")
 
 
 def default_unit_grads_config(d: int) -> UnitGradsConfig:
-    """BLOCK_D 128 (16 threads x 8 elements of a row, and a gathered x + dy slice of 512 bytes per
-    token: the slices of 65536 tokens fit in the H200's L2), 32 entries per step, 4 warps; smaller
-    D uses one slice of next_power_of_2(D). D % 8 != 0 (no 16-byte vectors: one address register
-    per element) takes 8 entries per step (ptxas, sm_90a: 32 spill to local memory). Not timed on
-    a GPU yet; ptxas, sm_90a, bf16, D = 2048: 168 registers gated, 128 non-gated, no spills."""
-    return UnitGradsConfig(block_e=32 if d % 8 == 0 else 8,
-                           block_d=min(128, triton.next_power_of_2(max(d, 1))), num_warps=4)
+    """D % 8 == 0: 32 entries per step; a 256-column slice on 8 warps (x + dy slices of 1 KB per
+    token: 16 MB at M = 16384, in the H200's L2); 7 stages = 3 buffers of [32, 256] x and dy rows
+    (96 KB shared memory); 8 units per program; registers capped at 128 so that two programs fit
+    an SM (2 x 256 threads x 128 = the 64 K register file, 2 x 101 KB of the 228 KB shared memory):
+    2 x 2 steps x 32 KB = 128 KB of gathers in flight per SM. Smaller D: one slice of
+    next_power_of_2(D) (>= 16) on 4 warps. D % 8 != 0 (element loads: nothing to pipeline, one
+    address register per element): 16 x 64 steps, 4 warps, 1 stage, no cap. Not timed on a GPU
+    yet. ptxas (sm_90a, D = 2048): 163-164 registers uncapped (1 program per SM); at the cap 128,
+    no spills for bf16 gated / non-gated and fp16 non-gated, 12 bytes for fp16 gated with int32
+    entries (none with int64); ~102 KB shared memory. D = 100: 101-128 registers, no spills."""
+    if d % 8:
+        return UnitGradsConfig(block_e=16, block_d=min(64, max(16, triton.next_power_of_2(d))),
+                               num_warps=4, num_stages=1, max_regs=None)
+    block_d = min(256, max(16, triton.next_power_of_2(d)))
+    return UnitGradsConfig(block_e=32, block_d=block_d, num_warps=8 if block_d >= 256 else 4)
 
 
-def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool,
-                           aligned: bool) -> dict[str, object]:
+def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, aligned: bool,
+                           dot_in_fp32: bool) -> dict[str, object]:
     return dict(GATED=gated, ALIGNED=aligned, EVEN_D=d % config.block_d == 0,
-                BLOCK_E=config.block_e, BLOCK_D=config.block_d)
+                BLOCK_E=config.block_e, BLOCK_D=config.block_d,
+                UNITS=config.units_per_program, DOT_IN_FP32=dot_in_fp32)
+
+
+def _unit_grads_options(config: UnitGradsConfig) -> dict[str, object]:
+    options: dict[str, object] = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.max_regs is not None:
+        options["maxnreg"] = config.max_regs
+    return options
 
 
 def unit_weight_grads(
@@ -439,21 +611,25 @@ def unit_weight_grads(
         raise TypeError(f"config must be a UnitGradsConfig or None, got {type(config).__name__}")
     if d > 1 and x.stride(1) != 1:
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
+    if values.data_ptr() % 4:
+        values = values.clone()  # p is read as aligned 32-bit words (a fresh allocation is)
     aligned = (d % 8 == 0 and config.block_d >= 8
                and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                        for t in (x, dy)))
     # longest-processing-time order: the unit with the most entries first (stable: reproducible)
     order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
-    grid = (h, triton.cdiv(d, config.block_d))
+    n_groups = triton.cdiv(h, config.units_per_program)
+    grid = (n_groups, triton.cdiv(d, config.block_d))
     _unit_weight_grads_kernel[grid](
         x, dy, values, u_slots if gated else dg_slots, du_slots if gated else dg_slots, dg_slots,
         offsets, entries, order,
         grad_gate_out if gated else grad_up_out, grad_up_out, grad_down_t_out,
-        d, n_tiles * slots,
+        d, h, n_groups, n_tiles * slots,
         x.stride(0), dy.stride(0), (grad_gate_out if gated else grad_up_out).stride(0),
         grad_up_out.stride(0), grad_down_t_out.stride(0),
-        **_unit_grads_constexprs(config, d, gated=gated, aligned=aligned),
-        num_warps=config.num_warps,
+        **_unit_grads_constexprs(config, d, gated=gated, aligned=aligned,
+                                 dot_in_fp32=interpreting()),
+        **_unit_grads_options(config),
     )
 
 
@@ -465,7 +641,8 @@ def sm90_compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for the slot histogram and both scatters
     (int32 and int64 indices; tile 256 / slots 32 and tile 64 / slots 4 blocks), and the weight-
     gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64 entries, D = 2048 (aligned,
-    BLOCK_D 128) and D = 100 (unaligned, masked along D)."""
+    the default config: BLOCK_D 256, 7 stages, 128-register cap) and D = 100 (unaligned, masked
+    along D), with the launcher's options."""
     specs = []
 
     def add(fn, signature, constexprs, options):
@@ -494,11 +671,11 @@ def sm90_compile_specs(with_options: bool = False):
             "du_ptr": "*fp32", "dg_ptr": "*fp32", "offsets_ptr": f"*{index}",
             "entries_ptr": f"*{index}", "order_ptr": "*i64",
             "grad_gate_ptr": "*fp32", "grad_up_ptr": "*fp32", "grad_down_ptr": "*fp32",
-            "D": "i32", "row_slots": "i32",
+            "D": "i32", "H": "i32", "n_groups": "i32", "row_slots": "i32",
             "stride_xm": "i32", "stride_dym": "i32", "stride_gg": "i32", "stride_gu": "i32",
             "stride_gd": "i32",
         }
         add(_unit_weight_grads_kernel, signature,
-            _unit_grads_constexprs(config, d, gated=gated, aligned=aligned),
-            {"num_warps": config.num_warps})
+            _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, dot_in_fp32=False),
+            _unit_grads_options(config))
     return specs
