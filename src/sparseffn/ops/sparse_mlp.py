@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseffn.kernels.dense_rows_mlp import cuda_supported
 from sparseffn.ops.checks import check_mlp_inputs
 from sparseffn.ops.train_mlp import sparse_mlp_train
 from sparseffn.ops.twell_mlp import KERNEL_DTYPES, SparseMLPWeights, dense_mlp, threshold_vector, twell_mlp
@@ -67,12 +66,11 @@ def choose_mode(
     expected_nnz: float | None = None,
     needs_grad: bool = False,
     return_l1: bool = False,
-    weights: tuple[torch.Tensor | None, ...] = (),
 ) -> ModeDecision:
     """Which path `sparse_mlp` takes for these arguments, and why. Raises if `mode="sparse"` cannot run.
 
-    needs_grad / return_l1 select the training kernels; `weights` (the [H, D] gate/up views the
-    kernels read) lets the check include their alignment on CUDA.
+    needs_grad / return_l1 select the training kernels. Only shapes, dtypes and devices are looked at
+    (no data pointers), so the decision traces under torch.compile.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -83,10 +81,8 @@ def choose_mode(
         blockers.append(why)
     if x.dtype not in KERNEL_DTYPES:
         blockers.append(f"x is {x.dtype}: the kernels take bf16 or fp16")
-    if (needs_grad or return_l1) and x.is_cuda:
-        aligned = [w for w in (up_weight, *weights) if w is not None]
-        if not cuda_supported(x.shape[-1], *aligned):
-            blockers.append("the training kernels need D % 8 == 0 and 16-byte aligned weight rows on CUDA")
+    if (needs_grad or return_l1) and x.is_cuda and x.shape[-1] % 8:
+        blockers.append(f"the training kernels need D % 8 == 0 on CUDA, got D = {x.shape[-1]}")
     if mode == "sparse":
         if blockers:
             raise NotImplementedError(f"mode='sparse' cannot run: {'; '.join(blockers)}")
@@ -163,7 +159,7 @@ def sparse_mlp(
     if not isinstance(return_l1, bool):
         raise TypeError(f"return_l1 must be a bool, got {type(return_l1).__name__}")
     decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad,
-                           return_l1=return_l1, weights=(gate_weight,))
+                           return_l1=return_l1)
     if decision.mode == "dense":
         return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
     x2d = x.reshape(-1, x.shape[-1])

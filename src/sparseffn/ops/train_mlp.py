@@ -34,11 +34,19 @@ from __future__ import annotations
 import torch
 import triton
 
-from sparseffn.kernels.dense_rows_mlp import dense_rows_mlp
+from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
 from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.unit_grads import slots_by_unit, unit_weight_grads
+
+
+def _aligned(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight itself, or an aligned copy where the dense-rows kernels cannot read it on CUDA (a
+    view at an odd offset or row stride): gradients of the copy are the weight's gradients."""
+    if weight is None or not weight.is_cuda or cuda_supported(weight.shape[1], weight):
+        return weight
+    return weight.clone(memory_format=torch.contiguous_format)
 
 
 def _empty_slots(x: torch.Tensor, n_tiles: int, slots: int) -> torch.Tensor:
@@ -61,6 +69,7 @@ def sparse_mlp_train_fwd(
     """
     m, d = x.shape
     gated = gate_weight is not None
+    gate_weight, up_weight = _aligned(gate_weight), _aligned(up_weight)
     first = gate_weight if gated else up_weight
     values, columns, counts = gate_twell(x, first, threshold, tile=tile, slots=slots)
     row_flags = (counts > slots).any(1)
@@ -117,6 +126,7 @@ def sparse_mlp_train_bwd(
     h = up_weight.shape[0]
     gated = gate_weight is not None
     n_tiles = values.shape[1]
+    gate_weight, up_weight = _aligned(gate_weight), _aligned(up_weight)
     dy = dy.contiguous()
     down_t = down_weight.t().contiguous()
     dx = torch.empty_like(x)
