@@ -92,7 +92,7 @@ def plot_mlp(rows: list[dict], path: Path) -> Path:
 
 
 def _times(row: dict | None, key: str) -> str:
-    return f"{float(row[key]):.2f}x" if row else "–"
+    return f"{float(row[key]):.2f}x" if row and row[key] not in ("", None) else "–"
 
 
 def train_table(rows: list[dict]) -> str:
