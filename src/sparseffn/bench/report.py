@@ -145,7 +145,8 @@ def plot_train(rows: list[dict], path: Path) -> Path:
             points.sort()
             ms, speed, mem = zip(*points)
             axes[0][col].plot(ms, speed, "-o", label=f"nnz {nnz:g}")
-            axes[1][col].plot(ms, mem, "-s", label=f"nnz {nnz:g}")
+            if any(v == v for v in mem):  # no memory numbers off the GPU
+                axes[1][col].plot(ms, mem, "-s", label=f"nnz {nnz:g}")
         for row, label in ((0, "fwd+bwd speed-up vs dense autograd"), (1, "peak memory / dense")):
             ax = axes[row][col]
             ax.axhline(1.0, color="gray", lw=0.8)
@@ -153,7 +154,8 @@ def plot_train(rows: list[dict], path: Path) -> Path:
             ax.set_xlabel("tokens M")
             ax.set_ylabel(label)
             ax.set_title(f"D={d}, H={h}")
-            ax.legend(fontsize=7)
+            if ax.lines[1:]:
+                ax.legend(fontsize=7)
     gpu = rows[0]["gpu"] if rows else ""
     fig.suptitle(f"sparseffn MLP training step, {gpu}, git {rows[0]['git_sha'] if rows else ''}")
     fig.tight_layout()

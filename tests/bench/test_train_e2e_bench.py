@@ -1,0 +1,72 @@
+"""CPU runs of the training-step, end-to-end and quality harnesses (numbers meaningless on CPU; the
+tests check that the harnesses run end to end, check correctness first and write well-formed files)."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from sparseffn.bench.mlp_train import CSV_FIELDS as TRAIN_FIELDS
+from sparseffn.bench.mlp_train import TrainBenchConfig, run_train_bench
+from sparseffn.bench.report import e2e_table, plot_train, read_rows, train_table
+
+
+def test_train_bench_checks_gradients_and_writes_csv(tmp_path):
+    cfg = TrainBenchConfig(shapes="64x256", tokens="19", nnz="6,100", providers="dense,sparse", tile=64, slots=8,
+                           out_dir=str(tmp_path), git_sha="abc")
+    rows = run_train_bench(cfg, torch.device("cpu"), log=lambda _: None)
+    assert len(rows) == 4
+    written = read_rows(tmp_path / "cpu" / "mlp_train.csv")
+    assert tuple(written[0]) == TRAIN_FIELDS and len(written) == 4
+    for row in written:
+        assert row["within_bound"] == "True", row  # every provider's gradients checked against fp32 autograd
+        assert float(row["grad_rel_err"]) < 0.05 and float(row["median_ms"]) > 0
+    assert int(written[-1]["overflow_rows"]) > 0  # the dense case goes through the dense-rows backward
+    assert train_table(written).count("| 64×256 |") == 2
+    pytest.importorskip("matplotlib")
+    assert plot_train(written, tmp_path / "train.png").stat().st_size > 0
+
+
+def test_e2e_bench_runs_at_tiny_size_and_calibrates(tmp_path):
+    pytest.importorskip("transformers")
+    from sparseffn.bench.e2e import CSV_FIELDS, E2EBenchConfig, run_e2e_bench
+
+    cfg = E2EBenchConfig(model="tiny", target_nnz=12, batches="2", train_batches="2", seq_len=32, vocab_size=256,
+                         dtype="float32", warmup=1, reps=1, out_dir=str(tmp_path), git_sha="abc",
+                         calibration_batch_size=1)
+    rows = run_e2e_bench(cfg, torch.device("cpu"), log=lambda _: None)
+    written = read_rows(tmp_path / "cpu" / "e2e.csv")
+    assert tuple(written[0]) == CSV_FIELDS and len(written) == len(rows) == 4
+    assert {(r["phase"], r["provider"]) for r in written} == {(p, q) for p in ("forward", "train")
+                                                              for q in ("dense", "sparse")}
+    forward = [r for r in written if r["phase"] == "forward"]
+    for r in forward:
+        assert abs(float(r["mlp_nnz"]) - 12) <= 1.2  # calibrated on the measured sequences: within 10%
+        assert float(r["tokens_per_ms"]) > 0 and 0 < float(r["mlp_share"]) < 1
+    assert float(forward[1]["logits_rel_err"]) < 1e-5  # CPU: both providers run the same dense path
+    assert "| forward | 2×32 |" in e2e_table(written)
+
+
+def test_quality_summary_reads_runs(tmp_path):
+    from sparseffn.bench.quality import quality_table, summarize_runs
+
+    for lam, ce, nnz in ((0.0, 3.0, 100.0), (1e-3, 3.06, 5.0)):
+        run = tmp_path / f"l1_{lam}"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"model": "tiny", "batch_size": 2, "seq_len": 8,
+                                                     "sparsity": {"l1_coeff": lam, "reinit_dead": False}}))
+        rows = [{"kind": "train", "step": 10, "dead_frac_all": 0.25, "dead_frac": [0.25]},
+                {"kind": "eval", "step": 10, "eval_ce": ce, "eval_hidden": [200], "eval_nnz_mean_all": nnz,
+                 "eval_nnz_mean": [nnz], "eval_nnz_max": [150], "eval_zeros_pct": 100 - nnz / 2,
+                 "eval_overflow_rate_all": 0.1}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = summarize_runs([tmp_path / "l1_0.001", tmp_path / "l1_0.0"])
+    assert [r["l1_coeff"] for r in rows] == [0.0, 1e-3]
+    assert rows[1]["ce_increase_pct"] == pytest.approx(2.0) and rows[1]["nnz_pct_of_h"] == 2.5
+    assert "| 0.001 | no | 3.0600 | +2.00% |" in quality_table(rows)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no eval or train rows"):
+        summarize_runs([tmp_path / "empty"])
