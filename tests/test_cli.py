@@ -17,8 +17,8 @@ def test_env_reports_versions_gpu_and_triton_mode():
         assert ("interpreted" in text) == (os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def test_demo_runs_and_verifies(capsys):
-    assert main(["demo", "--tokens", "300", "--d-model", "64", "--hidden", "512", "--mean-nnz", "12"]) == 0
+def test_pack_demo_runs_and_verifies(capsys):
+    assert main(["pack-demo", "--tokens", "300", "--d-model", "64", "--hidden", "512", "--mean-nnz", "12"]) == 0
     out = capsys.readouterr().out
     assert "round trip bit-exact  True" in out
     assert "overflow rows" in out

@@ -1,4 +1,4 @@
-"""`sparseffn` command line: demo, bench, env."""
+"""`sparseffn` command line: demo, train, eval, pack-demo, bench, env."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _cmd_env(_: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_pack_demo(args: argparse.Namespace) -> int:
     from sparseffn.bench.pack_demo import PackDemoConfig, run_pack_demo
 
     cfg = PackDemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PackDemoConfig)})
@@ -67,17 +67,80 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.synthetic:
+        from sparseffn.bench.pack_demo import PackDemoConfig, run_pack_demo
+
+        result = run_pack_demo(PackDemoConfig())
+        print("\n".join(result.lines))
+        return 0 if result.ok else 1
+    from sparseffn.train.config import config_from_flags
+    from sparseffn.train.demo import DEMO_CONFIG, run_demo
+
+    cfg = config_from_flags(args, DEMO_CONFIG)
+    result = run_demo(cfg, progress=args.progress, generate_tokens=args.generate_tokens)
+    return 0 if result.ok else 1
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sparseffn.train.config import TrainConfig, config_from_flags
+    from sparseffn.train.loop import train
+
+    if args.resume:
+        folder = Path(args.resume)
+        base = TrainConfig.load(folder)
+        if args.config is not None:
+            raise SystemExit("sparseffn train: --config and --resume exclude each other (a resumed run uses its "
+                             "own config.json)")
+        cfg = config_from_flags(args, base.replace(out_dir=str(folder)))
+        if cfg.out_dir != str(folder):
+            raise SystemExit(f"sparseffn train: --out-dir {cfg.out_dir} differs from the run being resumed ({folder})")
+    else:
+        base = TrainConfig.load(args.config) if args.config is not None else TrainConfig()
+        cfg = config_from_flags(args, base)
+    result = train(cfg, resume=bool(args.resume), overwrite=args.overwrite, progress=args.progress)
+    if result.final_eval is not None:
+        print(f"held-out CE {result.final_eval.ce:.4f} (perplexity {result.final_eval.ppl:.2f}), "
+              f"{result.final_eval.stats.zeros_pct:.2f}% zeros; run in {result.out_dir}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from sparseffn.train.eval import run_eval
+
+    _, lines, _ = run_eval(args.ckpt, data=args.data, eval_fraction=args.eval_fraction, seq_len=args.seq_len,
+                           batches=args.batches, batch_size=args.batch_size, device=args.device,
+                           out_dir=args.out_dir)
+    print("\n".join(lines))
+    return 0
+
+
 def _cmd_bench_mlp(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from sparseffn.bench.mlp import MLPBenchConfig, run_mlp_bench
-    from sparseffn.bench.report import mlp_table, plot_mlp
+    from sparseffn.bench.mlp_train import TrainBenchConfig, run_train_bench
+    from sparseffn.bench.report import mlp_table, plot_mlp, plot_train, train_table
     from sparseffn.bench.timing import device_slug
 
     import torch
 
-    cfg = MLPBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MLPBenchConfig)})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.train:
+        # The flags are `bench mlp`'s; those left at their inference defaults take the training defaults.
+        defaults = MLPBenchConfig()
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainBenchConfig)
+                 if getattr(args, f.name) != getattr(defaults, f.name)}
+        cfg = TrainBenchConfig(**given)
+        rows = run_train_bench(cfg, device)
+        folder = Path(cfg.out_dir) / device_slug(device)
+        plot_train(rows, folder / "mlp_train.png")
+        print(train_table(rows))
+        print(f"wrote {folder / 'mlp_train.csv'} and {folder / 'mlp_train.png'}")
+        return 0
+    cfg = MLPBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MLPBenchConfig)})
     rows = run_mlp_bench(cfg, device)
     folder = Path(cfg.out_dir) / device_slug(device)
     plot_mlp(rows, folder / "mlp.png")
@@ -86,37 +149,123 @@ def _cmd_bench_mlp(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_report(args: argparse.Namespace) -> int:
+def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from sparseffn.bench.report import mlp_table, plot_mlp, read_rows, replace_block
+    from sparseffn.bench.e2e import E2EBenchConfig, run_e2e_bench
+    from sparseffn.bench.report import e2e_table, plot_e2e
+    from sparseffn.bench.timing import device_slug
 
-    csv_path = Path(args.csv)
-    rows = read_rows(csv_path)
-    plot_mlp(rows, csv_path.with_suffix(".png"))
+    import torch
+
+    cfg = E2EBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(E2EBenchConfig)})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = run_e2e_bench(cfg, device)
+    folder = Path(cfg.out_dir) / device_slug(device)
+    plot_e2e(rows, folder / "e2e.png")
+    print(e2e_table(rows))
+    print(f"wrote {folder / 'e2e.csv'} and {folder / 'e2e.png'}")
+    return 0
+
+
+def _cmd_bench_report(args: argparse.Namespace) -> int:
+    """Every README table whose CSV exists in --results-dir, regenerated with its PNG."""
+    from pathlib import Path
+
+    from sparseffn.bench import quality
+    from sparseffn.bench.report import (e2e_table, mlp_table, plot_e2e, plot_mlp, plot_train, read_rows,
+                                        replace_block, train_table)
+
+    folder = Path(args.results_dir)
+    blocks = {
+        "mlp": ("mlp.csv", mlp_table, plot_mlp),
+        "train": ("mlp_train.csv", train_table, plot_train),
+        "e2e": ("e2e.csv", e2e_table, plot_e2e),
+        "quality": ("quality.csv", quality.quality_table, quality.plot_quality),
+    }
     readme = Path(args.readme)
-    readme.write_text(replace_block(readme.read_text(), "mlp", mlp_table(rows)))
-    print(f"updated {readme} and {csv_path.with_suffix('.png')} from {csv_path}")
+    text = readme.read_text()
+    found = []
+    for name, (csv_name, table, plot) in blocks.items():
+        csv_path = folder / csv_name
+        if not csv_path.is_file():
+            continue
+        rows = read_rows(csv_path)
+        plot(rows, csv_path.with_suffix(".png"))
+        text = replace_block(text, name, table(rows))
+        found.append(csv_name)
+    if not found:
+        raise FileNotFoundError(f"no benchmark CSV ({', '.join(b[0] for b in blocks.values())}) in {folder}")
+    readme.write_text(text)
+    print(f"updated {readme} and the PNGs from {', '.join(found)} in {folder}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sparseffn.bench.e2e import E2EBenchConfig
     from sparseffn.bench.mlp import MLPBenchConfig
     from sparseffn.bench.pack_demo import PackDemoConfig
+    from sparseffn.train.config import TrainConfig, add_config_flags
+    from sparseffn.train.demo import DEMO_CONFIG
 
     parser = argparse.ArgumentParser(prog="sparseffn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print versions, GPU and Triton mode")
     env.set_defaults(func=_cmd_env)
-    demo = sub.add_parser("demo", help="pack a realistic synthetic activation into TwELL and verify the sparse MLP")
-    _add_dataclass_flags(demo, PackDemoConfig)
+
+    demo = sub.add_parser(
+        "demo", help="train the tiny model with L1 on the embedded corpus, show its sparsity, pack its real "
+        "activations into TwELL, generate text (a few minutes on a CPU)",
+        description="Every training flag works here too, with the demo's defaults (shown).")
+    demo.add_argument("--synthetic", action="store_true",
+                      help="run the synthetic TwELL packing demo instead (`sparseffn pack-demo` takes its flags)")
+    demo.add_argument("--generate-tokens", type=int, default=48, help="tokens generated per sample (default: 48)")
+    demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    add_config_flags(demo, TrainConfig, defaults=DEMO_CONFIG)
     demo.set_defaults(func=_cmd_demo)
+
+    pack = sub.add_parser("pack-demo",
+                          help="pack a realistic synthetic activation into TwELL and verify the sparse MLP")
+    _add_dataclass_flags(pack, PackDemoConfig)
+    pack.set_defaults(func=_cmd_pack_demo)
+
+    tr = sub.add_parser("train", help="train a sparse model (ReLU + L1); under torchrun: DDP or FSDP",
+                        description="Flags map onto TrainConfig and SparsityConfig fields; the resolved config is "
+                        "saved as OUT_DIR/config.json.")
+    tr.add_argument("--config", default=None, help="start from this config.json instead of the defaults")
+    tr.add_argument("--resume", default=None, metavar="RUN_DIR",
+                    help="continue the run in RUN_DIR from its newest checkpoint (exactly as if never stopped)")
+    tr.add_argument("--overwrite", action="store_true", help="delete an earlier run's files in --out-dir first")
+    tr.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    add_config_flags(tr, TrainConfig, defaults=TrainConfig())
+    tr.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="held-out perplexity and per-layer sparsity of a trained model (table + PNG)")
+    ev.add_argument("ckpt", metavar="CKPT", help="a run directory, its model/ folder or a checkpoints/step_*.pt file")
+    ev.add_argument("--data", default=None, help="text file or directory (default: the run's data)")
+    ev.add_argument("--eval-fraction", type=float, default=None,
+                    help="held-out tail of each document (default: the run's)")
+    ev.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the run's)")
+    ev.add_argument("--batches", type=int, default=None, help="batches of windows (default: the run's eval_batches)")
+    ev.add_argument("--batch-size", type=int, default=None, help="windows per batch (default: the run's)")
+    ev.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    ev.add_argument("--out-dir", default=None, help="where eval.json and eval_layers.png go (default: RUN/eval)")
+    ev.set_defaults(func=_cmd_eval)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    mlp = bench.add_parser("mlp", help="sparse MLP inference vs dense torch (CSV + PNG under --out-dir)")
+    mlp = bench.add_parser("mlp", help="sparse MLP inference (or, with --train, a training step) vs dense torch "
+                                       "(CSV + PNG under --out-dir)")
     _add_dataclass_flags(mlp, MLPBenchConfig)
+    mlp.add_argument("--train", action="store_true",
+                     help="forward + backward with the L1 penalty, with peak memory (defaults: tokens 4096,16384,65536; "
+                          "providers dense,dense_compiled,sparse)")
     mlp.set_defaults(func=_cmd_bench_mlp)
-    report = bench.add_parser("report", help="regenerate the README table and PNG from a benchmark CSV")
-    report.add_argument("--csv", default="benchmarks/results/h200/mlp.csv")
+    e2e = bench.add_parser("e2e", help="whole model, dense vs sparse MLPs: prefill and training throughput, memory, "
+                                       "energy (CSV + PNG under --out-dir)")
+    _add_dataclass_flags(e2e, E2EBenchConfig)
+    e2e.set_defaults(func=_cmd_bench_e2e)
+    report = bench.add_parser("report", help="regenerate the README tables and PNGs from the benchmark CSVs")
+    report.add_argument("--results-dir", default="benchmarks/results/h200")
     report.add_argument("--readme", default="README.md")
     report.set_defaults(func=_cmd_bench_report)
     return parser
