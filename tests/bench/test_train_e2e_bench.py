@@ -1,7 +1,6 @@
 """CPU runs of the training-step, end-to-end and quality harnesses (numbers meaningless on CPU; the
 tests check that the harnesses run end to end, check correctness first and write well-formed files)."""
 
-import csv
 import json
 
 import pytest

@@ -27,7 +27,6 @@ only ratios from one run are comparable.
 
 from __future__ import annotations
 
-import csv
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from sparseffn.bench.common import ints, write_csv
 from sparseffn.bench.timing import device_slug, run_metadata
 from sparseffn.ops.sparse_mlp import AUTO_MIN_TOKENS
 
@@ -63,10 +63,6 @@ class E2EBenchConfig:
     seed: int = 0
     out_dir: str = "benchmarks/results"
     git_sha: str = ""
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def _time(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> list[float]:
@@ -201,7 +197,7 @@ def run_e2e_bench(cfg: E2EBenchConfig, device: torch.device | None = None,
         mean_nnz, target = float("nan"), float("nan")
     else:
         raise ValueError(f"model must be one of {MODEL_NAMES} or a checkpoint directory, got {cfg.model!r}")
-    sample = torch.randint(vocab, (max(_ints(cfg.batches) + _ints(cfg.train_batches)), cfg.seq_len),
+    sample = torch.randint(vocab, (max(ints(cfg.batches) + ints(cfg.train_batches)), cfg.seq_len),
                            generator=gen).to(device)
     if cfg.model in MODEL_NAMES:
         # Calibrated on the very sequences measured: within a sequence, attention gives every position a
@@ -227,7 +223,7 @@ def run_e2e_bench(cfg: E2EBenchConfig, device: torch.device | None = None,
 
     model.eval()
     set_track_l1(model, False)  # inference: no L1 penalty, so the lighter inference kernels run
-    for batch in _ints(cfg.batches):
+    for batch in ints(cfg.batches):
         ids = sample[:batch]
         logit_batch = min(batch, -(-AUTO_MIN_TOKENS // cfg.seq_len))
         results = {}
@@ -256,38 +252,44 @@ def run_e2e_bench(cfg: E2EBenchConfig, device: torch.device | None = None,
         rows += _rows(common, "forward", batch, cfg.seq_len, results, err, activity)
         log(_summary("forward", batch, cfg.seq_len, results) + f"; MLP activity: mean {activity[0]:.1f} "
             f"max {activity[1]} non-zeros per token, {100 * activity[2]:.2f}% of tokens overflow a TwELL tile")
-        _write_csv(rows, csv_path)
+        write_csv(rows, csv_path, CSV_FIELDS)
 
     model.train()
     set_track_l1(model, True)
-    for batch in _ints(cfg.train_batches):
+    for batch in ints(cfg.train_batches):
         ids = sample[:batch]
         results = {}
         for provider, mode in (("dense", "dense"), ("sparse", "auto")):
             _set_mode(mlps, mode)
-            params = [p for p in model.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=0.0, weight_decay=0.1, foreach=True)
-
-            def step():
-                out = model(ids, labels=ids)
-                loss = out.loss + cfg.l1_coeff * collect_l1(model)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
+            step = _train_step(model, ids, cfg.l1_coeff, collect_l1)
             peak = _peak_mib(step, device)
             e0 = energy.read()
             times = _time(step, device, cfg.warmup, cfg.reps)
             e1 = energy.read()
             results[provider] = (statistics.median(times), peak, None if e0 is None else (e1 - e0) / cfg.reps,
                                  float("nan"), _mode_used(mlps[0], ids, device, training=True))
-            del opt
+            del step  # and with it the optimizer's state, before the next provider's peak is measured
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         rows += _rows(common, "train", batch, cfg.seq_len, results, float("nan"), None)
         log(_summary("train", batch, cfg.seq_len, results))
-        _write_csv(rows, csv_path)
+        write_csv(rows, csv_path, CSV_FIELDS)
     return rows
+
+
+def _train_step(model, ids, l1_coeff: float, collect_l1) -> Callable[[], None]:
+    """One training step on ids with a fresh AdamW at lr = 0 (the weights, so the sparsity, stay put)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.0, weight_decay=0.1, foreach=True)
+
+    def step():
+        out = model(ids, labels=ids)
+        loss = out.loss + l1_coeff * collect_l1(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 def _mode_used(mlp, ids, device, training: bool = False) -> str:
@@ -330,11 +332,3 @@ def _summary(phase, batch, seq_len, results) -> str:
     return (f"{phase} {batch}x{seq_len}: dense {tokens / dense[0]:.1f} tok/ms {dense[1]:.0f} MiB, sparse "
             f"{tokens / sparse[0]:.1f} tok/ms ({dense[0] / sparse[0]:.2f}x, mlp mode {sparse[4]}) {sparse[1]:.0f} MiB "
             f"({sparse[1] / dense[1]:.2f}x)")
-
-
-def _write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)

@@ -17,7 +17,6 @@ with the GPU name, versions and git sha.
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from sparseffn.bench.common import ints, rel_err, shapes, write_csv
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.bench.timing import device_slug, run_metadata, time_fn
 from sparseffn.kernels.gate_twell import gate_twell
@@ -54,22 +54,6 @@ class MLPBenchConfig:
     rep_ms: int = 200
     out_dir: str = "benchmarks/results"
     git_sha: str = ""  # empty: read from git (pass it where the tree travels without .git)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def _shapes(text: str) -> list[tuple[int, int]]:
-    out = []
-    for item in text.split(","):
-        d, _, h = item.strip().partition("x")
-        out.append((int(d), int(h)))
-    return out
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
 def _providers(mlp, weights: SparseMLPWeights, expected_nnz: float, tile: int, slots: int,
@@ -113,12 +97,12 @@ def run_mlp_bench(cfg: MLPBenchConfig, device: torch.device | None = None, log: 
         meta["git_sha"] = cfg.git_sha
     rows: list[dict] = []
     csv_path = Path(cfg.out_dir) / device_slug(device) / "mlp.csv"
-    for d, h in _shapes(cfg.shapes):
-        for target in _ints(cfg.nnz):
-            for m in _ints(cfg.tokens):
+    for d, h in shapes(cfg.shapes):
+        for target in ints(cfg.nnz):
+            for m in ints(cfg.tokens):
                 mlp = synthetic_mlp(m, d, h, min(target, h), dtype=dtype, device=device, seed=cfg.seed)
                 rows += _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense)
-                _write_csv(rows, csv_path)  # after every case: a run cut short keeps what it measured
+                write_csv(rows, csv_path, CSV_FIELDS)  # after every case: a run cut short keeps what it measured
                 del mlp
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -141,7 +125,7 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
     }
     providers = _providers(mlp, weights, stats["mean_nnz"], cfg.tile, cfg.slots, compiled_dense)
     dense_out = providers["dense"]()
-    dense_err = _rel_err(dense_out, ref)
+    dense_err = rel_err(dense_out, ref)
     floor = torch.finfo(x.dtype).eps / 2
     results = {}
     for name in wanted:
@@ -150,7 +134,7 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
         mode = ""
         err = float("nan")
         if not name.startswith("gate_"):
-            err = _rel_err(out, ref)
+            err = rel_err(out, ref)
         if name in ("sparse", "auto"):
             mode = "sparse" if name == "sparse" else choose_mode(x, mlp.up_weight, mode="auto",
                                                                   expected_nnz=stats["mean_nnz"]).mode
@@ -172,11 +156,3 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
                    f"vs dense {dense_err:.1e})"
     log(summary)
     return rows
-
-
-def _write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)

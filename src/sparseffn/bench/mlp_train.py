@@ -18,13 +18,13 @@ the gradients it returns.
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from sparseffn.bench.common import ints, rel_err, shapes, write_csv
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.bench.timing import device_slug, run_metadata, time_fn
 from sparseffn.kernels.gate_twell import gate_twell
@@ -55,18 +55,6 @@ class TrainBenchConfig:
     rep_ms: int = 200
     out_dir: str = "benchmarks/results"
     git_sha: str = ""
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def _shapes(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(v) for v in item.strip().split("x")) for item in text.split(",") if item.strip()]
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
 def _reference(params: list[torch.Tensor], gated: bool, dy: torch.Tensor, coeff: float):
@@ -132,12 +120,12 @@ def run_train_bench(cfg: TrainBenchConfig, device: torch.device | None = None,
     compiled_dense = torch.compile(dense_mlp, dynamic=False)
     rows: list[dict] = []
     csv_path = Path(cfg.out_dir) / device_slug(device) / "mlp_train.csv"
-    for d, h in _shapes(cfg.shapes):
-        for target in _ints(cfg.nnz):
-            for m in _ints(cfg.tokens):
+    for d, h in shapes(cfg.shapes):
+        for target in ints(cfg.nnz):
+            for m in ints(cfg.tokens):
                 mlp = synthetic_mlp(m, d, h, min(target, h), dtype=dtype, device=device, seed=cfg.seed)
                 rows += _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense)
-                _write_csv(rows, csv_path)
+                write_csv(rows, csv_path, CSV_FIELDS)
                 del mlp
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -165,8 +153,8 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
     results = {}
     for name in dict.fromkeys(["dense", *wanted]):
         l1, grads = steps[name]()
-        l1_err = _rel_err(l1, ref_l1)
-        grad_err = max(_rel_err(g, r) for g, r in zip(grads, ref_grads))
+        l1_err = rel_err(l1, ref_l1)
+        grad_err = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
         del l1, grads
         peak = _peak_mib(steps[name], device)
         results[name] = (time_fn(steps[name], device, rep_ms=cfg.rep_ms), peak, l1_err, grad_err)
@@ -190,11 +178,3 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
                 f"({peak / base_peak:.2f}x), grad err {grad_err:.1e} vs dense {dense_err:.1e}"
     log(line)
     return rows
-
-
-def _write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)

@@ -9,9 +9,10 @@ Output: a long CSV (one row per run), a README table and a PNG (CE vs sparsity, 
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
+
+from sparseffn.bench import common
 
 CSV_FIELDS = (
     "run", "model", "l1_coeff", "reinit_dead", "steps", "tokens_per_step", "eval_ce", "ce_increase_pct",
@@ -63,14 +64,7 @@ def summarize_runs(run_dirs: list[str | Path], git_sha: str = "") -> list[dict]:
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
-
+    return common.write_csv(rows, path, CSV_FIELDS)
 
 def quality_table(rows: list[dict], conditions: str = "") -> str:
     head = (f"{conditions}\n\n" if conditions else "") + (

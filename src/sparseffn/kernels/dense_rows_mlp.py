@@ -360,7 +360,8 @@ def _check_weight(t: object, name: str, h: int | None, x: torch.Tensor) -> torch
     return t
 
 
-def _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold, out, row_l1, config):
+def check_rows_and_weights(x, row_flags, gate_weight, up_weight, down_weight_t, threshold) -> tuple[int, int, int]:
+    """(M, D, H) after the checks every dense-rows launcher shares (x, row flags, weights, θ)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -394,6 +395,11 @@ def _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold
             raise ValueError(f"threshold must have shape [H] = [{h}], got {list(threshold.shape)}")
         if threshold.device != x.device:
             raise ValueError(f"threshold must be on x's device {x.device}, got {threshold.device}")
+    return m, d, h
+
+
+def _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold, out, row_l1, config):
+    m, d, h = check_rows_and_weights(x, row_flags, gate_weight, up_weight, down_weight_t, threshold)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != (m, d):

@@ -117,12 +117,11 @@ from sparseffn.kernels._runtime import interpreting, num_sms
 from sparseffn.kernels.dense_rows_mlp import (
     _COMPACT_BLOCK,
     _COMPACT_WARPS,
-    _FLAG_DTYPES,
     _INTERPRETER_PROGRAMS,
     _TRITON_DTYPE,
     _aligned_rows,
-    _check_weight,
     _compact_rows_kernel,
+    check_rows_and_weights,
     _mma,
     cuda_supported,
 )
@@ -590,17 +589,7 @@ def _check_acc(t: object, name: str, h: int, d: int, device: torch.device) -> No
 
 def _check_inputs(x, dy, row_flags, gate_weight, up_weight, down_weight_t, threshold, l1_grad,
                   dx_out, grad_gate_acc, grad_up_acc, grad_down_t_acc, config):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
-    if x.dtype not in _TRITON_DTYPE:
-        raise TypeError(f"x must be torch.bfloat16 or torch.float16, got {x.dtype}")
-    if not x.is_cuda and not interpreting():
-        raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
-    m, d = x.shape
-    if m >= 2**31:
-        raise ValueError(f"x must have fewer than 2**31 rows, got {m}")
+    m, d, h = check_rows_and_weights(x, row_flags, gate_weight, up_weight, down_weight_t, threshold)
     for name, t in (("dy", dy), ("dx_out", dx_out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -612,28 +601,6 @@ def _check_inputs(x, dy, row_flags, gate_weight, up_weight, down_weight_t, thres
             raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
     if d > 1 and dx_out.stride(1) != 1:
         raise ValueError(f"dx_out must have unit stride along D, got strides {list(dx_out.stride())}")
-    if not isinstance(row_flags, torch.Tensor):
-        raise TypeError(f"row_flags must be a torch.Tensor, got {type(row_flags).__name__}")
-    if tuple(row_flags.shape) != (m,):
-        raise ValueError(f"row_flags must have shape [M] = [{m}], got {list(row_flags.shape)}")
-    if row_flags.dtype not in _FLAG_DTYPES:
-        raise TypeError(f"row_flags must be bool or an integer dtype, got {row_flags.dtype}")
-    if row_flags.device != x.device:
-        raise ValueError(f"row_flags must be on x's device {x.device}, got {row_flags.device}")
-    _check_weight(up_weight, "up_weight", None, x)
-    h = up_weight.shape[0]
-    if gate_weight is not None:
-        _check_weight(gate_weight, "gate_weight", h, x)
-    _check_weight(down_weight_t, "down_weight_t", h, x)
-    if threshold is not None:
-        if not isinstance(threshold, torch.Tensor):
-            raise TypeError(f"threshold must be None or a torch.Tensor, got {type(threshold).__name__}")
-        if threshold.dtype != torch.float32:
-            raise TypeError(f"threshold must be torch.float32, got {threshold.dtype}")
-        if tuple(threshold.shape) != (h,):
-            raise ValueError(f"threshold must have shape [H] = [{h}], got {list(threshold.shape)}")
-        if threshold.device != x.device:
-            raise ValueError(f"threshold must be on x's device {x.device}, got {threshold.device}")
     if l1_grad is not None:
         if not isinstance(l1_grad, torch.Tensor):
             raise TypeError(f"l1_grad must be None or a torch.Tensor, got {type(l1_grad).__name__}")

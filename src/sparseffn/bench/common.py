@@ -1,0 +1,39 @@
+"""Small pieces every benchmark shares: list flags, the relative error, the long-format CSV."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import torch
+
+
+def ints(text: str) -> list[int]:
+    """'1,16,256' -> [1, 16, 256]."""
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def shapes(text: str) -> list[tuple[int, int]]:
+    """'2048x5632,4096x14336' -> [(2048, 5632), (4096, 14336)] (D x H)."""
+    out = []
+    for item in text.split(","):
+        if item.strip():
+            d, _, h = item.strip().partition("x")
+            out.append((int(d), int(h)))
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in fp32."""
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def write_csv(rows: list[dict], path: Path, fields: tuple[str, ...]) -> Path:
+    """Rewrite the whole CSV (called after every case, so a run cut short keeps what it measured)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
