@@ -39,6 +39,10 @@ MODES = ("auto", "sparse", "dense")
 # - density: sparse lost at 110 non-zeros per token on both shapes (break-even ~69 at D=2048/H=5632,
 #   ~83 at D=4096/H=14336, whose gathered weights no longer fit L2).
 AUTO_MIN_TOKENS = 8192
+# Training calls (gradients or return_l1), from `bench mlp --train` and `bench e2e` on the H200: the
+# step won at 16384 tokens (1.41x) and lost at 4096 (0.47x, host-bound); at 8192 the 2B model's whole
+# training step came out 0.97x with the MLPs ~41% of it, i.e. the MLP itself ~0.94x. So 16384.
+AUTO_MIN_TOKENS_TRAIN = 16384
 AUTO_MAX_MEAN_NNZ = 64.0
 AUTO_MAX_MEAN_NNZ_FRACTION = 0.01  # of H: small-H models break even at lower counts
 
@@ -92,6 +96,9 @@ def choose_mode(
     if not x.is_cuda:
         return ModeDecision("dense", "auto mode never interprets kernels on CPU")
     tokens = x.numel() // max(x.shape[-1], 1)
+    if (needs_grad or return_l1) and tokens < AUTO_MIN_TOKENS_TRAIN:
+        return ModeDecision("dense", f"{tokens} tokens < {AUTO_MIN_TOKENS_TRAIN}: too few for the training kernels "
+                                     "to pay (measured break-even between 8192 and 16384)")
     if tokens < AUTO_MIN_TOKENS:
         return ModeDecision("dense", f"{tokens} tokens < {AUTO_MIN_TOKENS}: too few to fill the GPU (no decode kernel)")
     limit = min(AUTO_MAX_MEAN_NNZ, AUTO_MAX_MEAN_NNZ_FRACTION * up_weight.shape[0])
