@@ -1,3 +1,4 @@
+import pytest
 import os
 import subprocess
 import sys
@@ -31,3 +32,17 @@ def test_console_entry_point_runs_as_module():
     assert "triton mode" in result.stdout
     bad = subprocess.run([sys.executable, "-m", "sparseffn", "nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_bench_mlp_train_then_report_regenerates_the_readme_table(tmp_path, capsys):
+    args = ["bench", "mlp", "--train", "--shapes", "64x256", "--tokens", "19", "--nnz", "6",
+            "--providers", "dense,sparse", "--tile", "64", "--slots", "8", "--out-dir", str(tmp_path), "--git-sha", "t1"]
+    assert main(args) == 0
+    assert "| 64×256 | " in capsys.readouterr().out
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- bench:train -->\nold\n<!-- /bench:train -->\n")
+    assert main(["bench", "report", "--results-dir", str(tmp_path / "cpu"), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old" not in text and "git t1" in text and "| 64×256 | 6." in text
+    with pytest.raises(FileNotFoundError, match="no benchmark CSV"):
+        main(["bench", "report", "--results-dir", str(tmp_path / "nothing"), "--readme", str(readme)])
