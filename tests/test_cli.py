@@ -1,7 +1,8 @@
-import pytest
 import os
 import subprocess
 import sys
+
+import pytest
 
 from sparseffn.cli import env_report, main
 
