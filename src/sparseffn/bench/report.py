@@ -166,6 +166,12 @@ def plot_train(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def _activity(row: dict) -> str:
+    if not row.get("mlp_nnz"):
+        return "–"
+    return f"{float(row['mlp_nnz']):.1f} ({row['mlp_max_nnz']}), {float(row['overflow_pct']):.2f}% of tokens"
+
+
 def e2e_table(rows: list[dict]) -> str:
     """Headline table of `bench e2e`: throughput, memory and energy, sparse vs dense, per phase and batch."""
     if not rows:
@@ -179,8 +185,8 @@ def e2e_table(rows: list[dict]) -> str:
         "(`logits_to_keep=1`, no grad); train = forward + backward + AdamW step with the L1 penalty. Dense = the "
         "same model with its MLPs in `mode=\"dense\"`; median of CUDA-event timings, same run.\n\n"
         "| phase | tokens | dense tok/ms | sparse tok/ms | speed-up | MLP share of dense | peak mem sparse/dense "
-        "| energy/token sparse/dense | logits rel. err |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        "| energy/token sparse/dense | logits rel. err | MLP nnz/token: mean (max), TwELL overflow |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [header]
     by_case: dict[tuple, dict[str, dict]] = defaultdict(dict)
@@ -195,7 +201,8 @@ def e2e_table(rows: list[dict]) -> str:
         lines.append(
             f"| {phase} | {batch}×{dense['seq_len']} | {float(dense['tokens_per_ms']):.1f} "
             f"| {float(sparse['tokens_per_ms']):.1f} | {float(sparse['speedup_vs_dense']):.3f}x | {share} "
-            f"| {_times(sparse, 'peak_vs_dense')} | {energy} | {sparse['logits_rel_err'] or '–'} |"
+            f"| {_times(sparse, 'peak_vs_dense')} | {energy} | {sparse['logits_rel_err'] or '–'} "
+            f"| {_activity(sparse)} |"
         )
     return "\n".join(lines)
 
