@@ -267,3 +267,26 @@ def test_sparse_path_caches_prepared_weights():
         assert not torch.equal(y2, y)
         sparse.release_cache_()
         assert sparse._prepared is None
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or the Triton interpreter",
+)
+def test_autocast_training_reaches_the_kernels_with_fp32_master_weights():
+    # fp32 weights under bf16 autocast: the module casts x and the weights itself, so mode="sparse"
+    # runs the training kernels, and the gradients reach the fp32 parameters through the casts.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = _llama_mlp().to(device)
+    sparse, dense = SparseMLP.from_dense(hf, mode="sparse"), SparseMLP.from_dense(copy.deepcopy(hf), mode="dense")
+    x = _x(24, seed=3).to(device)
+    grads = []
+    for module in (sparse, dense):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = module(x)
+            loss = y.float().square().mean() + 0.1 * module.last_l1
+        params = [module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight]
+        grads.append(torch.autograd.grad(loss, params))
+        assert y.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads[-1])
+    for got, want in zip(*grads):
+        assert float((got - want).norm() / want.norm()) < 2e-2  # both bf16 computations of the same function
