@@ -1,4 +1,4 @@
-"""Launch-time facts the kernel launchers share."""
+"""What the kernel files share: launch-time facts, the dtypes they take, one MMA helper."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
+
+# Activation dtypes every kernel takes, and their names in Triton signatures (sm_90a compile specs).
+DTYPES = (torch.bfloat16, torch.float16)
+TL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def interpreting() -> bool:
@@ -21,3 +27,14 @@ def _sm_count(device_index: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached: launchers call this on every launch)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def mma(a, b, acc, DOT_IN_FP32: tl.constexpr):
+    """acc + a @ b, fp32 accumulation (a, b in a 16-bit dtype). DOT_IN_FP32 (set when interpreting,
+    where 16-bit tl.dot is wrong) multiplies fp32 copies of the operands exactly instead."""
+    if DOT_IN_FP32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc

@@ -95,11 +95,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import interpreting, num_sms
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, interpreting, mma, num_sms
 
 __all__ = ["DenseRowsConfig", "default_config", "dense_rows_mlp", "sm90_compile_specs"]
 
-_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _FLAG_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _COMPACT_BLOCK = 2048  # flags per step of the one-program scan
 _COMPACT_WARPS = 8
@@ -123,16 +122,6 @@ def _compact_rows_kernel(flags_ptr, ids_ptr, count_ptr, M, stride_f, BLOCK: tl.c
         tl.store(ids_ptr + slot, rows, mask=keep != 0)
         total += tl.sum(keep, 0)
     tl.store(count_ptr, total)
-
-
-@triton.jit
-def _mma(a, b, acc, DOT_IN_FP32: tl.constexpr):
-    """acc + a @ b, fp32 accumulation (a, b in a 16-bit dtype)."""
-    if DOT_IN_FP32:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
 
 
 @triton.jit
@@ -193,10 +182,10 @@ def _mlp_tile(
                          other=0.0)  # [BLOCK_R, BLOCK_K]
             w_mask = h_ok[:, None] & k_ok[None, :]
             wf = tl.load(f_rows[:, None] + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_H, BLOCK_K]
-            g = _mma(wf, tl.trans(xt), g, DOT_IN_FP32)
+            g = mma(wf, tl.trans(xt), g, DOT_IN_FP32)
             if GATED:
                 wu = tl.load(u_rows[:, None] + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_H, BLOCK_K]
-                u = _mma(wu, tl.trans(xt), u, DOT_IN_FP32)
+                u = mma(wu, tl.trans(xt), u, DOT_IN_FP32)
 
         # ---- h^T = relu(g^T - θ) (* u^T), fp32; NaN stays NaN ---------------------------------------
         if HAS_THRESHOLD:
@@ -222,12 +211,12 @@ def _mlp_tile(
         lo = (h - hi.to(tl.float32)).to(low)  # [BLOCK_H, BLOCK_R] the rounding error of hi
         if SCALE_H:
             part = tl.zeros((BLOCK_DY, BLOCK_R), dtype=tl.float32)  # [BLOCK_DY, BLOCK_R] scaled y^T
-            part = _mma(down_t, hi, part, DOT_IN_FP32)
-            part = _mma(down_t, lo, part, DOT_IN_FP32)
+            part = mma(down_t, hi, part, DOT_IN_FP32)
+            part = mma(down_t, lo, part, DOT_IN_FP32)
             acc += part * scale[None, :]
         else:
-            acc = _mma(down_t, hi, acc, DOT_IN_FP32)
-            acc = _mma(down_t, lo, acc, DOT_IN_FP32)
+            acc = mma(down_t, hi, acc, DOT_IN_FP32)
+            acc = mma(down_t, lo, acc, DOT_IN_FP32)
 
     out_rows = out_ptr + rows * stride_om  # [BLOCK_R]
     if ALIGNED:
@@ -366,7 +355,7 @@ def check_rows_and_weights(x, row_flags, gate_weight, up_weight, down_weight_t, 
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
-    if x.dtype not in _TRITON_DTYPE:
+    if x.dtype not in DTYPES:
         raise TypeError(f"x must be torch.bfloat16 or torch.float16, got {x.dtype}")
     if not x.is_cuda and not interpreting():
         raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
@@ -561,7 +550,7 @@ def sm90_compile_specs(with_options: bool = False):
     variants.append((2048, True, True))
     for d, aligned, write_l1 in variants:
         cfg = default_config(d, cuda=True)
-        for dtype, ty in _TRITON_DTYPE.items():
+        for dtype, ty in TL_DTYPES.items():
             for gated in (True, False):
                 for has_threshold in (False, True):
                     signature = {

@@ -113,16 +113,14 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import interpreting, num_sms
+from sparseffn.kernels._runtime import TL_DTYPES, interpreting, mma, num_sms
 from sparseffn.kernels.dense_rows_mlp import (
     _COMPACT_BLOCK,
     _COMPACT_WARPS,
     _INTERPRETER_PROGRAMS,
-    _TRITON_DTYPE,
     _aligned_rows,
     _compact_rows_kernel,
     check_rows_and_weights,
-    _mma,
     cuda_supported,
 )
 
@@ -196,11 +194,11 @@ def _chunk_grads(
         w_mask = h_ok[:, None] & k_ok[None, :]
         wf = tl.load(f_rows[:, None] + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_H, BLOCK_K]
         wd = tl.load(d_rows[:, None] + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_H, BLOCK_K]
-        g = _mma(wf, tl.trans(xt), g, DOT_IN_FP32)
-        e = _mma(wd, tl.trans(dyt), e, DOT_IN_FP32)
+        g = mma(wf, tl.trans(xt), g, DOT_IN_FP32)
+        e = mma(wd, tl.trans(dyt), e, DOT_IN_FP32)
         if GATED:
             wu = tl.load(u_rows[:, None] + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_H, BLOCK_K]
-            u = _mma(wu, tl.trans(xt), u, DOT_IN_FP32)
+            u = mma(wu, tl.trans(xt), u, DOT_IN_FP32)
 
     # ---- h, dh, d_first, d_up (fp32) --------------------------------------------------------------
     if HAS_THRESHOLD:
@@ -293,13 +291,13 @@ def _dx_tile(
             part = tl.zeros((BLOCK_DX, BLOCK_R), dtype=tl.float32)  # [BLOCK_DX, BLOCK_R] scaled dx^T
         else:
             part = acc
-        part = _mma(wf_t, f_hi, part, DOT_IN_FP32)
-        part = _mma(wf_t, f_lo, part, DOT_IN_FP32)
+        part = mma(wf_t, f_hi, part, DOT_IN_FP32)
+        part = mma(wf_t, f_lo, part, DOT_IN_FP32)
         if GATED:
             u_hi, u_lo = _hi_lo(d_up, low)  # [BLOCK_H, BLOCK_R]
             wu_t = tl.trans(wu)  # [BLOCK_DX, BLOCK_H]
-            part = _mma(wu_t, u_hi, part, DOT_IN_FP32)
-            part = _mma(wu_t, u_lo, part, DOT_IN_FP32)
+            part = mma(wu_t, u_hi, part, DOT_IN_FP32)
+            part = mma(wu_t, u_lo, part, DOT_IN_FP32)
         if SCALE:
             acc += part * scale[None, :]
         else:
@@ -386,12 +384,12 @@ def _accumulate(
         acc = tl.load(ptrs, mask=g_mask, other=0.0)  # [BLOCK_DW, BLOCK_H] fp32 accumulator^T
         if SCALE:
             part = tl.zeros((BLOCK_DW, BLOCK_H), dtype=tl.float32)  # [BLOCK_DW, BLOCK_H] scaled term
-            part = _mma(a_t, hi, part, DOT_IN_FP32)
-            part = _mma(a_t, lo, part, DOT_IN_FP32)
+            part = mma(a_t, hi, part, DOT_IN_FP32)
+            part = mma(a_t, lo, part, DOT_IN_FP32)
             acc += part * scale[None, :]
         else:
-            acc = _mma(a_t, hi, acc, DOT_IN_FP32)
-            acc = _mma(a_t, lo, acc, DOT_IN_FP32)
+            acc = mma(a_t, hi, acc, DOT_IN_FP32)
+            acc = mma(a_t, lo, acc, DOT_IN_FP32)
         tl.store(ptrs, acc, mask=g_mask)
 
 
@@ -771,7 +769,7 @@ def sm90_compile_specs(with_options: bool = False):
     variants = [(2048, thr, True) for thr in (False, True)] + [(2048, True, False), (64, True, True)]
     for d, has_threshold, has_l1 in variants:
         cfg = default_backward_config(d, cuda=True)
-        for dtype, ty in _TRITON_DTYPE.items():
+        for dtype, ty in TL_DTYPES.items():
             for gated in (True, False):
                 inputs = {
                     "x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "ids_ptr": "*i32", "count_ptr": "*i32",

@@ -77,12 +77,11 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from sparseffn.kernels._runtime import interpreting, num_sms
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, interpreting, num_sms
 
 SUPPORTED_TILES = (32, 64, 128, 256)
 MODES = ("pack", "counts", "dense")
 _MODE_ID = {"pack": 0, "counts": 1, "dense": 2}
-_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -415,7 +414,7 @@ def _check_inputs(x, weight, threshold, tile, slots, mode, config):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, D], got shape {tuple(x.shape)}")
-    if x.dtype not in _TRITON_DTYPE:
+    if x.dtype not in DTYPES:
         raise TypeError(f"x must be torch.bfloat16 or torch.float16, got {x.dtype}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"weight must be [H, D] with D = x.shape[1] = {x.shape[1]}, got {tuple(weight.shape)}")
@@ -562,7 +561,7 @@ def sm90_compile_specs(with_options: bool = False):
 
     def add(dtype, has_threshold, tile, slots, *, persistent, tma, mode="pack", config=None):
         cfg = config or default_config(2048, 5632, dtype, tile, cuda=True)
-        ty = _TRITON_DTYPE[dtype]
+        ty = TL_DTYPES[dtype]
         if tma:
             x_ty = f"tensordesc<{ty}[{cfg.block_m}, {cfg.block_k}]>"
             w_ty = f"tensordesc<{ty}[{tile}, {cfg.block_k}]>"

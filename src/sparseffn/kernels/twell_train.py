@@ -80,6 +80,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES
+
 from sparseffn.kernels.twell_up_down import _load_counts
 
 __all__ = [
@@ -91,8 +93,6 @@ __all__ = [
     "twell_train_forward",
 ]
 
-_DTYPES = (torch.bfloat16, torch.float16)
-_TL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _MAX_BLOCK_D = 8192
 
 
@@ -551,7 +551,7 @@ def twell_train_forward(
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
     m, d = x.shape
     tile, n_tiles, slots = _check_packed(values, columns, counts, m, x.dtype, x.device, tile)
@@ -615,7 +615,7 @@ def twell_train_backward(
         raise TypeError(f"dy must be a torch.Tensor, got {type(dy).__name__}")
     if dy.dim() != 2:
         raise ValueError(f"dy must have shape [M, D], got {list(dy.shape)}")
-    if dy.dtype not in _DTYPES:
+    if dy.dtype not in DTYPES:
         raise TypeError(f"dy must be bf16 or fp16, got {dy.dtype}")
     m, d = dy.shape
     dev = dy.device
@@ -666,7 +666,7 @@ def sm90_compile_specs(with_options: bool = False):
     specs = []
     shapes = [(2048, 22, 32, True), (100, 8, 16, False), (16384, 64, 32, True)]
     for (d, n_tiles, slots, aligned), ty, gated in itertools.product(
-            shapes, _TL_DTYPES.values(), (True, False)):
+            shapes, TL_DTYPES.values(), (True, False)):
         for kernel, config in ((_twell_train_forward_kernel, default_forward_config(d)),
                                (_twell_train_backward_kernel, default_backward_config(d))):
             constexprs = _constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned)

@@ -80,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import num_sms
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, num_sms
 
 __all__ = [
     "UpDownConfig",
@@ -91,8 +91,6 @@ __all__ = [
     "twell_up_down",
 ]
 
-_DTYPES = (torch.bfloat16, torch.float16)
-_TL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _MAX_BLOCK_D = 8192
 _INTERPRETER_SMS = 2  # "SMs" of the CPU interpreter, for persistent grids
 
@@ -503,7 +501,7 @@ def prepare_up_down_weight(up_weight: torch.Tensor | None, down_weight: torch.Te
         raise TypeError(f"down_weight must be a torch.Tensor, got {type(down_weight).__name__}")
     if down_weight.dim() != 2:
         raise ValueError(f"down_weight must have shape [D, H], got {tuple(down_weight.shape)}")
-    if down_weight.dtype not in _DTYPES:
+    if down_weight.dtype not in DTYPES:
         raise TypeError(f"down_weight must be bf16 or fp16, got {down_weight.dtype}")
     d, h = down_weight.shape
     if up_weight is None:
@@ -579,7 +577,7 @@ def twell_up_down(
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
     m, d = x.shape
     if not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 32768:
@@ -669,7 +667,7 @@ def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]
         r(base, persistent=5),
     ]
     cases = []  # (dtype, gated, config, D, n_tiles, slots, aligned)
-    for ty, gated in itertools.product(_TL_DTYPES.values(), (True, False)):
+    for ty, gated in itertools.product(TL_DTYPES.values(), (True, False)):
         cases += [(ty, gated, *shape) for shape in shapes]
         if (ty, gated) != ("bf16", True):
             cases += [(ty, gated, cfg, 2048, 22, 32, True) for cfg in variants]

@@ -121,8 +121,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import interpreting
-from sparseffn.kernels.twell_train import _check
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, interpreting, mma
+from sparseffn.kernels.twell_train import _check, _check_gated
 
 __all__ = [
     "UnitGradsConfig",
@@ -132,8 +132,6 @@ __all__ = [
     "unit_weight_grads",
 ]
 
-_DTYPES = (torch.bfloat16, torch.float16)
-_TL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _MAX_DET_BLOCKS = 1024  # deterministic slots_by_unit: row blocks at most ([n_blocks, H] scratch)
 _MIN_DET_ROWS = 16      # ... and rows per block at least
 _SLOT_LANES = 2048      # [BLOCK_T, BLOCK_S] slots per step of the slot kernels
@@ -232,16 +230,6 @@ def _unit_scatter_kernel(
                     tl.store(entries_ptr + pos, flat.to(entries_ptr.dtype.element_ty), mask=valid)
         if SERIAL:
             tl.debug_barrier()  # this row's cursor stores before the next row's loads
-
-
-@triton.jit
-def _mma(a, b, acc, DOT_IN_FP32: tl.constexpr):
-    """acc + a @ b, fp32 accumulation (a, b in a 16-bit dtype); fp32 operands on the interpreter."""
-    if DOT_IN_FP32:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
 
 
 @triton.jit
@@ -379,8 +367,8 @@ def _unit_weight_grads_kernel(
                 acc_x = acc_x * keep_dg
             a_x = _three_term_rows(rows, 0, dg, 0.0, LOW)
             a_dy = tl.where(rows == 0, p[None, :], 0.0)  # h = p: exact in one row
-        acc_x = _mma(a_x.to(LOW), xv, acc_x, DOT_IN_FP32)  # [16, BLOCK_D] fp32
-        acc_dy = _mma(a_dy.to(LOW), dyv, acc_dy, DOT_IN_FP32)
+        acc_x = mma(a_x.to(LOW), xv, acc_x, DOT_IN_FP32)  # [16, BLOCK_D] fp32
+        acc_dy = mma(a_dy.to(LOW), dyv, acc_dy, DOT_IN_FP32)
         if unit_done:
             # [BLOCK_D] fp32 slices of row j: the terms' rows summed once per unit (fp16: times the
             # unit's power-of-two scale, exact)
@@ -568,13 +556,12 @@ def unit_weight_grads(
     the module docstring for the math). Non-gated: `u_slots`, `du_slots` and `grad_gate_out` must
     be None; dg_slots holds d(first projection) and grad_up_out receives the first weight's
     gradient. `config` overrides `default_unit_grads_config(D)`. No host synchronisation."""
-    if not isinstance(gated, bool):
-        raise TypeError(f"gated must be a bool, got {gated!r}")
+    gated = _check_gated(gated)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
     m, d = x.shape
     dev = x.device
@@ -664,7 +651,7 @@ def sm90_compile_specs(with_options: bool = False):
                 {"SERIAL": serial, "BLOCK_T": block_t, "BLOCK_S": block_s},
                 {"num_warps": _SLOT_WARPS})
     for ty, gated, (d, aligned), index in itertools.product(
-            _TL_DTYPES.values(), (True, False), ((2048, True), (100, False)), ("i32", "i64")):
+            TL_DTYPES.values(), (True, False), ((2048, True), (100, False)), ("i32", "i64")):
         config = default_unit_grads_config(d)
         signature = {
             "x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "values_ptr": f"*{ty}", "u_ptr": "*fp32",
