@@ -1,4 +1,4 @@
-"""Small pieces every benchmark shares: list flags, the relative error, the long-format CSV."""
+"""Small pieces every benchmark shares: list flags, the relative error, the long-format CSV, figures."""
 
 from __future__ import annotations
 
@@ -36,4 +36,24 @@ def write_csv(rows: list[dict], path: Path, fields: tuple[str, ...]) -> Path:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the headless Agg backend (imported on first use: an optional extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write (creating the folder) and close a figure."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
     return path

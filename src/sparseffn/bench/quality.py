@@ -85,10 +85,7 @@ def quality_table(rows: list[dict], conditions: str = "") -> str:
 
 def plot_quality(rows: list[dict], path: Path) -> Path:
     """Left: held-out CE vs % zeros over λ. Right: mean nnz per token per layer, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in rows:
@@ -106,9 +103,4 @@ def plot_quality(rows: list[dict], path: Path) -> Path:
     ax2.set_ylabel("mean non-zeros per token")
     ax2.set_title("per-layer activity")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path)

@@ -7,6 +7,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from sparseffn.bench.common import pyplot, save_figure
+
 
 def read_rows(path: Path) -> list[dict]:
     with Path(path).open(newline="") as f:
@@ -59,10 +61,7 @@ def mlp_table(rows: list[dict]) -> str:
 
 def plot_mlp(rows: list[dict], path: Path) -> Path:
     """Speed-up vs tokens, one panel per shape, one line per (provider, density)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     shapes = sorted({(int(r["d"]), int(r["h"])) for r in rows})
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2), squeeze=False)
@@ -83,12 +82,7 @@ def plot_mlp(rows: list[dict], path: Path) -> Path:
         ax.legend(fontsize=7)
     gpu = rows[0]["gpu"] if rows else ""
     fig.suptitle(f"sparseffn MLP inference, {gpu}, git {rows[0]['git_sha'] if rows else ''}")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _times(row: dict | None, key: str) -> str:
@@ -128,10 +122,7 @@ def train_table(rows: list[dict]) -> str:
 
 def plot_train(rows: list[dict], path: Path) -> Path:
     """Step speed-up and peak-memory ratio vs tokens, one panel pair per shape, one line per density."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     shapes = sorted({(int(r["d"]), int(r["h"])) for r in rows})
     fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 7.5), squeeze=False)
@@ -158,12 +149,7 @@ def plot_train(rows: list[dict], path: Path) -> Path:
                 ax.legend(fontsize=7)
     gpu = rows[0]["gpu"] if rows else ""
     fig.suptitle(f"sparseffn MLP training step, {gpu}, git {rows[0]['git_sha'] if rows else ''}")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _activity(row: dict) -> str:
@@ -209,10 +195,7 @@ def e2e_table(rows: list[dict]) -> str:
 
 def plot_e2e(rows: list[dict], path: Path) -> Path:
     """Throughput and peak-memory bars per phase and batch size, dense vs sparse."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cases = list(dict.fromkeys((r["phase"], int(r["batch"])) for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -231,12 +214,7 @@ def plot_e2e(rows: list[dict], path: Path) -> Path:
         ax.legend()
     fig.suptitle(f"sparseffn end to end, {rows[0]['model']}, {rows[0]['gpu']}, git {rows[0]['git_sha']}"
                  if rows else "")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def replace_block(text: str, name: str, body: str) -> str:
