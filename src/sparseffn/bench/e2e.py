@@ -299,7 +299,8 @@ def _mode_used(mlp, ids, device, training: bool = False) -> str:
     if mlp.mode == "dense":
         return "dense"
     d = mlp.up_proj.weight.shape[1]
-    x = torch.empty(ids.numel(), d, device=device, dtype=mlp.up_proj.weight.dtype)
+    # a stand-in with the batch's shape, dtype and device (choose_mode looks at nothing else), no allocation
+    x = torch.empty(1, d, device=device, dtype=mlp.up_proj.weight.dtype).expand(ids.numel(), d)
     decision = choose_mode(x, mlp.up_proj.weight, mode=mlp.mode, expected_nnz=mlp.expected_nnz,
                            needs_grad=training, return_l1=True)
     return decision.mode

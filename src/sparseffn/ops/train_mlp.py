@@ -128,7 +128,7 @@ def sparse_mlp_train_bwd(
     n_tiles = values.shape[1]
     gate_weight, up_weight = _aligned(gate_weight), _aligned(up_weight)
     dy = dy.contiguous()
-    down_t = down_weight.t().contiguous()
+    down_t = down_weight.t().contiguous()  # again, not saved: a weight-sized copy per layer would outlive forward
     dx = torch.empty_like(x)
     du_slots = _empty_slots(x, n_tiles, slots) if gated else None
     dg_slots = _empty_slots(x, n_tiles, slots)
