@@ -188,11 +188,12 @@ def _assert_close(out, ref, mag, lowp, eps, what, prefill=None):
 
 def _accumulators(h, d, gated, gen, *, strided=False, scale=1.0):
     """{name: fp32 [H, D] random prefill} (no grad_gate_acc when non-gated); strided: column
-    slices of [H, D + 4] buffers (any row stride is allowed)."""
+    slices [:, 4:D + 4] of [H, D + 8] buffers: row stride D + 8, a 16-byte offset, as CUDA requires
+    of accumulators (it refuses misaligned ones, see test_cuda_refuses_misaligned_accumulators)."""
     accs = {}
     for name in ACC_NAMES if gated else ACC_NAMES[1:]:
-        t = torch.randn(h, d + (4 if strided else 0), generator=gen) * scale
-        accs[name] = t[:, 2:d + 2] if strided else t
+        t = torch.randn(h, d + (8 if strided else 0), generator=gen) * scale
+        accs[name] = t[:, 4:d + 4] if strided else t
     return accs
 
 
@@ -626,3 +627,15 @@ def test_cuda_refuses_the_unaligned_path():
         dense_rows_mlp_backward(x, x.clone(), torch.ones(4, dtype=torch.bool, device="cuda"), w, w, w, None, None,
                                 dx_out=torch.empty_like(x), grad_gate_acc=accs[0], grad_up_acc=accs[1],
                                 grad_down_t_acc=accs[2])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_cuda_refuses_misaligned_accumulators():
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    wide = torch.zeros(16, 68, device="cuda")
+    accs = [wide[:, 2:66], torch.zeros(16, 64, device="cuda"), torch.zeros(16, 64, device="cuda")]
+    with pytest.raises(NotImplementedError, match="grad_gate_acc with a 16-byte aligned base"):
+        dense_rows_mlp_backward(x, x.clone(), torch.ones(4, dtype=torch.bool, device="cuda"),
+                                w, w, w, None, None, dx_out=torch.empty_like(x), grad_gate_acc=accs[0],
+                                grad_up_acc=accs[1], grad_down_t_acc=accs[2])
