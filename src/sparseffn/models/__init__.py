@@ -5,6 +5,7 @@ transformers is imported inside the functions that need it, so importing this pa
 
 from sparseffn.models.calibrate import calibrate_thresholds
 from sparseffn.models.config import SparsityConfig
+from sparseffn.models.fuse import fuse_non_mlp_, unfuse_non_mlp_
 from sparseffn.models.pretrained import load_pretrained
 from sparseffn.models.registry import MODEL_NAMES, build_model, model_config, parameter_count
 from sparseffn.models.sparsify import (
@@ -23,6 +24,7 @@ __all__ = [
     "build_model",
     "calibrate_thresholds",
     "collect_l1",
+    "fuse_non_mlp_",
     "load_pretrained",
     "model_config",
     "named_sparse_mlps",
@@ -31,5 +33,6 @@ __all__ = [
     "sparse_mlps",
     "sparsify_",
     "sparsity_config",
+    "unfuse_non_mlp_",
     "unsparsify_",
 ]

@@ -1,0 +1,241 @@
+"""fuse_non_mlp_ / unfuse_non_mlp_ on tiny Hugging Face models: same function, same state, reversible.
+
+On CPU the fused kernels run under Triton's interpreter (tests/conftest.py). Every comparison of a
+fused model with the plain one also checks that the fused ops really ran (call counters), so a
+fusion that silently did nothing fails.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
+
+import sparseffn.nn.fused as fused_module
+from sparseffn import sparsify_
+from sparseffn.models import fuse_non_mlp_, sparse_mlps, unfuse_non_mlp_
+from sparseffn.nn.fused import FusedRMSNorm, has_fused_rope
+from tests.models.hf import tiny_lm, token_ids
+
+pytestmark = pytest.mark.filterwarnings(  # triton's interpreter turns 1-element arrays into ints
+    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+GEN = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+CLASS_FORWARD, HF_ROPE = LlamaAttention.forward, modeling_llama.apply_rotary_pos_emb
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts of the fused ops the fused modules call (wrapping the names nn/fused.py uses)."""
+    counts = {"rms_norm": 0, "apply_rope": 0}
+    for name in counts:
+        real = getattr(fused_module, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(fused_module, name, counting)
+    return counts
+
+
+def _logits(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(input_ids=ids, **kwargs).logits
+
+
+def _close(a, b, tol=1e-5):
+    return torch.allclose(a, b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+def test_fused_llama_has_the_same_logits_and_state(calls):
+    plain = tiny_lm("llama")
+    model = copy.deepcopy(plain)
+    params = dict(model.named_parameters())
+    state = model.state_dict()
+    norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+    config = model.config.to_dict()
+
+    assert fuse_non_mlp_(model) is model
+    fused_norms = [m for m in model.modules() if isinstance(m, FusedRMSNorm)]
+    assert len(norms) == len(fused_norms) == 5  # 2 per layer + the final norm
+    assert not any(isinstance(m, LlamaRMSNorm) for m in model.modules())
+    assert all(has_fused_rope(layer.self_attn) for layer in model.model.layers)
+    assert type(model.model.layers[0].self_attn) is LlamaAttention  # the class is untouched
+    # nothing global changed
+    assert LlamaAttention.forward is CLASS_FORWARD and modeling_llama.apply_rotary_pos_emb is HF_ROPE
+    # same Parameters, same state dict (keys and storage), same config
+    assert dict(model.named_parameters()) == params
+    assert list(model.state_dict()) == list(state)
+    assert all(model.state_dict()[k].data_ptr() == v.data_ptr() for k, v in state.items())
+    assert model.config.to_dict() == config
+
+    ids = token_ids()
+    expect = _logits(plain, ids)
+    got = _logits(model, ids)
+    assert calls == {"rms_norm": 5, "apply_rope": 2}
+    assert _close(got, expect), (got - expect).abs().max()
+
+
+def test_fused_llama_gradients_match():
+    plain = tiny_lm("llama")
+    model = fuse_non_mlp_(copy.deepcopy(plain))
+    ids = token_ids(length=16, seed=1)
+    for m in (plain, model):
+        m.train()
+        m(input_ids=ids, labels=ids).loss.backward()
+    grads = {name: p.grad for name, p in plain.named_parameters()}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert _close(p.grad, grads[name], 1e-4), f"{name}: {(p.grad - grads[name]).abs().max():.3g}"
+
+
+def test_generate_with_cache_gives_the_same_tokens(calls):
+    plain = tiny_lm("llama")
+    model = fuse_non_mlp_(copy.deepcopy(plain))
+    ids = token_ids(batch=2, length=5, seed=3)
+    kwargs = dict(attention_mask=torch.ones_like(ids), **GEN)
+    expect = plain.generate(ids, use_cache=True, **kwargs)
+    got = model.generate(ids, use_cache=True, **kwargs)
+    assert calls["apply_rope"] == 2 * 8  # prefill + 7 cached steps, 2 layers each
+    assert torch.equal(got, expect)
+    assert torch.equal(model.generate(ids, use_cache=False, **kwargs), expect)
+    assert not torch.equal(got[0, 5:], got[1, 5:])  # the two rows are really decoded apart
+
+
+def test_left_padded_batch_positions():
+    """Left padding gives per-row position ids, so cos / sin are [B, S, d], not broadcast."""
+    plain = tiny_lm("llama")
+    model = fuse_non_mlp_(copy.deepcopy(plain))
+    ids = token_ids(batch=2, length=6, seed=4)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kwargs = dict(attention_mask=mask, **GEN)
+    assert torch.equal(model.generate(ids, **kwargs), plain.generate(ids, **kwargs))
+
+
+def test_unfuse_restores_modules_and_forwards():
+    plain = tiny_lm("llama")
+    model = copy.deepcopy(plain)
+    norms = {name: m for name, m in model.named_modules() if isinstance(m, LlamaRMSNorm)}
+    ids = token_ids()
+    expect = _logits(model, ids)
+    fuse_non_mlp_(model)
+    with torch.no_grad():  # the fused model's weights are the ones the restored modules hold
+        model.model.norm.weight.mul_(1.5)
+    assert unfuse_non_mlp_(model) is model
+    restored = {name: m for name, m in model.named_modules() if isinstance(m, LlamaRMSNorm)}
+    assert restored.keys() == norms.keys() and all(restored[n] is norms[n] for n in norms)
+    assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
+    assert all("forward" not in vars(layer.self_attn) for layer in model.model.layers)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    with torch.no_grad():
+        model.model.norm.weight.div_(1.5)
+    assert torch.equal(_logits(model, ids), expect)
+    with pytest.raises(ValueError, match="nothing fused"):
+        unfuse_non_mlp_(model)
+
+
+def test_deepcopy_of_a_fused_model_unfuses_onto_its_own_weights():
+    model = fuse_non_mlp_(tiny_lm("llama"))
+    clone = copy.deepcopy(model)
+    unfuse_non_mlp_(clone)
+    clone_params = {id(p) for p in clone.parameters()}
+    norms = [m for m in clone.modules() if isinstance(m, LlamaRMSNorm)]
+    assert len(norms) == 5 and all(id(m.weight) in clone_params for m in norms)
+    assert not any(id(p) in clone_params for p in model.parameters())
+    ids = token_ids()
+    assert _close(_logits(clone, ids), _logits(model, ids))
+
+
+def test_sparsified_models_fuse_both_ways(calls):
+    plain = sparsify_(tiny_lm("llama"))
+    ids = token_ids()
+    expect = _logits(plain, ids)
+    sparse_then_fused = fuse_non_mlp_(copy.deepcopy(plain))
+    fused_then_sparse = sparsify_(fuse_non_mlp_(tiny_lm("llama")))
+    for model in (sparse_then_fused, fused_then_sparse):
+        assert len(sparse_mlps(model)) == 2
+        assert _close(_logits(model, ids), expect)
+        assert list(model.state_dict()) == list(plain.state_dict())
+    assert calls["apply_rope"] == 4
+    assert sparse_then_fused.config.to_dict() == plain.config.to_dict()
+
+
+def test_past_key_values_and_eager_attention(calls):
+    """The fused forward's keyword handling (deprecated `past_key_values`) and the eager interface
+    with attention weights, against the class forward on an identical module."""
+    model = tiny_lm("llama")
+    model.config._attn_implementation = "eager"
+    attn = model.model.layers[0].self_attn
+    fused = fuse_non_mlp_(copy.deepcopy(model)).model.layers[0].self_attn
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.model.rotary_emb(x, torch.arange(5)[None])
+    mask = torch.full((5, 5), float("-inf")).triu(1)[None, None].expand(2, 1, 5, 5)
+    outs = []
+    for module in (attn, fused):
+        cache = DynamicCache(config=model.config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                out, weights = module(x, position_embeddings=(cos, sin), attention_mask=mask, past_key_values=cache)
+        assert any(issubclass(w.category, FutureWarning) for w in caught)
+        outs.append((out, weights, cache.layers[0].keys, cache.layers[0].values))
+    assert calls["apply_rope"] == 1
+    for a, b in zip(*outs):
+        assert a is not None and _close(b, a), (b - a).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_architectures_fuse_norms_only(arch, calls):
+    plain = tiny_lm(arch)
+    model = fuse_non_mlp_(copy.deepcopy(plain))
+    assert sum(isinstance(m, FusedRMSNorm) for m in model.modules()) == 5
+    assert not any("forward" in vars(layer.self_attn) for layer in model.model.layers)
+    ids = token_ids()
+    assert _close(_logits(model, ids), _logits(plain, ids))
+    assert calls == {"rms_norm": 5, "apply_rope": 0}
+    unfuse_non_mlp_(model)
+    assert [type(m) for m in model.modules()] == [type(m) for m in plain.modules()]
+
+
+def test_bf16_model_stays_within_rounding_of_hf():
+    """bf16 logits: the fused model is no further from the fp32 model than 2x HF's bf16 model."""
+    ref = _logits(tiny_lm("llama"), token_ids()).double()
+    plain = tiny_lm("llama", dtype=torch.bfloat16)
+    model = fuse_non_mlp_(copy.deepcopy(plain))
+    err_hf = (_logits(plain, token_ids()).double() - ref).abs().max().item()
+    err = (_logits(model, token_ids()).double() - ref).abs().max().item()
+    assert err <= 2 * err_hf + torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    model = fuse_non_mlp_(tiny_lm("llama"))
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, attn_implementation="sdpa")
+    assert not hasattr(loaded.config, "sparseffn_fused_non_mlp")
+    assert any(isinstance(m, LlamaRMSNorm) for m in loaded.modules())
+    ids = token_ids()
+    assert _close(_logits(loaded.eval(), ids), _logits(model, ids))
+
+
+def test_errors():
+    model = fuse_non_mlp_(tiny_lm("llama"))
+    with pytest.raises(ValueError, match="already fused"):
+        fuse_non_mlp_(model)
+    with pytest.raises(ValueError, match="nothing to fuse"):
+        fuse_non_mlp_(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        fuse_non_mlp_("model")
+    with pytest.raises(ValueError, match="nothing fused"):
+        unfuse_non_mlp_(torch.nn.Linear(2, 2))
+    hooked = tiny_lm("llama")
+    hooked.model.norm.register_forward_hook(lambda *args: None)
+    names = [type(m) for m in hooked.modules()]
+    with pytest.raises(ValueError, match="forward hooks"):
+        fuse_non_mlp_(hooked)
+    assert [type(m) for m in hooked.modules()] == names  # refused before anything changed
+    assert not any(has_fused_rope(m) for m in hooked.modules())
