@@ -36,34 +36,44 @@ def test_e2e_bench_runs_at_tiny_size_and_calibrates(tmp_path):
                          calibration_batch_size=1)
     rows = run_e2e_bench(cfg, torch.device("cpu"), log=lambda _: None)
     written = read_rows(tmp_path / "cpu" / "e2e.csv")
-    assert tuple(written[0]) == CSV_FIELDS and len(written) == len(rows) == 4
-    assert {(r["phase"], r["provider"]) for r in written} == {(p, q) for p in ("forward", "train")
-                                                              for q in ("dense", "sparse")}
+    assert tuple(written[0]) == CSV_FIELDS and len(written) == len(rows) == 8
+    assert {(r["non_mlp"], r["phase"], r["provider"]) for r in written} == {
+        (v, p, q) for v in ("hf", "fused") for p in ("forward", "train") for q in ("dense", "sparse")}
     forward = [r for r in written if r["phase"] == "forward"]
     for r in forward:
         assert abs(float(r["mlp_nnz"]) - 12) <= 1.2  # calibrated on the measured sequences: within 10%
         assert float(r["tokens_per_ms"]) > 0 and 0 < float(r["mlp_share"]) < 1
-    assert float(forward[1]["logits_rel_err"]) < 1e-5  # CPU: both providers run the same dense path
-    assert "| forward | 2×32 |" in e2e_table(written)
+    for r in forward[1::2]:
+        assert float(r["logits_rel_err"]) < 1e-5  # CPU: both providers run the same dense path
+    table = e2e_table(written)
+    assert "| forward | hf | 2×32 |" in table and "| train | fused | 2×32 |" in table
+    with pytest.raises(ValueError, match="non_mlp must be"):
+        run_e2e_bench(E2EBenchConfig(model="tiny", non_mlp="hf,compiled", out_dir=str(tmp_path)),
+                      torch.device("cpu"), log=lambda _: None)
 
 
 def test_quality_summary_reads_runs(tmp_path):
-    from sparseffn.bench.quality import quality_table, summarize_runs
+    from sparseffn.bench.quality import plot_quality, quality_table, summarize_runs
 
-    for lam, ce, nnz in ((0.0, 3.0, 100.0), (1e-3, 3.06, 5.0)):
-        run = tmp_path / f"l1_{lam}"
+    for name, lam, ce, nnz, steps in (("l1_0.0", 0.0, 3.0, 100.0, 10), ("l1_0.001", 1e-3, 3.06, 5.0, 10),
+                                      ("long_l1_0.001", 1e-3, 2.5, 4.0, 20)):
+        run = tmp_path / name
         run.mkdir()
         (run / "config.json").write_text(json.dumps({"model": "tiny", "batch_size": 2, "seq_len": 8,
                                                      "sparsity": {"l1_coeff": lam, "reinit_dead": False}}))
-        rows = [{"kind": "train", "step": 10, "dead_frac_all": 0.25, "dead_frac": [0.25]},
-                {"kind": "eval", "step": 10, "eval_ce": ce, "eval_hidden": [200], "eval_nnz_mean_all": nnz,
+        rows = [{"kind": "train", "step": steps, "dead_frac_all": 0.25, "dead_frac": [0.25]},
+                {"kind": "eval", "step": steps, "eval_ce": ce, "eval_hidden": [200], "eval_nnz_mean_all": nnz,
                  "eval_nnz_mean": [nnz], "eval_nnz_max": [150], "eval_zeros_pct": 100 - nnz / 2,
                  "eval_overflow_rate_all": 0.1}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rows = summarize_runs([tmp_path / "l1_0.001", tmp_path / "l1_0.0"])
-    assert [r["l1_coeff"] for r in rows] == [0.0, 1e-3]
+    rows = summarize_runs([tmp_path / "long_l1_0.001", tmp_path / "l1_0.001", tmp_path / "l1_0.0"])
+    assert [(r["steps"], r["l1_coeff"]) for r in rows] == [(10, 0.0), (10, 1e-3), (20, 1e-3)]
     assert rows[1]["ce_increase_pct"] == pytest.approx(2.0) and rows[1]["nnz_pct_of_h"] == 2.5
-    assert "| 0.001 | no | 3.0600 | +2.00% |" in quality_table(rows)
+    assert rows[2]["ce_increase_pct"] == ""  # its sweep (20 steps) has no λ = 0 run to compare with
+    table = quality_table(rows)
+    assert "| tiny | 10 × 16 | 0.001 | no | 3.0600 | +2.00% |" in table
+    assert "| tiny | 20 × 16 | 0.001 | no | 2.5000 | – |" in table
+    assert plot_quality(rows, tmp_path / "quality.png").stat().st_size > 10_000
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text("{}")
     (tmp_path / "empty" / "metrics.jsonl").write_text("")

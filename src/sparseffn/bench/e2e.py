@@ -21,6 +21,10 @@ Measured per batch size (batch × seq_len tokens), dense and sparse:
                   sequences of the batch, enough of them (≥ AUTO_MIN_TOKENS tokens) for the kernels to run
     activity      mean / max non-zeros per token over the layers and the share of tokens with a TwELL
                   tile over capacity (256-wide tiles, 32 slots: the rows the dense backup computes)
+Non-MLP code: Hugging Face's RMSNorm and rotary embedding run as chains of unfused elementwise kernels
+(about 30% of a dense 2B forward on the H200). Each `non_mlp` variant is measured with both providers:
+"hf" (transformers' own code) and "fused" (`sparseffn.models.fuse_non_mlp_`: one Triton kernel per norm
+and per rotary embedding, for the dense and the sparse model alike); ratios compare within a variant.
 Timing: CUDA events around each repetition after warm-up, median. Machines are shared and noisy:
 only ratios from one run are comparable.
 """
@@ -40,11 +44,12 @@ from sparseffn.ops.sparse_mlp import AUTO_MIN_TOKENS
 
 CSV_FIELDS = (
     "gpu", "torch", "triton", "transformers", "git_sha", "model", "dtype", "attention", "target_nnz",
-    "mean_nnz", "batch", "seq_len", "tokens", "phase", "provider", "mlp_mode", "median_ms", "tokens_per_ms",
+    "mean_nnz", "non_mlp", "batch", "seq_len", "tokens", "phase", "provider", "mlp_mode", "median_ms", "tokens_per_ms",
     "speedup_vs_dense", "peak_mib", "peak_vs_dense", "mj_per_token", "energy_vs_dense", "mlp_ms", "mlp_share",
     "logits_rel_err", "mlp_nnz", "mlp_max_nnz", "overflow_pct",
 )
 PROVIDERS = ("dense", "sparse")
+NON_MLP = ("hf", "fused")  # transformers' own RMSNorm and RoPE code, or sparseffn.models.fuse_non_mlp_'s kernels
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,8 @@ class E2EBenchConfig:
     model: str = "2b"  # a name of sparseffn.models.MODEL_NAMES, or a checkpoint directory
     target_nnz: float = 29.0  # per layer, for random weights (ignored for checkpoints)
     batches: str = "8,32"  # forward batch sizes (× seq_len tokens)
-    train_batches: str = "4"  # training-step batch sizes
+    train_batches: str = "8"  # training-step batch sizes
+    non_mlp: str = "hf,fused"  # each is measured: "hf" (transformers' RMSNorm/RoPE) and/or "fused" (ours)
     seq_len: int = 2048
     vocab_size: int = 49152
     dtype: str = "bfloat16"
@@ -182,8 +188,9 @@ def run_e2e_bench(cfg: E2EBenchConfig, device: torch.device | None = None,
     from importlib import metadata
 
     from sparseffn.models import (MODEL_NAMES, SparsityConfig, build_model, calibrate_thresholds, collect_l1,
-                                  load_pretrained, set_track_l1, sparse_mlps)
+                                  fuse_non_mlp_, load_pretrained, sparse_mlps, unfuse_non_mlp_)
 
+    variants = _non_mlp_variants(cfg.non_mlp)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cfg.dtype)
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
@@ -221,8 +228,35 @@ def run_e2e_bench(cfg: E2EBenchConfig, device: torch.device | None = None,
     rows: list[dict] = []
     csv_path = Path(cfg.out_dir) / device_slug(device) / "e2e.csv"
 
+    fused = False
+    for variant in variants:
+        if (variant == "fused") != fused:
+            (fuse_non_mlp_ if variant == "fused" else unfuse_non_mlp_)(model)
+            fused = variant == "fused"
+        variant_common = dict(common, non_mlp=variant)
+        rows += _forward_rows(cfg, model, mlps, sample, variant_common, energy, device, log)
+        write_csv(rows, csv_path, CSV_FIELDS)
+        rows += _train_rows(cfg, model, mlps, sample, variant_common, energy, device, log, collect_l1)
+        write_csv(rows, csv_path, CSV_FIELDS)
+    if fused:
+        unfuse_non_mlp_(model)
+    return rows
+
+
+def _non_mlp_variants(spec: str) -> list[str]:
+    variants = [v.strip() for v in spec.split(",") if v.strip()]
+    bad = [v for v in variants if v not in NON_MLP]
+    if not variants or bad:
+        raise ValueError(f"non_mlp must be a comma list of {NON_MLP}, got {spec!r}")
+    return variants
+
+
+def _forward_rows(cfg, model, mlps, sample, common, energy, device, log) -> list[dict]:
+    from sparseffn.models import set_track_l1
+
     model.eval()
     set_track_l1(model, False)  # inference: no L1 penalty, so the lighter inference kernels run
+    rows = []
     for batch in ints(cfg.batches):
         ids = sample[:batch]
         logit_batch = min(batch, -(-AUTO_MIN_TOKENS // cfg.seq_len))
@@ -250,12 +284,18 @@ def run_e2e_bench(cfg: E2EBenchConfig, device: torch.device | None = None,
                                  mlp_ms, _mode_used(mlps[0], ids, device))
         err = float((logits["sparse"] - logits["dense"]).norm() / logits["dense"].norm())
         rows += _rows(common, "forward", batch, cfg.seq_len, results, err, activity)
-        log(_summary("forward", batch, cfg.seq_len, results) + f"; MLP activity: mean {activity[0]:.1f} "
-            f"max {activity[1]} non-zeros per token, {100 * activity[2]:.2f}% of tokens overflow a TwELL tile")
-        write_csv(rows, csv_path, CSV_FIELDS)
+        log(_summary("forward", batch, cfg.seq_len, results, common["non_mlp"]) + f"; MLP activity: mean "
+            f"{activity[0]:.1f} max {activity[1]} non-zeros per token, {100 * activity[2]:.2f}% of tokens overflow "
+            "a TwELL tile")
+    return rows
+
+
+def _train_rows(cfg, model, mlps, sample, common, energy, device, log, collect_l1) -> list[dict]:
+    from sparseffn.models import set_track_l1
 
     model.train()
     set_track_l1(model, True)
+    rows = []
     for batch in ints(cfg.train_batches):
         ids = sample[:batch]
         results = {}
@@ -272,8 +312,7 @@ def run_e2e_bench(cfg: E2EBenchConfig, device: torch.device | None = None,
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         rows += _rows(common, "train", batch, cfg.seq_len, results, float("nan"), None)
-        log(_summary("train", batch, cfg.seq_len, results))
-        write_csv(rows, csv_path, CSV_FIELDS)
+        log(_summary("train", batch, cfg.seq_len, results, common["non_mlp"]))
     return rows
 
 
@@ -327,9 +366,9 @@ def _rows(common, phase, batch, seq_len, results, err, activity) -> list[dict]:
     return rows
 
 
-def _summary(phase, batch, seq_len, results) -> str:
+def _summary(phase, batch, seq_len, results, non_mlp) -> str:
     dense, sparse = results["dense"], results["sparse"]
     tokens = batch * seq_len
-    return (f"{phase} {batch}x{seq_len}: dense {tokens / dense[0]:.1f} tok/ms {dense[1]:.0f} MiB, sparse "
+    return (f"{phase} {batch}x{seq_len}, non-MLP {non_mlp}: dense {tokens / dense[0]:.1f} tok/ms {dense[1]:.0f} MiB, sparse "
             f"{tokens / sparse[0]:.1f} tok/ms ({dense[0] / sparse[0]:.2f}x, mlp mode {sparse[4]}) {sparse[1]:.0f} MiB "
             f"({sparse[1] / dense[1]:.2f}x)")

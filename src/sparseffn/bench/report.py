@@ -158,6 +158,10 @@ def _activity(row: dict) -> str:
     return f"{float(row['mlp_nnz']):.1f} ({row['mlp_max_nnz']}), {float(row['overflow_pct']):.2f}% of tokens"
 
 
+def _non_mlp(row: dict) -> str:
+    return row.get("non_mlp") or "hf"  # CSVs from before the column existed measured transformers' code
+
+
 def e2e_table(rows: list[dict]) -> str:
     """Headline table of `bench e2e`: throughput, memory and energy, sparse vs dense, per phase and batch."""
     if not rows:
@@ -170,22 +174,24 @@ def e2e_table(rows: list[dict]) -> str:
         f"transformers {first['transformers']}, git {first['git_sha']}. Forward = prefill "
         "(`logits_to_keep=1`, no grad); train = forward + backward + AdamW step with the L1 penalty. Dense = the "
         "same model with its MLPs in `mode=\"dense\"`; median of CUDA-event timings, same run.\n\n"
-        "| phase | tokens | dense tok/ms | sparse tok/ms | speed-up | MLP share of dense | peak mem sparse/dense "
+        "Non-MLP = Hugging Face's own RMSNorm/RoPE code (hf) or sparseffn's fused kernels for both providers "
+        "(fused, `sparseffn.models.fuse_non_mlp_`).\n\n"
+        "| phase | non-MLP | tokens | dense tok/ms | sparse tok/ms | speed-up | MLP share of dense | peak mem sparse/dense "
         "| energy/token sparse/dense | logits rel. err | MLP nnz/token: mean (max), TwELL overflow |\n"
-        "|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [header]
     by_case: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
-        by_case[(r["phase"], int(r["batch"]))][r["provider"]] = r
-    for (phase, batch), prov in by_case.items():
+        by_case[(r["phase"], _non_mlp(r), int(r["batch"]))][r["provider"]] = r
+    for (phase, non_mlp, batch), prov in by_case.items():
         dense, sparse = prov.get("dense"), prov.get("sparse")
         if not dense or not sparse:
             continue
         share = f"{float(dense['mlp_share']):.0%}" if dense["mlp_share"] else "–"
         energy = f"{float(sparse['energy_vs_dense']):.2f}x" if sparse["energy_vs_dense"] else "n/a"
         lines.append(
-            f"| {phase} | {batch}×{dense['seq_len']} | {float(dense['tokens_per_ms']):.1f} "
+            f"| {phase} | {non_mlp} | {batch}×{dense['seq_len']} | {float(dense['tokens_per_ms']):.1f} "
             f"| {float(sparse['tokens_per_ms']):.1f} | {float(sparse['speedup_vs_dense']):.3f}x | {share} "
             f"| {_times(sparse, 'peak_vs_dense')} | {energy} | {sparse['logits_rel_err'] or '–'} "
             f"| {_activity(sparse)} |"
@@ -197,17 +203,17 @@ def plot_e2e(rows: list[dict], path: Path) -> Path:
     """Throughput and peak-memory bars per phase and batch size, dense vs sparse."""
     plt = pyplot()
 
-    cases = list(dict.fromkeys((r["phase"], int(r["batch"])) for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    cases = list(dict.fromkeys((r["phase"], _non_mlp(r), int(r["batch"])) for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(max(11, 1.6 * len(cases)), 4.2))
     width = 0.38
     for i, provider in enumerate(("dense", "sparse")):
-        values = {(r["phase"], int(r["batch"])): r for r in rows if r["provider"] == provider}
+        values = {(r["phase"], _non_mlp(r), int(r["batch"])): r for r in rows if r["provider"] == provider}
         xs = [k + (i - 0.5) * width for k in range(len(cases))]
         axes[0].bar(xs, [float(values[c]["tokens_per_ms"]) if c in values else 0 for c in cases], width,
                     label=provider)
         axes[1].bar(xs, [float(values[c]["peak_mib"]) / 1024 if c in values else 0 for c in cases], width,
                     label=provider)
-    labels = [f"{phase}\nbatch {batch}" for phase, batch in cases]
+    labels = [f"{phase}, {non_mlp}\nbatch {batch}" for phase, non_mlp, batch in cases]
     for ax, title in ((axes[0], "throughput, tokens/ms"), (axes[1], "peak memory, GiB")):
         ax.set_xticks(range(len(cases)), labels)
         ax.set_title(title)
