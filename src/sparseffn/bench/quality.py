@@ -3,8 +3,9 @@
 Reads finished `sparseffn train` run folders (their config.json and metrics.jsonl), one per L1
 coefficient λ with everything else equal, and summarises each by its last evaluation: held-out CE,
 mean and max non-zeros per token per layer, % zeros, dead (never firing) units, TwELL overflow rate.
-The relative CE increase is taken against the run with λ = 0 (the dense-trained ReLU model).
-Output: a long CSV (one row per run), a README table and a PNG (CE vs sparsity, per-layer nnz).
+The relative CE increase is taken against the run with λ = 0 (the dense-trained ReLU model) of the
+same sweep (model, steps, tokens per step). Output: a long CSV (one row per run), a README table and a
+PNG (CE increase vs sparsity, per-layer nnz, per-layer dead units).
 """
 
 from __future__ import annotations
@@ -53,13 +54,22 @@ def summarize_run(run_dir: str | Path, git_sha: str = "") -> dict:
     }
 
 
+def _sweep(row: dict) -> tuple:
+    """Runs compare only within a sweep: same model, steps and tokens per step."""
+    return (row["model"], int(row["steps"]), int(row["tokens_per_step"]))
+
+
 def summarize_runs(run_dirs: list[str | Path], git_sha: str = "") -> list[dict]:
-    """Rows for every run, with the CE increase relative to the λ = 0 run (if present)."""
-    rows = sorted((summarize_run(r, git_sha) for r in run_dirs), key=lambda r: (r["l1_coeff"], bool(r["reinit_dead"])))
-    base = next((r for r in rows if r["l1_coeff"] == 0), None)
+    """Rows for every run, each with its CE increase relative to the λ = 0 run of its sweep (if any)."""
+    return with_ce_increase([summarize_run(r, git_sha) for r in run_dirs])
+
+
+def with_ce_increase(rows: list[dict]) -> list[dict]:
+    """Rows sorted by sweep, λ and re-init, with ce_increase_pct against the sweep's λ = 0 run ("" without one)."""
+    rows = sorted(rows, key=lambda r: (_sweep(r), float(r["l1_coeff"]), str(r["reinit_dead"]) == "True"))
     for r in rows:
-        if base is not None:
-            r["ce_increase_pct"] = round(100 * (r["eval_ce"] / base["eval_ce"] - 1), 3)
+        base = next((b for b in rows if _sweep(b) == _sweep(r) and float(b["l1_coeff"]) == 0), None)
+        r["ce_increase_pct"] = "" if base is None else round(100 * (float(r["eval_ce"]) / float(base["eval_ce"]) - 1), 3)
     return rows
 
 
@@ -68,14 +78,15 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 def quality_table(rows: list[dict], conditions: str = "") -> str:
     head = (f"{conditions}\n\n" if conditions else "") + (
-        "| λ (L1) | re-init dead | held-out CE | CE vs λ=0 | mean nnz / token (of H) | zeros | max nnz | dead units "
-        "| TwELL overflow rows |\n|---|---|---|---|---|---|---|---|---|"
+        "| model | steps × tokens | λ (L1) | re-init dead | held-out CE | CE vs λ=0 | mean nnz / token (of H) | zeros "
+        "| max nnz | dead units | TwELL overflow rows |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
-    for r in rows:
+    for r in with_ce_increase([dict(r) for r in rows]):
         inc = f"{float(r['ce_increase_pct']):+.2f}%" if r["ce_increase_pct"] != "" else "–"
         lines.append(
-            f"| {float(r['l1_coeff']):g} | {'yes' if str(r['reinit_dead']) == 'True' else 'no'} "
+            f"| {r['model']} | {r['steps']} × {r['tokens_per_step']} | {float(r['l1_coeff']):g} "
+            f"| {'yes' if str(r['reinit_dead']) == 'True' else 'no'} "
             f"| {float(r['eval_ce']):.4f} | {inc} | {float(r['nnz_mean']):.1f} ({float(r['nnz_pct_of_h']):.2f}% of "
             f"{float(r['hidden']):.0f}) | {float(r['zeros_pct']):.2f}% | {r['nnz_max']} | {float(r['dead_pct']):.1f}% "
             f"| {100 * float(r['overflow_rate']):.2f}% |"
@@ -84,23 +95,41 @@ def quality_table(rows: list[dict], conditions: str = "") -> str:
 
 
 def plot_quality(rows: list[dict], path: Path) -> Path:
-    """Left: held-out CE vs % zeros over λ. Right: mean nnz per token per layer, one line per run."""
+    """Left: held-out CE increase vs % zeros, one marker per sweep. Middle / right: mean nnz per token and
+    dead units per layer, one line per run."""
     plt = common.pyplot()
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    rows = with_ce_increase([dict(r) for r in rows])
+    sweeps = list(dict.fromkeys(_sweep(r) for r in rows))
+    markers = "osD^v<>"
+    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
     for r in rows:
-        label = f"λ={float(r['l1_coeff']):g}" + (" re-init" if str(r["reinit_dead"]) == "True" else "")
-        ax.plot(float(r["zeros_pct"]), float(r["eval_ce"]), "o")
-        ax.annotate(label, (float(r["zeros_pct"]), float(r["eval_ce"])), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
+        label = f"{r['model']} {r['steps']}: λ={float(r['l1_coeff']):g}" + (
+            " re-init" if str(r["reinit_dead"]) == "True" else "")
+        if r["ce_increase_pct"] != "":
+            zeros, inc = float(r["zeros_pct"]), float(r["ce_increase_pct"])
+            sweep = sweeps.index(_sweep(r))
+            ax.plot(zeros, inc, markers[sweep % len(markers)], color=f"C{sweep}")
+            ax.annotate(f"{float(r['l1_coeff']):g}" + ("r" if str(r["reinit_dead"]) == "True" else ""),
+                        (zeros, inc), fontsize=6, xytext=(3, 3), textcoords="offset points")
         per_layer = [float(v) for v in str(r["nnz_per_layer"]).split()]
-        ax2.plot(range(len(per_layer)), per_layer, "-o", label=label)
-    ax.set_xlabel("MLP activations that are zero, %")
-    ax.set_ylabel("held-out cross-entropy")
-    ax.set_title("quality vs sparsity over λ")
+        ax2.plot(range(len(per_layer)), per_layer, "-o", ms=2, label=label)
+        dead = [float(v) for v in str(r["dead_per_layer"]).split()]
+        ax3.plot(range(len(dead)), dead, "-o", ms=2, label=label)
+    for sweep, (model, steps, tokens) in enumerate(sweeps):
+        ax.plot([], [], markers[sweep % len(markers)], color=f"C{sweep}", label=f"{model}, {steps} steps × {tokens}")
+    ax.axvline(99, color="gray", lw=0.6, ls="--")
+    ax.axhline(3, color="gray", lw=0.6, ls="--")
+    ax.set_xlabel("MLP activations that are zero, %  (r = dead-gate re-init)")
+    ax.set_ylabel("held-out CE increase vs λ=0 of the sweep, %")
+    ax.set_title("quality vs sparsity (target: right of 99%, below 3%)")
+    ax.legend(fontsize=7)
     ax2.set_yscale("log")
     ax2.set_xlabel("layer")
     ax2.set_ylabel("mean non-zeros per token")
     ax2.set_title("per-layer activity")
-    ax2.legend(fontsize=7)
+    ax3.set_xlabel("layer")
+    ax3.set_ylabel("dead units, % (not fired in the last window)")
+    ax3.set_title("per-layer dead units")
+    ax3.legend(fontsize=5, ncol=2)
     return common.save_figure(fig, path)

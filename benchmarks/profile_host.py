@@ -1,0 +1,87 @@
+"""Host (CPU) cost of one MLP training step, for finding launch overhead: Python functions by own time.
+
+Usage: python benchmarks/profile_host.py [M] [D] [H] [nnz]. Runs 20 sparse steps under cProfile with
+the GPU far ahead of nothing (each step is synchronised, so the host time is the step's own launch work).
+"""
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.ops.sparse_mlp import sparse_mlp
+from sparseffn.ops.twell_mlp import dense_mlp
+
+m, d, h, nnz = (int(v) for v in (sys.argv[1:] + ["4096", "2048", "5632", "29"][len(sys.argv) - 1:]))
+mlp = synthetic_mlp(m, d, h, nnz, device="cuda")
+params = [t.detach().clone().requires_grad_() for t in (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)]
+dy = torch.randn(m, d, device="cuda", dtype=mlp.x.dtype)
+one = torch.ones((), device="cuda")
+
+
+def step(fn):
+    y, l1 = fn(*params)
+    return torch.autograd.grad([y, l1], params, [dy, one])
+
+
+providers = {
+    "sparse": lambda x, g, u, dn: sparse_mlp(x, g, u, dn, mode="sparse", return_l1=True),
+    "dense": lambda x, g, u, dn: dense_mlp(x, g, u, dn, None, return_l1=True),
+}
+for name, fn in providers.items():
+    for _ in range(3):
+        step(fn)
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        step(fn)
+        host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    host.sort()
+    print(f"{name}: host time per step (launch only, GPU idle at start) median {1e3 * host[10]:.3f} ms")
+# own host time of each launcher the training op calls (wrapped where train_mlp looks them up)
+import sparseffn.ops.train_mlp as train_mlp  # noqa: E402
+
+spent: dict[str, float] = {}
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+    return wrapper
+
+
+for name in ("gate_twell", "twell_train_forward", "dense_rows_mlp", "twell_train_backward", "slots_by_unit",
+             "unit_weight_grads", "dense_rows_mlp_backward", "sparse_mlp_train_fwd", "sparse_mlp_train_bwd"):
+    setattr(train_mlp, name, timed(name, getattr(train_mlp, name)))
+step(providers["sparse"])
+spent.clear()
+for _ in range(20):
+    step(providers["sparse"])
+    torch.cuda.synchronize()
+for name, t in sorted(spent.items(), key=lambda kv: -kv[1]):
+    print(f"  {name:28s} {1e3 * t / 20:7.3f} ms/step host")
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+with profile(activities=[ProfilerActivity.CPU]) as tprof:
+    for _ in range(5):
+        step(providers["sparse"])
+        torch.cuda.synchronize()
+print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
+prof = cProfile.Profile()
+prof.enable()
+for _ in range(20):
+    step(providers["sparse"])
+    torch.cuda.synchronize()
+prof.disable()
+stats = pstats.Stats(prof)
+stats.sort_stats("tottime").print_stats(25)
+stats.sort_stats("cumulative").print_stats(40)
