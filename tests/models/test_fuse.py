@@ -6,6 +6,7 @@ fusion that silently did nothing fails.
 """
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -165,24 +166,27 @@ def test_sparsified_models_fuse_both_ways(calls):
     assert sparse_then_fused.config.to_dict() == plain.config.to_dict()
 
 
-def test_past_key_values_and_eager_attention(calls):
-    """The fused forward's keyword handling (deprecated `past_key_values`) and the eager interface
-    with attention weights, against the class forward on an identical module."""
+@pytest.mark.parametrize("cache_name", ["cache", "past_key_values"])
+def test_cache_keywords_and_eager_attention(calls, cache_name):
+    """The fused forward takes the cache under either name (`past_key_values` is what decoder layers
+    of transformers < 5.24 pass) and the eager interface with attention weights, against the class
+    forward on an identical module."""
     model = tiny_lm("llama")
     model.config._attn_implementation = "eager"
     attn = model.model.layers[0].self_attn
+    # the class forward's own name for the cache: `cache` from transformers 5.24, `past_key_values` before
+    class_name = "cache" if "cache" in inspect.signature(type(attn).forward).parameters else "past_key_values"
     fused = fuse_non_mlp_(copy.deepcopy(model)).model.layers[0].self_attn
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
     cos, sin = model.model.rotary_emb(x, torch.arange(5)[None])
     mask = torch.full((5, 5), float("-inf")).triu(1)[None, None].expand(2, 1, 5, 5)
     outs = []
-    for module in (attn, fused):
+    for module, name in ((attn, class_name), (fused, cache_name)):
         cache = DynamicCache(config=model.config)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation of a name, if any
             with torch.no_grad():
-                out, weights = module(x, position_embeddings=(cos, sin), attention_mask=mask, past_key_values=cache)
-        assert any(issubclass(w.category, FutureWarning) for w in caught)
+                out, weights = module(x, position_embeddings=(cos, sin), attention_mask=mask, **{name: cache})
         outs.append((out, weights, cache.layers[0].keys, cache.layers[0].values))
     assert calls["apply_rope"] == 1
     for a, b in zip(*outs):

@@ -14,9 +14,10 @@ transformers 5.24's `LlamaAttention.forward` does with `ops.apply_rope` in place
     out, w  = the config's attention interface (eager_attention_forward by default)
     return o_proj(out reshaped to [B, S, H * d]), w
 
-Keyword handling follows transformers': `past_key_values` is the deprecated name of `cache` (a
-FutureWarning; when both are given `cache` wins), and every other keyword reaches the cache update
-and the attention interface. Only the instance changes (its `forward` attribute); the class and
+Keyword handling: the cache arrives as `cache` (transformers 5.24) or `past_key_values` (the name
+decoder layers of earlier 5.x releases pass, deprecated in 5.24: transformers' own class forward
+warns there, this one takes either silently; when both are given `cache` wins), and every other
+keyword reaches the cache update and the attention interface. Only the instance changes (its `forward` attribute); the class and
 transformers' module-level functions are never patched, and `unfuse_attention_rope_` deletes the
 attribute again. Written against transformers 5.24: a later release whose LlamaAttention.forward
 does more would need this forward updated.
@@ -25,7 +26,6 @@ does more would need this forward updated.
 from __future__ import annotations
 
 import types
-import warnings
 
 import torch
 from torch import nn
@@ -106,11 +106,8 @@ def _llama_attention_forward_fused_rope(
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    if "past_key_values" in kwargs:  # transformers' deprecated name for `cache`; `cache` wins
+    if "past_key_values" in kwargs:  # the cache's name before transformers 5.24 (deprecated there); `cache` wins
         legacy = kwargs.pop("past_key_values")
-        if not torch.compiler.is_compiling():
-            warnings.warn("`past_key_values` is deprecated for LlamaAttention.forward; pass `cache` instead",
-                          FutureWarning, stacklevel=2)
         if cache is _UNSET:
             cache = legacy
     if cache is _UNSET:
