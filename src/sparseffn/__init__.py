@@ -6,9 +6,11 @@ from sparseffn.models import (
     build_model,
     calibrate_thresholds,
     collect_l1,
+    fuse_non_mlp_,
     load_pretrained,
     model_config,
     sparsify_,
+    unfuse_non_mlp_,
     unsparsify_,
 )
 from sparseffn.nn import SparseMLP
@@ -28,11 +30,13 @@ __all__ = [
     "calibrate_thresholds",
     "choose_mode",
     "collect_l1",
+    "fuse_non_mlp_",
     "l1_penalty",
     "load_pretrained",
     "model_config",
     "sparse_mlp",
     "sparse_mlp_reference",
     "sparsify_",
+    "unfuse_non_mlp_",
     "unsparsify_",
 ]

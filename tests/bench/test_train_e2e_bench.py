@@ -71,8 +71,8 @@ def test_quality_summary_reads_runs(tmp_path):
     assert rows[1]["ce_increase_pct"] == pytest.approx(2.0) and rows[1]["nnz_pct_of_h"] == 2.5
     assert rows[2]["ce_increase_pct"] == ""  # its sweep (20 steps) has no λ = 0 run to compare with
     table = quality_table(rows)
-    assert "| tiny | 10 × 16 | 0.001 | no | 3.0600 | +2.00% |" in table
-    assert "| tiny | 20 × 16 | 0.001 | no | 2.5000 | – |" in table
+    assert "| tiny | 10 × 16 | 0 | 0.001 | no | 3.0600 | +2.00% |" in table
+    assert "| tiny | 20 × 16 | 0 | 0.001 | no | 2.5000 | – |" in table
     assert plot_quality(rows, tmp_path / "quality.png").stat().st_size > 10_000
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text("{}")

@@ -22,7 +22,7 @@ Measured per batch size (batch × seq_len tokens), dense and sparse:
     activity      mean / max non-zeros per token over the layers and the share of tokens with a TwELL
                   tile over capacity (256-wide tiles, 32 slots: the rows the dense backup computes)
 Non-MLP code: Hugging Face's RMSNorm and rotary embedding run as chains of unfused elementwise kernels
-(about 30% of a dense 2B forward on the H200). Each `non_mlp` variant is measured with both providers:
+(about 40% of a dense 2B forward's GPU time on the H200). Each `non_mlp` variant is measured with both providers:
 "hf" (transformers' own code) and "fused" (`sparseffn.models.fuse_non_mlp_`: one Triton kernel per norm
 and per rotary embedding, for the dense and the sparse model alike); ratios compare within a variant.
 Timing: CUDA events around each repetition after warm-up, median. Machines are shared and noisy:

@@ -16,7 +16,7 @@ from pathlib import Path
 from sparseffn.bench import common
 
 CSV_FIELDS = (
-    "run", "model", "l1_coeff", "reinit_dead", "steps", "tokens_per_step", "eval_ce", "ce_increase_pct",
+    "run", "model", "l1_coeff", "l1_warmup_steps", "reinit_dead", "steps", "tokens_per_step", "eval_ce", "ce_increase_pct",
     "nnz_mean", "hidden", "nnz_pct_of_h", "zeros_pct", "nnz_max", "dead_pct", "overflow_rate",
     "nnz_per_layer", "dead_per_layer", "git_sha",
 )
@@ -40,6 +40,7 @@ def summarize_run(run_dir: str | Path, git_sha: str = "") -> dict:
     sparsity = cfg.get("sparsity", {})
     return {
         "run": run.name, "model": cfg.get("model"), "l1_coeff": sparsity.get("l1_coeff"),
+        "l1_warmup_steps": sparsity.get("l1_warmup_steps", 0),
         "reinit_dead": sparsity.get("reinit_dead"), "steps": last["step"],
         "tokens_per_step": cfg.get("batch_size", 0) * cfg.get("seq_len", 0) * cfg.get("grad_accum", 1),
         "eval_ce": round(last["eval_ce"], 5), "ce_increase_pct": "",
@@ -55,8 +56,8 @@ def summarize_run(run_dir: str | Path, git_sha: str = "") -> dict:
 
 
 def _sweep(row: dict) -> tuple:
-    """Runs compare only within a sweep: same model, steps and tokens per step."""
-    return (row["model"], int(row["steps"]), int(row["tokens_per_step"]))
+    """Runs compare only within a sweep: same model, steps, tokens per step and λ ramp."""
+    return (row["model"], int(row["steps"]), int(row["tokens_per_step"]), int(row.get("l1_warmup_steps") or 0))
 
 
 def summarize_runs(run_dirs: list[str | Path], git_sha: str = "") -> list[dict]:
@@ -78,14 +79,16 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 def quality_table(rows: list[dict], conditions: str = "") -> str:
     head = (f"{conditions}\n\n" if conditions else "") + (
-        "| model | steps × tokens | λ (L1) | re-init dead | held-out CE | CE vs λ=0 | mean nnz / token (of H) | zeros "
-        "| max nnz | dead units | TwELL overflow rows |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| model | steps × tokens | λ ramp (steps) | λ (L1) | re-init dead | held-out CE | CE vs λ=0 "
+        "| mean nnz / token (of H) | zeros | max nnz | dead units | TwELL overflow rows |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in with_ce_increase([dict(r) for r in rows]):
         inc = f"{float(r['ce_increase_pct']):+.2f}%" if r["ce_increase_pct"] != "" else "–"
         lines.append(
-            f"| {r['model']} | {r['steps']} × {r['tokens_per_step']} | {float(r['l1_coeff']):g} "
+            f"| {r['model']} | {r['steps']} × {r['tokens_per_step']} | {int(r.get('l1_warmup_steps') or 0)} "
+            f"| {float(r['l1_coeff']):g} "
             f"| {'yes' if str(r['reinit_dead']) == 'True' else 'no'} "
             f"| {float(r['eval_ce']):.4f} | {inc} | {float(r['nnz_mean']):.1f} ({float(r['nnz_pct_of_h']):.2f}% of "
             f"{float(r['hidden']):.0f}) | {float(r['zeros_pct']):.2f}% | {r['nnz_max']} | {float(r['dead_pct']):.1f}% "
@@ -116,8 +119,9 @@ def plot_quality(rows: list[dict], path: Path) -> Path:
         ax2.plot(range(len(per_layer)), per_layer, "-o", ms=2, label=label)
         dead = [float(v) for v in str(r["dead_per_layer"]).split()]
         ax3.plot(range(len(dead)), dead, "-o", ms=2, label=label)
-    for sweep, (model, steps, tokens) in enumerate(sweeps):
-        ax.plot([], [], markers[sweep % len(markers)], color=f"C{sweep}", label=f"{model}, {steps} steps × {tokens}")
+    for sweep, (model, steps, tokens, ramp) in enumerate(sweeps):
+        ax.plot([], [], markers[sweep % len(markers)], color=f"C{sweep}",
+                label=f"{model}, {steps} steps × {tokens}, λ ramp {ramp}")
     ax.axvline(99, color="gray", lw=0.6, ls="--")
     ax.axhline(3, color="gray", lw=0.6, ls="--")
     ax.set_xlabel("MLP activations that are zero, %  (r = dead-gate re-init)")

@@ -204,7 +204,7 @@ def plot_e2e(rows: list[dict], path: Path) -> Path:
     plt = pyplot()
 
     cases = list(dict.fromkeys((r["phase"], _non_mlp(r), int(r["batch"])) for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(max(11, 1.6 * len(cases)), 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(max(11, 2.4 * len(cases)), 4.2))
     width = 0.38
     for i, provider in enumerate(("dense", "sparse")):
         values = {(r["phase"], _non_mlp(r), int(r["batch"])): r for r in rows if r["provider"] == provider}
@@ -215,7 +215,7 @@ def plot_e2e(rows: list[dict], path: Path) -> Path:
                     label=provider)
     labels = [f"{phase}, {non_mlp}\nbatch {batch}" for phase, non_mlp, batch in cases]
     for ax, title in ((axes[0], "throughput, tokens/ms"), (axes[1], "peak memory, GiB")):
-        ax.set_xticks(range(len(cases)), labels)
+        ax.set_xticks(range(len(cases)), labels, fontsize=8)
         ax.set_title(title)
         ax.legend()
     fig.suptitle(f"sparseffn end to end, {rows[0]['model']}, {rows[0]['gpu']}, git {rows[0]['git_sha']}"
