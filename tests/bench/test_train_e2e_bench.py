@@ -79,3 +79,21 @@ def test_quality_summary_reads_runs(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no eval or train rows"):
         summarize_runs([tmp_path / "empty"])
+
+
+def test_e2e_bench_runs_on_a_trained_checkpoint(tmp_path):
+    """A checkpoint directory (save_pretrained of a sparse model) keeps its own sparsity: no calibration,
+    the table says so, and the measured activity is the model's."""
+    pytest.importorskip("transformers")
+    from sparseffn.bench.e2e import E2EBenchConfig, run_e2e_bench
+    from sparseffn.models import SparsityConfig, build_model
+
+    model = build_model("tiny", SparsityConfig(l1_coeff=1e-2), vocab_size=256, seed=0, max_position_embeddings=32)
+    model.save_pretrained(tmp_path / "ckpt")
+    cfg = E2EBenchConfig(model=str(tmp_path / "ckpt"), batches="2", train_batches="2", seq_len=32, dtype="float32",
+                         warmup=1, reps=1, non_mlp="fused", out_dir=str(tmp_path), git_sha="abc")
+    rows = run_e2e_bench(cfg, torch.device("cpu"), log=lambda _: None)
+    assert len(rows) == 4 and all(r["target_nnz"] != r["target_nnz"] for r in rows)  # nan: not calibrated
+    forward = [r for r in rows if r["phase"] == "forward"]
+    assert all(0 < float(r["mlp_nnz"]) <= 352 for r in forward)  # tiny: H = 352, plain ReLU fires on ~half
+    assert "trained checkpoint, its own sparsity" in e2e_table(read_rows(tmp_path / "cpu" / "e2e.csv"))

@@ -167,9 +167,13 @@ def e2e_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
     first = rows[0]
+    if str(first["target_nnz"]) in ("", "nan"):  # a trained checkpoint: its own sparsity
+        weights = "trained checkpoint, its own sparsity: see the MLP nnz column"
+    else:
+        weights = (f"random weights, per-neuron thresholds calibrated to {first['target_nnz']} non-zeros per "
+                   f"token per layer, measured {first['mean_nnz']}")
     header = (
-        f"{first['gpu']}, model `{first['model']}` (random weights, per-neuron thresholds calibrated to "
-        f"{first['target_nnz']} non-zeros per token per layer, measured {first['mean_nnz']}), {first['dtype']}, "
+        f"{first['gpu']}, model `{first['model']}` ({weights}), {first['dtype']}, "
         f"sequence {first['seq_len']}, attention {first['attention']}, torch {first['torch']}, "
         f"transformers {first['transformers']}, git {first['git_sha']}. Forward = prefill "
         "(`logits_to_keep=1`, no grad); train = forward + backward + AdamW step with the L1 penalty. Dense = the "
