@@ -1,7 +1,10 @@
-"""Kernel-level profile of one MLP training step (sparse and dense) on the GPU, for tuning.
+"""Kernel-level profile of one MLP training step (sparse and dense) on the GPU, and its host cost.
 
 Usage: python benchmarks/profile_train.py [M] [D] [H] [nnz]. Prints the CUDA kernels sorted by time
-and the wall time of a step (host launch overhead shows as wall time above the GPU time).
+and the wall time of a step (host launch overhead shows as wall time above the GPU time), then the
+sparse step's host time per launcher (each step synchronised first, so it is the launch work alone)
+and the CPU-side ops by self time. (cProfile misattributes time under the custom ops' dynamo-disabled
+frames to torch's backend_impl; the per-launcher wrappers below do not.)
 """
 
 import sys
@@ -10,6 +13,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import sparseffn.ops.train_mlp as train_mlp
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.ops.sparse_mlp import sparse_mlp
 from sparseffn.ops.twell_mlp import dense_mlp
@@ -46,3 +50,34 @@ for name, fn in providers.items():
             step(fn)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+# own host time of each launcher the training op calls (wrapped where train_mlp looks them up)
+
+spent: dict[str, float] = {}
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+    return wrapper
+
+
+for name in ("gate_twell", "twell_train_forward", "dense_rows_mlp", "twell_train_backward", "slots_by_unit",
+             "unit_weight_grads", "dense_rows_mlp_backward", "sparse_mlp_train_fwd", "sparse_mlp_train_bwd"):
+    setattr(train_mlp, name, timed(name, getattr(train_mlp, name)))
+step(providers["sparse"])
+spent.clear()
+for _ in range(20):
+    step(providers["sparse"])
+    torch.cuda.synchronize()
+for name, t in sorted(spent.items(), key=lambda kv: -kv[1]):
+    print(f"  {name:28s} {1e3 * t / 20:7.3f} ms/step host")
+with profile(activities=[ProfilerActivity.CPU]) as tprof:
+    for _ in range(5):
+        step(providers["sparse"])
+        torch.cuda.synchronize()
+print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
