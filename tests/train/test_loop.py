@@ -57,3 +57,24 @@ def test_bad_device_is_named(small_corpus, tmp_path):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="device='cuda'"):
         train(tiny_config(small_corpus, tmp_path / "run", device="cuda"), progress=False, echo=None)
+
+
+def test_fused_non_mlp_trains_the_same(small_corpus, tmp_path, monkeypatch):
+    """--fuse-non-mlp swaps in the fused RMSNorm / RoPE (here their eager CPU path): same losses, and the
+    saved model loads as a plain one."""
+    import sparseffn.nn.fused as fused_nn
+    from sparseffn.models import load_pretrained
+
+    calls = []
+    monkeypatch.setattr(fused_nn, "rms_norm", lambda *a, _f=fused_nn.rms_norm: calls.append(1) or _f(*a))
+    cfg = tiny_config(small_corpus, tmp_path / "plain", steps=3, eval_interval=0, checkpoint_interval=0)
+    a = _rows(train(cfg, progress=False, echo=None))
+    fused = train(cfg.replace(out_dir=str(tmp_path / "fused"), fuse_non_mlp=True), progress=False, echo=None)
+    b = _rows(fused)
+    assert calls, "the fused RMSNorm never ran"
+    for ra, rb in zip(a, b):
+        for key in ("loss", "ce", "l1"):
+            if key in ra:
+                assert rb[key] == pytest.approx(ra[key], rel=1e-5), key
+    model = load_pretrained(tmp_path / "fused" / "model")
+    assert not any(type(m).__name__ == "FusedRMSNorm" for m in model.modules())

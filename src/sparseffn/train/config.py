@@ -52,6 +52,7 @@ class TrainConfig:
     checkpoint_interval: int = 500  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     activation_checkpointing: bool = False
+    fuse_non_mlp: bool = False  # models.fuse_non_mlp_: fused RMSNorm / RoPE kernels (same function, faster on CUDA)
     seed: int = 0
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bf16 autocast on cuda, fp32 on cpu; or "float32" / "bfloat16"
@@ -159,6 +160,7 @@ FIELD_HELP = {
     "checkpoint_interval": "steps between checkpoints (0 = at the end only)",
     "keep_checkpoints": "newest checkpoints kept",
     "activation_checkpointing": "recompute activations in backward (less memory)",
+    "fuse_non_mlp": "fused Triton kernels for RMSNorm and RoPE (same function; dense 2B on an H200: prefill 1.4x, training step 1.35x)",
     "seed": "seed of the weights and of the batch order",
     "device": "where to train",
     "dtype": "auto = bf16 autocast on CUDA, fp32 on CPU",

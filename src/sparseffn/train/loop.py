@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from sparseffn.models import build_model, collect_l1, sparse_mlps
+from sparseffn.models import build_model, collect_l1, fuse_non_mlp_, sparse_mlps
 from sparseffn.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -235,6 +235,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                         **model_overrides(cfg))
     mlps = sparse_mlps(model)
     hidden = [int(m.intermediate_size) for m in mlps]
+    if cfg.fuse_non_mlp:  # instance-level swap: state dict, config and checkpoints are unchanged
+        fuse_non_mlp_(model)
     if cfg.activation_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name is deprecated
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
