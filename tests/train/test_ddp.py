@@ -69,9 +69,10 @@ def _fsdp_worker(rank: int, world: int, port: int, cfg_dict: dict, out: str) -> 
 
 
 @pytest.mark.timeout(300)
-def test_fsdp_trains_and_resumes_exactly(small_corpus, tmp_path):
+@pytest.mark.parametrize("fuse_non_mlp", [False, True], ids=["hf", "fused-norm-rope"])
+def test_fsdp_trains_and_resumes_exactly(small_corpus, tmp_path, fuse_non_mlp):
     cfg = tiny_config(small_corpus, tmp_path / "unused", steps=5, checkpoint_interval=2, eval_interval=5,
-                      parallel="fsdp")
+                      parallel="fsdp", fuse_non_mlp=fuse_non_mlp)
     mp.spawn(_fsdp_worker, args=(2, _free_port(), cfg.to_dict(), str(tmp_path)), nprocs=2, join=True)
 
     def rows(run):
