@@ -40,8 +40,9 @@ MODES = ("auto", "sparse", "dense")
 #   ~83 at D=4096/H=14336, whose gathered weights no longer fit L2).
 AUTO_MIN_TOKENS = 8192
 # Training calls (gradients or return_l1), from `bench mlp --train` and `bench e2e` on the H200: the
-# step won at 16384 tokens (1.41x) and lost at 4096 (0.47x, host-bound); at 8192 the 2B model's whole
-# training step came out 0.97x with the MLPs ~41% of it, i.e. the MLP itself ~0.94x. So 16384.
+# step won at 16384 tokens (1.41x) and lost at 4096 (0.47x, host-bound; 0.63x after the zero-gradient
+# fix of ops/train_mlp.py); at 8192 the 2B model's whole training step came out 0.97x with the MLPs ~41%
+# of it, i.e. the MLP itself ~0.94x (before that fix). So 16384.
 AUTO_MIN_TOKENS_TRAIN = 16384
 AUTO_MAX_MEAN_NNZ = 64.0
 AUTO_MAX_MEAN_NNZ_FRACTION = 0.01  # of H: small-H models break even at lower counts
