@@ -243,3 +243,22 @@ def test_errors():
         fuse_non_mlp_(hooked)
     assert [type(m) for m in hooked.modules()] == names  # refused before anything changed
     assert not any(has_fused_rope(m) for m in hooked.modules())
+
+
+def test_fused_model_compiles_fullgraph():
+    """torch.compile(fullgraph=True) traces the fused ops through their fake implementations and
+    autograd formulas: logits and gradients equal the eager fused model's."""
+    model = fuse_non_mlp_(tiny_lm("llama"))
+    ids = token_ids()
+
+    def loss_and_grads(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(ids).logits.float().square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager = loss_and_grads(lambda i: model(input_ids=i, use_cache=False))
+    compiled_model = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = loss_and_grads(lambda i: compiled_model(input_ids=i, use_cache=False))
+    assert _close(compiled[0], eager[0])
+    assert all(_close(c, e) for c, e in zip(compiled[1], eager[1]))
