@@ -38,3 +38,32 @@ def mma(a, b, acc, DOT_IN_FP32: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+def check_config_fields(config, *, positive=(), powers_of_two=(), at_least=(), flags=()) -> None:
+    """The field checks shared by the launch-config dataclasses; errors name `Class.field`.
+
+    positive: ints >= 1; powers_of_two: powers of two among them; at_least: (names, low, why) triples,
+    e.g. (("block_k",), 16, "tl.dot"); flags: bools. A `max_regs` field (the ptxas .maxnreg register
+    cap) must be None or an int in [24, 255].
+    """
+    owner = type(config).__name__
+    for name in positive:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+    for name in powers_of_two:
+        value = getattr(config, name)
+        if value & (value - 1):
+            raise ValueError(f"{owner}.{name} must be a power of two, got {value}")
+    for names, low, why in at_least:
+        for name in names:
+            if getattr(config, name) < low:
+                raise ValueError(f"{owner}.{name} must be >= {low} ({why}), got {getattr(config, name)}")
+    for name in flags:
+        if not isinstance(getattr(config, name), bool):
+            raise TypeError(f"{owner}.{name} must be a bool, got {getattr(config, name)!r}")
+    max_regs = getattr(config, "max_regs", None)
+    if max_regs is not None and (isinstance(max_regs, bool) or not isinstance(max_regs, int)
+                                 or not 24 <= max_regs <= 255):
+        raise ValueError(f"{owner}.max_regs must be None or an int in [24, 255], got {max_regs!r}")

@@ -95,7 +95,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, interpreting, mma, num_sms
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, check_config_fields, interpreting, mma, num_sms
 
 __all__ = ["DenseRowsConfig", "default_config", "dense_rows_mlp", "sm90_compile_specs"]
 
@@ -294,19 +294,10 @@ class DenseRowsConfig:
     programs_per_sm: int = 1  # persistent grid: #SMs x this (the interpreter: 3 x this)
 
     def __post_init__(self) -> None:
-        for name in ("block_r", "block_h", "block_k", "block_dy", "num_warps", "num_stages", "programs_per_sm"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DenseRowsConfig.{name} must be a positive int, got {value!r}")
-        for name in ("block_r", "block_h", "block_k", "block_dy", "num_warps"):
-            value = getattr(self, name)
-            if value & (value - 1):
-                raise ValueError(f"DenseRowsConfig.{name} must be a power of two, got {value}")
-        for name in ("block_h", "block_k", "block_dy"):
-            if getattr(self, name) < 16:
-                raise ValueError(f"DenseRowsConfig.{name} must be >= 16 (tl.dot), got {getattr(self, name)}")
-        if self.block_r < 8:
-            raise ValueError(f"DenseRowsConfig.block_r must be >= 8 (tl.dot), got {self.block_r}")
+        check_config_fields(
+            self, positive=("block_r", "block_h", "block_k", "block_dy", "num_warps", "num_stages", "programs_per_sm"),
+            powers_of_two=("block_r", "block_h", "block_k", "block_dy", "num_warps"),
+            at_least=((("block_h", "block_k", "block_dy"), 16, "tl.dot"), (("block_r",), 8, "tl.dot")))
 
 
 def default_config(d: int, *, cuda: bool) -> DenseRowsConfig:

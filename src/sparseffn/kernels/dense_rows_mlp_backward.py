@@ -113,7 +113,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import TL_DTYPES, interpreting, mma, num_sms
+from sparseffn.kernels._runtime import TL_DTYPES, check_config_fields, interpreting, mma, num_sms
 from sparseffn.kernels.dense_rows_mlp import (
     _COMPACT_BLOCK,
     _COMPACT_WARPS,
@@ -530,24 +530,16 @@ class DenseRowsBackwardConfig:
     programs_per_sm: int = 1  # persistent grids: #SMs x this (the interpreter: 3 x this)
 
     def __post_init__(self) -> None:
-        names = ("block_r", "block_h", "block_k", "block_dx", "num_warps", "num_stages", "block_h_w", "block_r_w",
-                 "block_k_w", "block_dw", "num_warps_w", "num_stages_w", "programs_per_sm")
-        for name in names + ("d_groups",):
-            value = getattr(self, name)
-            if name == "d_groups" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DenseRowsBackwardConfig.{name} must be a positive int, got {value!r}")
-        for name in ("block_r", "block_h", "block_k", "block_dx", "num_warps", "block_h_w", "block_r_w",
-                     "block_k_w", "block_dw", "num_warps_w"):
-            value = getattr(self, name)
-            if value & (value - 1):
-                raise ValueError(f"DenseRowsBackwardConfig.{name} must be a power of two, got {value}")
-        for name in ("block_h", "block_k", "block_dx", "block_h_w", "block_r_w", "block_k_w", "block_dw"):
-            if getattr(self, name) < 16:
-                raise ValueError(f"DenseRowsBackwardConfig.{name} must be >= 16 (tl.dot), got {getattr(self, name)}")
-        if self.block_r < 8:
-            raise ValueError(f"DenseRowsBackwardConfig.block_r must be >= 8 (tl.dot), got {self.block_r}")
+        if self.d_groups is not None:
+            check_config_fields(self, positive=("d_groups",))
+        check_config_fields(
+            self,
+            positive=("block_r", "block_h", "block_k", "block_dx", "num_warps", "num_stages", "block_h_w", "block_r_w",
+                      "block_k_w", "block_dw", "num_warps_w", "num_stages_w", "programs_per_sm"),
+            powers_of_two=("block_r", "block_h", "block_k", "block_dx", "num_warps", "block_h_w", "block_r_w",
+                           "block_k_w", "block_dw", "num_warps_w"),
+            at_least=((("block_h", "block_k", "block_dx", "block_h_w", "block_r_w", "block_k_w", "block_dw"), 16,
+                       "tl.dot"), (("block_r",), 8, "tl.dot")))
 
 
 def default_backward_config(d: int, *, cuda: bool) -> DenseRowsBackwardConfig:

@@ -80,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, check_config_fields
 
 from sparseffn.kernels.twell_up_down import _load_counts
 
@@ -384,19 +384,9 @@ class TwellTrainConfig:
     max_regs: int | None = None  # register cap per thread (ptxas .maxnreg)
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TwellTrainConfig.{name} must be a positive int, got {value!r}")
-            if name != "block_m" and value & (value - 1):
-                raise ValueError(f"TwellTrainConfig.{name} must be a power of two, got {value}")
-        if not isinstance(self.evict, bool):
-            raise TypeError(f"TwellTrainConfig.evict must be a bool, got {self.evict!r}")
-        if self.max_regs is not None and (not isinstance(self.max_regs, int)
-                                          or isinstance(self.max_regs, bool)
-                                          or not 24 <= self.max_regs <= 255):
-            raise ValueError(f"TwellTrainConfig.max_regs must be None or an int in [24, 255], got "
-                             f"{self.max_regs!r}")
+        check_config_fields(self, positive=("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps"),
+                            powers_of_two=("block_u", "block_d", "block_n", "max_block_t", "num_warps"),
+                            flags=("evict",))
         if self.block_n < self.block_u:
             raise ValueError(f"TwellTrainConfig.block_n must be >= block_u = {self.block_u}, "
                              f"got {self.block_n}")

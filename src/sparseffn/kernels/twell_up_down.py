@@ -80,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, num_sms
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, check_config_fields, num_sms
 
 __all__ = [
     "UpDownConfig",
@@ -408,26 +408,13 @@ class UpDownConfig:
     max_regs: int | None = 96  # register cap per thread (ptxas .maxnreg): more programs per SM
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"UpDownConfig.{name} must be a positive int, got {value!r}")
+        check_config_fields(self, positive=("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps"),
+                            powers_of_two=("block_u", "block_d", "block_n", "max_block_t", "num_warps"),
+                            flags=("prefetch", "lookahead", "evict"))
         if (not isinstance(self.persistent, int) or isinstance(self.persistent, bool)
                 or self.persistent < 0):
             raise ValueError(f"UpDownConfig.persistent must be an int >= 0, got "
                              f"{self.persistent!r}")
-        for name in ("block_u", "block_d", "block_n", "max_block_t", "num_warps"):
-            value = getattr(self, name)
-            if value & (value - 1):
-                raise ValueError(f"UpDownConfig.{name} must be a power of two, got {value}")
-        for name in ("prefetch", "lookahead", "evict"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"UpDownConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.max_regs is not None and (not isinstance(self.max_regs, int)
-                                          or isinstance(self.max_regs, bool)
-                                          or not 24 <= self.max_regs <= 255):
-            raise ValueError(f"UpDownConfig.max_regs must be None or an int in [24, 255], got "
-                             f"{self.max_regs!r}")
         if self.block_n < self.block_u:
             raise ValueError(f"UpDownConfig.block_n must be >= block_u = {self.block_u}, "
                              f"got {self.block_n}")

@@ -121,7 +121,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, interpreting, mma
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, check_config_fields, interpreting, mma
 from sparseffn.kernels.twell_train import _check, _check_gated
 
 __all__ = [
@@ -485,21 +485,9 @@ class UnitGradsConfig:
     max_regs: int | None = 128   # register cap per thread (ptxas .maxnreg); None: no cap
 
     def __post_init__(self) -> None:
-        for name in ("block_e", "block_d", "num_warps", "num_stages", "units_per_program"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"UnitGradsConfig.{name} must be a positive int, got {value!r}")
-            if name != "num_stages" and value & (value - 1):
-                raise ValueError(f"UnitGradsConfig.{name} must be a power of two, got {value}")
-        for name in ("block_e", "block_d"):
-            if getattr(self, name) < 16:
-                raise ValueError(f"UnitGradsConfig.{name} must be >= 16 (an MMA dimension), got "
-                                 f"{getattr(self, name)}")
-        if self.max_regs is not None and (not isinstance(self.max_regs, int)
-                                          or isinstance(self.max_regs, bool)
-                                          or not 24 <= self.max_regs <= 255):
-            raise ValueError(f"UnitGradsConfig.max_regs must be None or an int in [24, 255], got "
-                             f"{self.max_regs!r}")
+        check_config_fields(self, positive=("block_e", "block_d", "num_warps", "num_stages", "units_per_program"),
+                            powers_of_two=("block_e", "block_d", "num_warps", "units_per_program"),
+                            at_least=((("block_e", "block_d"), 16, "an MMA dimension"),))
 
 
 def default_unit_grads_config(d: int) -> UnitGradsConfig:
