@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from sparseffn.bench.common import ints, rel_err, shapes, write_csv
+from sparseffn.bench.mlp import MLPBenchConfig
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.bench.timing import device_slug, run_metadata, time_fn
 from sparseffn.kernels.gate_twell import gate_twell
@@ -43,18 +44,11 @@ CSV_FIELDS = (
 
 
 @dataclass(frozen=True)
-class TrainBenchConfig:
-    shapes: str = "2048x5632,4096x14336"
+class TrainBenchConfig(MLPBenchConfig):
+    """`bench mlp`'s fields, with the training step's token counts and providers."""
+
     tokens: str = "4096,16384,65536"
-    nnz: str = "29,110,900"
     providers: str = ",".join(TRAIN_PROVIDERS)
-    dtype: str = "bfloat16"
-    tile: int = 256
-    slots: int = 32
-    seed: int = 0
-    rep_ms: int = 200
-    out_dir: str = "benchmarks/results"
-    git_sha: str = ""
 
 
 def _reference(params: list[torch.Tensor], gated: bool, dy: torch.Tensor, coeff: float):
