@@ -14,6 +14,18 @@ DTYPES = (torch.bfloat16, torch.float16)
 TL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def check_matrix(t: object, name: str, layout: str = "[M, D]") -> tuple[int, int]:
+    """The shape of `t` after checking it is a 2-D bf16 / fp16 tensor; errors name `name` and the
+    expected `layout`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must have shape {layout}, got {list(t.shape)}")
+    if t.dtype not in DTYPES:
+        raise TypeError(f"{name} must be bf16 or fp16, got {t.dtype}")
+    return t.shape[0], t.shape[1]
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels on CPU tensors (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -80,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, check_config_fields
+from sparseffn.kernels._runtime import TL_DTYPES, check_config_fields, check_matrix
 
 from sparseffn.kernels.twell_up_down import _load_counts
 
@@ -537,13 +537,7 @@ def twell_train_forward(
     Non-gated: `up_weight` and `u_out` are unused and may be None. `config` overrides
     `default_forward_config(D)`. No host synchronisation."""
     gated = _check_gated(gated)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
-    m, d = x.shape
+    m, d = check_matrix(x, "x")
     tile, n_tiles, slots = _check_packed(values, columns, counts, m, x.dtype, x.device, tile)
     down_weight_t, h = _check_weight(down_weight_t, "down_weight_t", n_tiles, tile, d, x.dtype,
                                      x.device)
@@ -601,13 +595,7 @@ def twell_train_backward(
     `default_backward_config(D)`. No host synchronisation. The layer input x is not needed: u comes
     from `u_slots`, and dx needs only dy and the weights."""
     gated = _check_gated(gated)
-    if not isinstance(dy, torch.Tensor):
-        raise TypeError(f"dy must be a torch.Tensor, got {type(dy).__name__}")
-    if dy.dim() != 2:
-        raise ValueError(f"dy must have shape [M, D], got {list(dy.shape)}")
-    if dy.dtype not in DTYPES:
-        raise TypeError(f"dy must be bf16 or fp16, got {dy.dtype}")
-    m, d = dy.shape
+    m, d = check_matrix(dy, "dy")
     dev = dy.device
     tile, n_tiles, slots = _check_packed(values, columns, counts, m, dy.dtype, dev, tile)
     down_weight_t, h = _check_weight(down_weight_t, "down_weight_t", n_tiles, tile, d, dy.dtype, dev)

@@ -80,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, check_config_fields, num_sms
+from sparseffn.kernels._runtime import TL_DTYPES, check_config_fields, check_matrix, num_sms
 
 __all__ = [
     "UpDownConfig",
@@ -484,13 +484,7 @@ def prepare_up_down_weight(up_weight: torch.Tensor | None, down_weight: torch.Te
     up_weight: [H, D] (Hugging Face `up_proj.weight`) or None; down_weight: [D, H]
     (`down_proj.weight`). Row j of the result is [up_weight[j]; down_weight[:, j]], contiguous.
     """
-    if not isinstance(down_weight, torch.Tensor):
-        raise TypeError(f"down_weight must be a torch.Tensor, got {type(down_weight).__name__}")
-    if down_weight.dim() != 2:
-        raise ValueError(f"down_weight must have shape [D, H], got {tuple(down_weight.shape)}")
-    if down_weight.dtype not in DTYPES:
-        raise TypeError(f"down_weight must be bf16 or fp16, got {down_weight.dtype}")
-    d, h = down_weight.shape
+    d, h = check_matrix(down_weight, "down_weight", "[D, H]")
     if up_weight is None:
         return down_weight.t().contiguous().unsqueeze(1)
     if not isinstance(up_weight, torch.Tensor):
@@ -560,13 +554,7 @@ def twell_up_down(
     afterwards); with `out=None` they hold whatever torch.empty left there. `config` overrides the
     launch heuristic (`default_config(D)`). Returns `out` (or the new tensor).
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
-    m, d = x.shape
+    m, d = check_matrix(x, "x")
     if not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 32768:
         raise ValueError(f"tile must be an int in [1, 32768], got {tile!r}")
     if not isinstance(packed_weight, torch.Tensor):

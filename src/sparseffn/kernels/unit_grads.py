@@ -121,7 +121,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, check_config_fields, interpreting, mma
+from sparseffn.kernels._runtime import TL_DTYPES, check_config_fields, check_matrix, interpreting, mma
 from sparseffn.kernels.twell_train import _check, _check_gated
 
 __all__ = [
@@ -545,13 +545,7 @@ def unit_weight_grads(
     be None; dg_slots holds d(first projection) and grad_up_out receives the first weight's
     gradient. `config` overrides `default_unit_grads_config(D)`. No host synchronisation."""
     gated = _check_gated(gated)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must have shape [M, D], got {list(x.shape)}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
-    m, d = x.shape
+    m, d = check_matrix(x, "x")
     dev = x.device
     for name, value in (("n_tiles", n_tiles), ("slots", slots)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
