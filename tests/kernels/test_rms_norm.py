@@ -12,7 +12,6 @@ rounding to nearest, so there bf16 results may differ by one bf16 ulp per roundi
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
