@@ -3,8 +3,9 @@ import csv
 import pytest
 import torch
 
-from sparseffn.bench.mlp import CSV_FIELDS, MLPBenchConfig, run_mlp_bench
+from sparseffn.bench.mlp import CSV_FIELDS, GRAPH_PROVIDERS, PROVIDERS, MLPBenchConfig, run_mlp_bench
 from sparseffn.bench.report import mlp_table, plot_mlp, read_rows, replace_block
+from sparseffn.bench.timing import Timing, median_timing
 
 
 def test_bench_runs_end_to_end_and_writes_a_well_formed_csv(tmp_path):
@@ -38,3 +39,19 @@ def test_replace_block_and_bad_providers():
         replace_block(text, "e2e", "x")
     with pytest.raises(ValueError, match="providers: unknown"):
         run_mlp_bench(MLPBenchConfig(providers="dense,fastest"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        run_mlp_bench(MLPBenchConfig(providers="dense,sparse_graph"), torch.device("cpu"))
+
+
+def test_default_providers_on_cpu_leave_out_the_cuda_graphs(tmp_path):
+    cfg = MLPBenchConfig(shapes="32x128", tokens="3", nnz="4", tile=64, slots=8, out_dir=str(tmp_path), rep_ms=1)
+    rows = run_mlp_bench(cfg, torch.device("cpu"), log=lambda _: None)
+    assert [r["provider"] for r in rows] == [p for p in PROVIDERS if p not in GRAPH_PROVIDERS]
+
+
+def test_median_timing_takes_each_statistic_over_rounds():
+    rounds = [Timing(3.0, 1.0, 4.0), Timing(1.0, 0.5, 9.0), Timing(2.0, 2.0, 2.5)]
+    assert median_timing(rounds) == Timing(2.0, 1.0, 4.0)
+    assert median_timing(rounds[:2]) == Timing(2.0, 0.75, 6.5)
+    with pytest.raises(ValueError, match="at least one"):
+        median_timing([])

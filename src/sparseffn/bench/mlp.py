@@ -10,6 +10,12 @@ For each shape (D x H), target density and token count M, one realistic syntheti
     auto             sparseffn, mode="auto" with the measured mean nnz as its density hint
     gate_cublas      the gate step alone: F.linear + ReLU (dense output)
     gate_pack        the gate step alone: Triton GEMM + TwELL packing epilogue (what `sparse` runs)
+    dense_graph      `dense` captured in a CUDA graph and replayed (CUDA only)
+    sparse_graph     `sparse` captured in a CUDA graph and replayed (CUDA only)
+
+The graph providers take the host launch work out of the timing, as serving stacks do with CUDA graphs:
+at small M an eager call costs more host time than GPU time and the L2 flush no longer hides it.
+Ratios stay over eager `dense`; dense_graph is its own graphed counterpart.
 
 Each output is checked against the fp32 reference before it is timed. Rows go to a long-format CSV
 with the GPU name, versions and git sha.
@@ -26,13 +32,16 @@ import torch.nn.functional as F
 
 from sparseffn.bench.common import ints, rel_err, shapes, write_csv
 from sparseffn.bench.synthetic import synthetic_mlp
-from sparseffn.bench.timing import device_slug, run_metadata, time_fn
+from sparseffn.bench.timing import cuda_graphed, device_slug, median_timing, run_metadata, time_fn
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.ops.reference import sparse_mlp_reference
 from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp
 from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp
 
-PROVIDERS = ("dense", "dense_merged", "dense_compiled", "sparse", "auto", "gate_cublas", "gate_pack")
+PROVIDERS = ("dense", "dense_merged", "dense_compiled", "sparse", "auto", "gate_cublas", "gate_pack",
+             "dense_graph", "sparse_graph")
+GRAPH_PROVIDERS = ("dense_graph", "sparse_graph")
+TIMING_ROUNDS = 3
 
 CSV_FIELDS = (
     "gpu", "torch", "triton", "git_sha", "dtype", "d", "h", "m", "target_nnz", "mean_nnz", "max_nnz",
@@ -46,7 +55,7 @@ class MLPBenchConfig:
     shapes: str = "2048x5632,4096x14336"  # D x H, comma separated
     tokens: str = "1,16,256,4096,16384,65536"
     nnz: str = "29,110,900"  # target mean non-zeros per token
-    providers: str = ",".join(PROVIDERS)
+    providers: str = ""  # comma separated; empty = every provider that runs on the device (graphs need CUDA)
     dtype: str = "bfloat16"
     tile: int = 256
     slots: int = 32
@@ -89,6 +98,11 @@ def run_mlp_bench(cfg: MLPBenchConfig, device: torch.device | None = None, log: 
     unknown = sorted(set(wanted) - set(PROVIDERS))
     if unknown:
         raise ValueError(f"providers: unknown {unknown}; choose from {PROVIDERS}")
+    if not wanted:
+        wanted = [p for p in PROVIDERS if device.type == "cuda" or p not in GRAPH_PROVIDERS]
+    graphs = sorted(set(wanted) & set(GRAPH_PROVIDERS))
+    if graphs and device.type != "cuda":
+        raise ValueError(f"providers: {graphs} capture CUDA graphs and need a CUDA device, not {device}")
     meta = run_metadata(device)
     # One static compilation per (shape, M), reused across densities (dense time is data-independent).
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -124,22 +138,30 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
         "overflow_rows": int((counts > cfg.slots).any(1).sum()),
     }
     providers = _providers(mlp, weights, stats["mean_nnz"], cfg.tile, cfg.slots, compiled_dense)
+    for name in set(wanted) & set(GRAPH_PROVIDERS):
+        providers[name] = cuda_graphed(providers[name.removesuffix("_graph")], device)
     dense_out = providers["dense"]()
     dense_err = rel_err(dense_out, ref)
     floor = torch.finfo(x.dtype).eps / 2
-    results = {}
+    checked = {}
     for name in wanted:
-        fn = providers[name]
-        out = fn()
+        out = providers[name]()
         mode = ""
         err = float("nan")
         if not name.startswith("gate_"):
             err = rel_err(out, ref)
-        if name in ("sparse", "auto"):
-            mode = "sparse" if name == "sparse" else choose_mode(x, mlp.up_weight, mode="auto",
+        if name in ("sparse", "auto", "sparse_graph"):
+            mode = "sparse" if name != "auto" else choose_mode(x, mlp.up_weight, mode="auto",
                                                                   expected_nnz=stats["mean_nnz"]).mode
-        results[name] = (time_fn(fn, device, rep_ms=cfg.rep_ms), mode, err)
-    base = results.get("dense", (time_fn(providers["dense"], device, rep_ms=cfg.rep_ms),))[0].median_ms
+        checked[name] = (mode, err)
+    # Providers take turns over TIMING_ROUNDS rounds, so a drift of clocks or host load hits them alike.
+    timed = list(dict.fromkeys(["dense", *wanted]))
+    samples = {name: [] for name in timed}
+    for _ in range(TIMING_ROUNDS):
+        for name in timed:
+            samples[name].append(time_fn(providers[name], device, rep_ms=cfg.rep_ms / TIMING_ROUNDS))
+    base = median_timing(samples["dense"]).median_ms
+    results = {name: (median_timing(samples[name]), *checked[name]) for name in wanted}
     rows = []
     for name, (timing, mode, err) in results.items():
         row = dict(meta, **stats, provider=name, mode=mode, median_ms=round(timing.median_ms, 5),

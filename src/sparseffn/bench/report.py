@@ -33,9 +33,11 @@ def mlp_table(rows: list[dict]) -> str:
         f"{first['gpu']}, {first['dtype']}, torch {first['torch']}, triton {first['triton']}, git {first['git_sha']}. "
         "Speed-up = dense time / time (median of CUDA-event timings, L2 flushed, same run, same inputs). "
         "Error = ‖y − y_fp32‖ / ‖y_fp32‖.\n\n"
+        "Graphed = one CUDA-graph replay of the call (no host launch work); `graphed sparse` is over eager "
+        "dense, `graph / graph` is graphed dense time over graphed sparse time.\n\n"
         "| D×H | mean nnz (max) | M | overflow rows | dense ms | merged | compiled | sparse | auto (mode) "
-        "| gate: TwELL pack / cuBLAS | sparse err | dense err |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| graphed sparse | graph / graph | gate: TwELL pack / cuBLAS | sparse err | dense err |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [header]
 
@@ -49,12 +51,15 @@ def mlp_table(rows: list[dict]) -> str:
         if "gate_pack" in prov and "gate_cublas" in prov:
             gate = f"{float(prov['gate_pack']['median_ms']) / float(prov['gate_cublas']['median_ms']):.2f}x time"
         auto = ratio(prov, "auto") + (f" ({prov['auto']['mode']})" if "auto" in prov else "")
+        graphs = "–"
+        if "sparse_graph" in prov and "dense_graph" in prov:
+            graphs = f"{float(prov['dense_graph']['median_ms']) / float(prov['sparse_graph']['median_ms']):.2f}x"
         lines.append(
             f"| {d}×{h} | {float(any_row['mean_nnz']):.1f} ({any_row['max_nnz']}) | {m} | {any_row['overflow_rows']} "
             f"| {float(dense['median_ms']):.3f} | {ratio(prov, 'dense_merged')} | {ratio(prov, 'dense_compiled')} "
-            f"| {ratio(prov, 'sparse')} | {auto} | {gate} "
+            f"| {ratio(prov, 'sparse')} | {auto} | {ratio(prov, 'sparse_graph')} | {graphs} | {gate} "
             f"| {prov['sparse']['rel_err'] if 'sparse' in prov else '–'} | {any_row['dense_rel_err']} |"
-            if dense else f"| {d}×{h} | – | {m} | – | – | – | – | – | – | – | – | – |"
+            if dense else f"| {d}×{h} | – | {m} | – | – | – | – | – | – | – | – | – | – | – |"
         )
     return "\n".join(lines)
 
@@ -65,15 +70,15 @@ def plot_mlp(rows: list[dict], path: Path) -> Path:
 
     shapes = sorted({(int(r["d"]), int(r["h"])) for r in rows})
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2), squeeze=False)
+    styles = {"sparse": "-o", "auto": "--s", "dense_compiled": ":", "sparse_graph": "-.^"}
     for ax, (d, h) in zip(axes[0], shapes):
         series: dict[tuple, list] = defaultdict(list)
         for r in rows:
-            if (int(r["d"]), int(r["h"])) == (d, h) and r["provider"] in ("sparse", "auto", "dense_compiled"):
+            if (int(r["d"]), int(r["h"])) == (d, h) and r["provider"] in styles:
                 series[(r["provider"], float(r["target_nnz"]))].append((int(r["m"]), float(r["speedup_vs_dense"])))
         for (provider, nnz), points in sorted(series.items()):
             points.sort()
-            style = {"sparse": "-o", "auto": "--s", "dense_compiled": ":"}[provider]
-            ax.plot(*zip(*points), style, label=f"{provider}, nnz {nnz:g}")
+            ax.plot(*zip(*points), styles[provider], label=f"{provider}, nnz {nnz:g}")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens M")

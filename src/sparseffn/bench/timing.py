@@ -42,6 +42,42 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup_ms: float 
     return Timing(samples[1], samples[0], samples[-1])
 
 
+def median_timing(rounds: list[Timing]) -> Timing:
+    """One Timing from several rounds of the same call: the median of each statistic."""
+    if not rounds:
+        raise ValueError("median_timing needs at least one round")
+
+    def mid(values: list[float]) -> float:
+        values = sorted(values)
+        n = len(values)
+        return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+
+    return Timing(mid([t.median_ms for t in rounds]), mid([t.p20_ms for t in rounds]), mid([t.p80_ms for t in rounds]))
+
+
+def cuda_graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """fn captured once in a CUDA graph; the returned callable replays it and returns the captured output.
+
+    fn runs twice on a side stream first (Triton compiles, the caching allocator settles), as capture needs.
+    Replaying costs one launch of host work, so a host-bound call shows its GPU time.
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
 
