@@ -101,9 +101,12 @@ def test_mode_decisions_are_explained_and_overridable():
     if DEVICE == "cpu":
         assert auto.mode == "dense" and ("cpu" in auto.reason or "CPU" in auto.reason)
     else:
-        assert choose_mode(x.cuda(), up.cuda()).mode == "sparse"
-        assert choose_mode(x[:8].cuda(), up.cuda()).mode == "dense"
-        assert choose_mode(x.cuda(), up.cuda(), expected_nnz=200).mode == "dense"
+        assert "too narrow" in choose_mode(x.cuda(), up.cuda()).reason  # D = 64
+        wide_x = torch.zeros(16384, 2048, dtype=torch.bfloat16, device=DEVICE)
+        wide_up = torch.zeros(5632, 2048, dtype=torch.bfloat16, device=DEVICE)
+        assert choose_mode(wide_x, wide_up).mode == "sparse"
+        assert choose_mode(wide_x[:8], wide_up).mode == "dense"
+        assert choose_mode(wide_x, wide_up, expected_nnz=200).mode == "dense"
 
 
 def test_autograd_inputs_take_the_dense_path_in_auto_mode():

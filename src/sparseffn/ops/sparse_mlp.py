@@ -15,8 +15,8 @@ path (ops/train_mlp.py: TwELL forward that keeps only the packed activation, bac
 gradient folded in), registered as `sparseffn::sparse_mlp_train_fwd` / `_bwd` with autograd.
 
 `mode="auto"` (default) picks with `choose_mode`, without looking at the data: sparse needs a CUDA
-tensor in bf16/fp16, enough tokens for the gate GEMM to fill the GPU, and an expected density under
-the measured break-even when the caller gives one.
+tensor in bf16/fp16, rows at least AUTO_MIN_D wide, enough tokens for the gate GEMM to fill the GPU,
+and an expected density under the measured break-even when the caller gives one.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ AUTO_MIN_TOKENS = 8192
 # fix of ops/train_mlp.py); at 8192 the 2B model's whole training step came out 0.97x with the MLPs ~41%
 # of it, i.e. the MLP itself ~0.94x (before that fix). So 16384.
 AUTO_MIN_TOKENS_TRAIN = 16384
+# Width, from benchmarks/profile_mlp.py stages on the H200 (bf16, 1-3% active, sparse vs dense ms at 16384 /
+# 65536 tokens): D=2048/H=5632 won (1.14 vs 1.63, 4.17 vs 7.16), D=1024/H=2816 broke even at best (0.78 vs
+# 0.50, 1.92 vs 1.95), D=768/H=2112 and below lost (1.55 vs 1.18 at 65536): narrow rows make each gathered
+# unit a short read whose latency is not hidden, and the dense GEMMs are cheap anyway. So D >= 2048.
+AUTO_MIN_D = 2048
 AUTO_MAX_MEAN_NNZ = 64.0
 AUTO_MAX_MEAN_NNZ_FRACTION = 0.01  # of H: small-H models break even at lower counts
 
@@ -96,6 +101,9 @@ def choose_mode(
         return ModeDecision("dense", blockers[0])
     if not x.is_cuda:
         return ModeDecision("dense", "auto mode never interprets kernels on CPU")
+    if x.shape[-1] < AUTO_MIN_D:
+        return ModeDecision("dense", f"D = {x.shape[-1]} < {AUTO_MIN_D}: too narrow for the sparse kernels to pay "
+                                     "(measured break-even near D = 1024)")
     tokens = x.numel() // max(x.shape[-1], 1)
     if (needs_grad or return_l1) and tokens < AUTO_MIN_TOKENS_TRAIN:
         return ModeDecision("dense", f"{tokens} tokens < {AUTO_MIN_TOKENS_TRAIN}: too few for the training kernels "

@@ -149,7 +149,7 @@ def generate_samples(model, tokenizer, prompts=PROMPTS, max_new_tokens: int = 48
 @torch.no_grad()
 def time_sparse_vs_dense(model, x_layers: list[torch.Tensor], tokens: int = 16384) -> list[str]:
     """On CUDA: bf16 time of each trained layer's MLP through sparse_mlp(mode="sparse") vs mode="dense"."""
-    from sparseffn import sparse_mlp
+    from sparseffn import choose_mode, sparse_mlp
 
     lines = [f"GPU: trained MLPs, {tokens} tokens (held-out activations tiled), bf16, median of CUDA-event timings:"]
     for i, (mlp, x) in enumerate(zip(sparse_mlps(model), x_layers)):
@@ -174,8 +174,9 @@ def time_sparse_vs_dense(model, x_layers: list[torch.Tensor], tokens: int = 1638
                     torch.cuda.synchronize()
                     samples.append(start.elapsed_time(stop))
                 times[mode] = sorted(samples)[len(samples) // 2]
+            auto = choose_mode(xs, w[1], mode="auto", expected_nnz=mlp.expected_nnz)
             lines.append(f"  layer {i}: dense {times['dense']:.3f} ms, sparse {times['sparse']:.3f} ms "
-                         f"({times['dense'] / times['sparse']:.2f}x)")
+                         f"({times['dense'] / times['sparse']:.2f}x); auto mode runs it {auto.mode}: {auto.reason}")
         except Exception as err:  # the demo's last, optional step: report and carry on
             lines.append(f"  layer {i}: timing failed: {type(err).__name__}: {err}")
     return lines
