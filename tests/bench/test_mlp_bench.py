@@ -6,8 +6,10 @@ import torch
 from sparseffn.bench.mlp import CSV_FIELDS, GRAPH_PROVIDERS, PROVIDERS, MLPBenchConfig, run_mlp_bench
 from sparseffn.bench.report import mlp_table, plot_mlp, read_rows, replace_block
 from sparseffn.bench.timing import Timing, median_timing
+from tests.bench.interpreted import interpreted
 
 
+@interpreted
 def test_bench_runs_end_to_end_and_writes_a_well_formed_csv(tmp_path):
     cfg = MLPBenchConfig(shapes="64x256", tokens="5", nnz="8,200", providers="dense,sparse,auto,gate_cublas,gate_pack",
                          tile=64, slots=8, out_dir=str(tmp_path), git_sha="abc123")
@@ -43,6 +45,7 @@ def test_replace_block_and_bad_providers():
         run_mlp_bench(MLPBenchConfig(providers="dense,sparse_graph"), torch.device("cpu"))
 
 
+@interpreted
 def test_default_providers_on_cpu_leave_out_the_cuda_graphs(tmp_path):
     cfg = MLPBenchConfig(shapes="32x128", tokens="3", nnz="4", tile=64, slots=8, out_dir=str(tmp_path), rep_ms=1)
     rows = run_mlp_bench(cfg, torch.device("cpu"), log=lambda _: None)

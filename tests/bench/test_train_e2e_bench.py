@@ -9,8 +9,10 @@ import torch
 from sparseffn.bench.mlp_train import CSV_FIELDS as TRAIN_FIELDS
 from sparseffn.bench.mlp_train import TrainBenchConfig, run_train_bench
 from sparseffn.bench.report import e2e_table, plot_train, read_rows, train_table
+from tests.bench.interpreted import interpreted
 
 
+@interpreted
 def test_train_bench_checks_gradients_and_writes_csv(tmp_path):
     cfg = TrainBenchConfig(shapes="64x256", tokens="19", nnz="6,100", providers="dense,sparse", tile=64, slots=8,
                            out_dir=str(tmp_path), git_sha="abc")
