@@ -143,9 +143,15 @@ def sparse_mlp_train_bwd(
                       grad_down_t_out=grad_down_t)
     dense_rows_mlp_backward(x, dy, row_flags, gate_weight, up_weight, down_t, threshold, l1_grad, dx_out=dx,
                             grad_gate_acc=grad_gate, grad_up_acc=grad_up, grad_down_t_acc=grad_down_t)
+    # Round each fp32 accumulator and free it before the next is rounded: the peak holds three fp32
+    # accumulators and one rounded gradient, not all six.
+    del down_t, du_slots, dg_slots, offsets, entries
     d_gate = grad_gate.to(gate_weight.dtype) if gated else x.new_empty(0)
+    del grad_gate
+    d_up = grad_up.to(up_weight.dtype)
+    del grad_up
     d_down = grad_down_t.t().to(down_weight.dtype, memory_format=torch.contiguous_format)  # one pass: cast + transpose
-    return dx, d_gate, grad_up.to(up_weight.dtype), d_down
+    return dx, d_gate, d_up, d_down
 
 
 @sparse_mlp_train_bwd.register_fake
