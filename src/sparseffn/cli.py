@@ -179,6 +179,7 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
     folder = Path(args.results_dir)
     blocks = {
         "mlp": ("mlp.csv", mlp_table, plot_mlp),
+        "mlp_narrow": ("mlp_narrow.csv", mlp_table, plot_mlp),
         "train": ("mlp_train.csv", train_table, plot_train),
         "e2e": ("e2e.csv", e2e_table, plot_e2e),
         "quality": ("quality.csv", quality.quality_table, quality.plot_quality),
