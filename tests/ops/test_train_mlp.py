@@ -190,8 +190,8 @@ def test_auto_mode_takes_the_training_kernels_only_where_they_run():
 
 @needs_cuda
 def test_auto_mode_trains_sparse_on_cuda_at_scale():
-    x = torch.randn(16384, 64, device="cuda", dtype=torch.bfloat16)
-    up = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16)  # auto needs D >= AUTO_MIN_D
+    up = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
     assert choose_mode(x, up, needs_grad=True, return_l1=True).mode == "sparse"
     decision = choose_mode(x[:8192], up, needs_grad=True)  # measured break-even lies above 8192
     assert decision.mode == "dense" and "16384" in decision.reason

@@ -167,7 +167,8 @@ FIELD_HELP = {
     "parallel": "under torchrun: DDP replicas or FSDP2 shards",
     "out_dir": "run directory",
     "l1_coeff": "λ of loss = CE + λ · L1",
-    "l1_warmup_steps": "steps of the linear λ ramp (0 = none)",
+    "l1_warmup_steps": "steps of the linear λ ramp (0 = none; the README's quality sweep ramps over the first "
+                       "20%% of training: at full strength from step 0, L1 kills many units early)",
     "activation": "gate activation",
     "threshold": "global gate threshold θ ('none' = 0)",
     "reinit_dead": "re-draw the gate rows of dead units (and zero their AdamW moments)",
