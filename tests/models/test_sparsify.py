@@ -157,3 +157,23 @@ def test_sparse_mlp_is_used_in_forward():
         m.register_forward_hook(lambda mod, args, out: calls.append(type(mod)))
     model(input_ids=token_ids())
     assert calls == [SparseMLP, SparseMLP]
+
+
+def test_sparsified_model_compiles_fullgraph_with_the_l1_loss():
+    """torch.compile(fullgraph=True) traces SparseMLP's forward (mode choice, last_l1 store): the loss
+    CE + λ·collect_l1 and its gradients equal eager."""
+    model = sparsify_(tiny_lm("llama"))
+    ids = token_ids()
+
+    def loss_and_grads(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(ids) + 0.3 * collect_l1(model)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager = loss_and_grads(lambda i: model(input_ids=i, labels=i).loss)
+    compiled_model = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = loss_and_grads(lambda i: compiled_model(input_ids=i, labels=i).loss)
+    torch.testing.assert_close(compiled[0], eager[0])
+    for c, e in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(c, e)

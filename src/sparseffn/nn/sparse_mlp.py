@@ -222,32 +222,37 @@ class SparseMLP(nn.Module):
     # ----------------------------------------------------------------- forward
 
     def _has_bias(self) -> bool:
-        return any(lin is not None and lin.bias is not None for lin in (self.gate_proj, self.up_proj, self.down_proj))
+        return _any_bias(self.gate_proj, self.up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        theta = self.threshold if self._threshold_active else None
-        if self._has_bias():
-            if self.up_proj.weight.dtype != x.dtype and torch.is_autocast_enabled(x.device.type):
-                x = x.to(self.up_proj.weight.dtype)  # autocast then casts x and the weights inside F.linear
+        # Module attribute lookups and Module.__setattr__ cost microseconds each; at decode sizes the
+        # MLP is host-bound, so the common path reads each submodule once and stores last_l1 directly.
+        modules = self._modules  # gate_proj is a plain None attribute when the module is not gated
+        gate_proj, up_proj, down_proj = modules.get("gate_proj"), modules["up_proj"], modules["down_proj"]
+        theta = self._buffers["threshold"] if self._threshold_active else None
+        if _any_bias(gate_proj, up_proj, down_proj):
+            if up_proj.weight.dtype != x.dtype and torch.is_autocast_enabled(x.device.type):
+                x = x.to(up_proj.weight.dtype)  # autocast then casts x and the weights inside F.linear
             y, l1 = self._dense_with_bias(x, theta)
         elif torch.is_autocast_enabled(x.device.type):
             # The op is opaque to autocast: cast here, as autocast would for each F.linear (the weight
             # casts are differentiable, so fp32 master weights get their gradients), then run it as is.
             dtype = torch.get_autocast_dtype(x.device.type)
-            weights = [None if w is None else w.weight.to(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+            weights = [None if w is None else w.weight.to(dtype) for w in (gate_proj, up_proj, down_proj)]
             with torch.autocast(x.device.type, enabled=False):
-                y, l1 = self._call_op(x.to(dtype), *weights, theta, prepared=None)
+                y, l1 = self._call_op(x.to(dtype), *weights, theta, mode=self.mode, prepared=None)
         else:
-            gate_weight = self.gate_proj.weight if self.gate_proj is not None else None
-            y, l1 = self._call_op(x, gate_weight, self.up_proj.weight, self.down_proj.weight, theta,
-                                  prepared=self._prepared_for(x, gate_weight))
-        self.last_l1 = l1
+            gate_weight = gate_proj.weight if gate_proj is not None else None
+            mode, prepared = self._inference_path(x, gate_weight, up_proj.weight, down_proj.weight)
+            y, l1 = self._call_op(x, gate_weight, up_proj.weight, down_proj.weight, theta, mode=mode, prepared=prepared)
+        self.__dict__["last_l1"] = l1  # a plain attribute (never a parameter, buffer or module)
         return y
 
-    def _call_op(self, x, gate_weight, up_weight, down_weight, theta, *, prepared):
-        out = sparse_mlp(x, gate_weight, up_weight, down_weight, theta, return_l1=self.track_l1, mode=self.mode,
+    def _call_op(self, x, gate_weight, up_weight, down_weight, theta, *, mode, prepared):
+        track_l1 = self.track_l1
+        out = sparse_mlp(x, gate_weight, up_weight, down_weight, theta, return_l1=track_l1, mode=mode,
                          prepared=prepared, expected_nnz=self.expected_nnz)
-        return out if self.track_l1 else (out, None)
+        return out if track_l1 else (out, None)
 
     def _dense_with_bias(self, x: torch.Tensor, theta: torch.Tensor | None):
         first = (self.gate_proj if self.gate_proj is not None else self.up_proj)(x)
@@ -261,22 +266,24 @@ class SparseMLP(nn.Module):
             return y, None
         return y, h.abs().sum(-1, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32).mean()
 
-    def _prepared_for(self, x: torch.Tensor, gate_weight: torch.Tensor | None) -> SparseMLPWeights | None:
-        """The kernels' interleaved up/down weights when this call takes the sparse path, else None.
+    def _inference_path(self, x: torch.Tensor, gate_weight: torch.Tensor | None, up: torch.Tensor,
+                        down: torch.Tensor) -> tuple[str, SparseMLPWeights | None]:
+        """(mode for sparse_mlp, the kernels' interleaved up/down weights or None) for this call.
 
-        Built once and reused while the weights stay the same tensors with the same contents
-        (checked through their version counters and storage), so inference pays the copy once.
+        An inference call in auto mode is decided here once ("sparse" or "dense"), so sparse_mlp does
+        not decide again; training calls (gradients or track_l1) keep the module's mode and no
+        prepared weights, since training steps change the weights every step. The interleaved copy is
+        built once and reused while the weights stay the same tensors with the same contents (checked
+        through their version counters and storage), so inference pays the copy once.
         """
-        up, down = self.up_proj.weight, self.down_proj.weight
-        needs_grad = torch.is_grad_enabled() and (
-            x.requires_grad or up.requires_grad or down.requires_grad or (gate_weight is not None and gate_weight.requires_grad)
-        )
-        # Only inference calls use the interleaved copy; training steps change the weights every step.
-        if self.mode == "dense" or needs_grad or self.track_l1:
-            return None
-        decision = choose_mode(x, up, mode=self.mode, expected_nnz=self.expected_nnz, needs_grad=False, return_l1=False)
-        if decision.mode != "sparse":
-            return None
+        mode = self.mode
+        if mode == "dense" or self.track_l1 or (torch.is_grad_enabled() and (
+                x.requires_grad or up.requires_grad or down.requires_grad
+                or (gate_weight is not None and gate_weight.requires_grad))):
+            return mode, None
+        mode = choose_mode(x, up, mode=mode, expected_nnz=self.expected_nnz).mode
+        if mode != "sparse":
+            return mode, None
         key = tuple(
             (t.data_ptr(), t._version, t.dtype, t.device) if t is not None else None for t in (gate_weight, up, down)
         )
@@ -284,7 +291,7 @@ class SparseMLP(nn.Module):
             with torch.no_grad():
                 self._prepared = SparseMLPWeights.prepare(gate_weight, up, down)
             self._prepared_key = key
-        return self._prepared
+        return mode, self._prepared
 
     def release_cache_(self) -> "SparseMLP":
         """Drop the cached interleaved up/down weights of the sparse path (rebuilt on the next sparse call)."""
@@ -331,6 +338,10 @@ class SparseMLP(nn.Module):
         elif name == "track_l1" and not isinstance(value, bool):
             raise TypeError(f"track_l1 must be a bool, got {type(value).__name__}")
         super().__setattr__(name, value)
+
+
+def _any_bias(*linears: nn.Linear | None) -> bool:
+    return any(lin is not None and lin.bias is not None for lin in linears)
 
 
 class DenseMLP(nn.Module):
