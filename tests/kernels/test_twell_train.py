@@ -29,7 +29,7 @@ from sparseffn.kernels.twell_train import (
     twell_train_backward,
     twell_train_forward,
 )
-from tests.kernels.jit import do_not_specialize
+from tests.kernels.jit import do_not_specialize, positional_args
 from tests.kernels.test_twell_up_down import _activation, _pack
 
 pytestmark = pytest.mark.filterwarnings(  # triton's interpreter turns 1-element arrays into ints
@@ -425,7 +425,7 @@ def test_m_adds_no_specialization():
     for kernel in (_twell_train_forward_kernel, _twell_train_backward_kernel):
         assert "M" in do_not_specialize(kernel)
     for fn in (default_forward_config, default_backward_config):
-        assert fn.__code__.co_varnames[: fn.__code__.co_argcount] == ("d",)
+        assert positional_args(fn) == ("d",)
 
 
 def test_sm90_compile_specs_cover_launcher_variants():

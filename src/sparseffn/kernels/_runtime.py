@@ -26,6 +26,18 @@ def check_matrix(t: object, name: str, layout: str = "[M, D]") -> tuple[int, int
     return t.shape[0], t.shape[1]
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code. triton.cdiv and triton.next_power_of_2 are constexpr functions in
+    Triton 3.6: called from Python they unwrap their arguments first, ~4 µs a call on the host, which
+    the launchers paid several times per launch."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (0 for 0), as triton.next_power_of_2, for host code."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels on CPU tensors (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -89,13 +89,16 @@ truncating casts).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, check_config_fields, interpreting, mma, num_sms
+from sparseffn.kernels._runtime import (
+    DTYPES, TL_DTYPES, cdiv, check_config_fields, interpreting, mma, next_power_of_2, num_sms,
+)
 
 __all__ = ["DenseRowsConfig", "default_config", "dense_rows_mlp", "sm90_compile_specs"]
 
@@ -300,6 +303,7 @@ class DenseRowsConfig:
             at_least=((("block_h", "block_k", "block_dy"), 16, "tl.dot"), (("block_r",), 8, "tl.dot")))
 
 
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_config(d: int, *, cuda: bool) -> DenseRowsConfig:
     """Config from D only (never M: M adds no compiled variants).
 
@@ -309,7 +313,7 @@ def default_config(d: int, *, cuda: bool) -> DenseRowsConfig:
     loads through registers): slices of up to 256, 8 warps, 2 stages, also without spills.
     Not yet tuned on the H200. Interpreter: big blocks, since each block operation is one numpy call.
     """
-    block_dy = min(max(triton.next_power_of_2(max(d, 1)), 64), 512)
+    block_dy = min(max(next_power_of_2(max(d, 1)), 64), 512)
     if not cuda:
         return DenseRowsConfig(block_r=16, block_h=128, block_k=128, block_dy=min(block_dy, 128),
                                num_warps=4, num_stages=1)
@@ -471,7 +475,7 @@ def dense_rows_mlp(
         x = x if _aligned_rows(x) else x.clone(memory_format=torch.contiguous_format)
         out = out if _aligned_rows(out) else out.clone(memory_format=torch.contiguous_format)
         aligned = True
-    worst = triton.cdiv(m, config.block_r) * triton.cdiv(d, config.block_dy)  # tiles if all flagged
+    worst = cdiv(m, config.block_r) * cdiv(d, config.block_dy)  # tiles if all flagged
     if cuda:
         programs = num_sms(x.device)
     else:

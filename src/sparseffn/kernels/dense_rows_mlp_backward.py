@@ -107,13 +107,14 @@ its low-precision `tl.dot` is wrong; the hi/lo splits still run (on its truncati
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import TL_DTYPES, check_config_fields, interpreting, mma, num_sms
+from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, interpreting, mma, next_power_of_2, num_sms
 from sparseffn.kernels.dense_rows_mlp import (
     _COMPACT_BLOCK,
     _COMPACT_WARPS,
@@ -542,6 +543,7 @@ class DenseRowsBackwardConfig:
                        "tl.dot"), (("block_r",), 8, "tl.dot")))
 
 
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_backward_config(d: int, *, cuda: bool) -> DenseRowsBackwardConfig:
     """Config from D only (never M or R: they add no compiled variants).
 
@@ -552,7 +554,7 @@ def default_backward_config(d: int, *, cuda: bool) -> DenseRowsBackwardConfig:
     214-254 registers, no spills (one CTA per SM, as the persistent grid assumes). Not yet timed
     on the H200. Interpreter: big blocks, since each block operation is one numpy call.
     """
-    block_dx = min(max(triton.next_power_of_2(max(d, 1)), 64), 256)
+    block_dx = min(max(next_power_of_2(max(d, 1)), 64), 256)
     if not cuda:
         return DenseRowsBackwardConfig(block_r=16, block_h=128, block_k=128, block_dx=min(block_dx, 128),
                                        num_warps=4, num_stages=1, block_h_w=128, block_r_w=64, block_k_w=128,
@@ -705,7 +707,7 @@ def dense_rows_mlp_backward(
     up = up_weight if gated else None
 
     # dx: tiles (row block, dx slice)
-    worst = triton.cdiv(m, config.block_r) * triton.cdiv(d, config.block_dx)  # tiles if all flagged
+    worst = cdiv(m, config.block_r) * cdiv(d, config.block_dx)  # tiles if all flagged
     _dense_rows_mlp_backward_dx_kernel[(min(worst, programs),)](
         x, dy, ids, count, first, up, down_weight_t, threshold, l1_grad, dx_out,
         d, h,
@@ -715,13 +717,13 @@ def dense_rows_mlp_backward(
     )
 
     # weight gradients: tiles (unit chunk, D group)
-    n_chunks = triton.cdiv(h, config.block_h_w)
-    n_slices = triton.cdiv(d, config.block_dw)
+    n_chunks = cdiv(h, config.block_h_w)
+    n_slices = cdiv(d, config.block_dw)
     if n_chunks:
         groups = config.d_groups or programs // n_chunks  # the most that fit in one wave
         groups = max(1, min(groups, n_slices))
-        slices_per_tile = triton.cdiv(n_slices, groups)
-        tiles = n_chunks * triton.cdiv(n_slices, slices_per_tile)
+        slices_per_tile = cdiv(n_slices, groups)
+        tiles = n_chunks * cdiv(n_slices, slices_per_tile)
         _dense_rows_mlp_backward_dw_kernel[(min(tiles, programs),)](
             x, dy, ids, count, first, up, down_weight_t, threshold, l1_grad,
             grad_first, grad_up_acc if gated else None, grad_down_t_acc,

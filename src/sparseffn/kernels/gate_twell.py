@@ -69,6 +69,7 @@ low-precision `tl.dot` is wrong there; results then differ from the GPU by summa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -370,6 +371,7 @@ class GateTwellConfig:
     asm_stores: bool = True
 
 
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_config(d: int, h: int, dtype: torch.dtype, tile: int, *, cuda: bool) -> GateTwellConfig:
     """Deterministic config from (D, H, dtype, tile), never M (M must add no compiled variants).
 

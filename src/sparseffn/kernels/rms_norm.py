@@ -37,6 +37,7 @@ not depend on M (`do_not_specialize`); the block config is a function of D only.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import interpreting, num_sms
+from sparseffn.kernels._runtime import cdiv, interpreting, next_power_of_2, num_sms
 
 # dtypes x, weight and dy may have, and their names in Triton signatures
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -146,6 +147,7 @@ class RMSNormConfig:
     programs_per_sm: int = 4
 
 
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_config(d: int, *, cuda: bool) -> RMSNormConfig:
     """From D only (M must add no compiled variants).
 
@@ -157,7 +159,7 @@ def default_config(d: int, *, cuda: bool) -> RMSNormConfig:
     2 programs of 8 warps at D = 2048), so no second wave leaves SMs idle at the end.
     Interpreter: big blocks (each block operation is one numpy call).
     """
-    block_d = triton.next_power_of_2(max(d, 1))
+    block_d = next_power_of_2(max(d, 1))
     if not cuda:
         return RMSNormConfig(block_m=max(1, min(64, 8192 // block_d)), num_warps=4)
     block_m = max(1, min(16, 4096 // block_d))
@@ -221,14 +223,14 @@ def rms_norm_forward(
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return y, rstd
-    grid = (triton.cdiv(m, config.block_m),)
+    grid = (cdiv(m, config.block_m),)
     _rms_norm_forward_kernel[grid](
         x, weight, y, rstd,
         m, d,
         x.stride(0), y.stride(0),
         float(eps),
         BLOCK_M=config.block_m,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=next_power_of_2(d),
         num_warps=config.num_warps,
     )
     return y, rstd
@@ -265,7 +267,7 @@ def rms_norm_backward(
     dx = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0:
         return dx, torch.zeros_like(weight)
-    blocks = triton.cdiv(m, config.block_m)
+    blocks = cdiv(m, config.block_m)
     programs = min(blocks, (num_sms(x.device) if cuda else 2) * config.programs_per_sm)
     dw_partial = torch.empty((programs, d), dtype=torch.float32, device=x.device)
     _rms_norm_backward_kernel[(programs,)](
@@ -273,7 +275,7 @@ def rms_norm_backward(
         m, d,
         dy.stride(0), x.stride(0), dx.stride(0),
         BLOCK_M=config.block_m,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=next_power_of_2(d),
         num_warps=config.num_warps,
     )
     return dx, dw_partial.sum(0).to(weight.dtype)
@@ -293,7 +295,7 @@ def sm90_compile_specs(with_options: bool = False):
         config = default_config(d, cuda=True)
         x_ty, w_ty = TL_NORM_DTYPES[x_dtype], TL_NORM_DTYPES[w_dtype]
         y_ty = TL_NORM_DTYPES[torch.promote_types(w_dtype, x_dtype)]
-        constexprs = {"BLOCK_M": config.block_m, "BLOCK_D": triton.next_power_of_2(d)}
+        constexprs = {"BLOCK_M": config.block_m, "BLOCK_D": next_power_of_2(d)}
         forward = {
             "x_ptr": f"*{x_ty}", "weight_ptr": f"*{w_ty}", "y_ptr": f"*{y_ty}", "rstd_ptr": "*fp32",
             "M": "i32", "D": "i32", "stride_xm": "i32", "stride_ym": "i32", "eps": "fp32",

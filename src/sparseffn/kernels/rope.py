@@ -32,13 +32,14 @@ config is a function of (Hq, Hk, d).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import interpreting
+from sparseffn.kernels._runtime import cdiv, interpreting, next_power_of_2
 
 ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TL_ROPE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -135,6 +136,7 @@ class RopeConfig:
     num_warps: int = 4
 
 
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_config(hq: int, hk: int, d: int, *, cuda: bool) -> RopeConfig:
     """From (Hq, Hk, d) only (B and S add no compiled variants).
 
@@ -144,10 +146,10 @@ def default_config(hq: int, hk: int, d: int, *, cuda: bool) -> RopeConfig:
     (ptxas): 72 registers, 16-byte loads and stores, no spills. Interpreter: up to 16 tokens a
     program.
     """
-    block_half = triton.next_power_of_2(max(d // 2, 1))
+    block_half = next_power_of_2(max(d // 2, 1))
     cap = max(1, 4096 // block_half)
-    block_hq = min(triton.next_power_of_2(hq), cap)
-    block_hk = min(triton.next_power_of_2(hk), cap)
+    block_hq = min(next_power_of_2(hq), cap)
+    block_hk = min(next_power_of_2(hk), cap)
     target = 8192 if not cuda else 2048
     block_s = max(1, min(16, target // (block_hq * block_half)))
     num_warps = 4 if block_s * block_hq * block_half <= 2048 else 8
@@ -205,7 +207,7 @@ def _launch(q, k, cos, sin, q_out, k_out, config, backward):
     if q.numel() == 0 and k.numel() == 0:
         return
     config = config or default_config(hq, hk, d, cuda=q.is_cuda)
-    grid = (b * triton.cdiv(s, config.block_s),)
+    grid = (b * cdiv(s, config.block_s),)
     _rope_kernel[grid](
         q, k, cos, sin, q_out, k_out,
         b, s, hq, hk,
@@ -220,7 +222,7 @@ def _launch(q, k, cos, sin, q_out, k_out, config, backward):
         BLOCK_S=config.block_s,
         BLOCK_HQ=config.block_hq,
         BLOCK_HK=config.block_hk,
-        BLOCK_HALF=triton.next_power_of_2(d // 2),
+        BLOCK_HALF=next_power_of_2(d // 2),
         num_warps=config.num_warps,
     )
 
@@ -292,7 +294,7 @@ def sm90_compile_specs(with_options: bool = False):
             "BLOCK_S": config.block_s,
             "BLOCK_HQ": config.block_hq,
             "BLOCK_HK": config.block_hk,
-            "BLOCK_HALF": triton.next_power_of_2(d // 2),
+            "BLOCK_HALF": next_power_of_2(d // 2),
         }
         signature.update({name: "constexpr" for name in constexprs})
         spec = (_rope_kernel, signature, constexprs)

@@ -73,6 +73,7 @@ specialized on: the compiled variants depend on (dtype, D, n_tiles, slots, confi
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -80,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import TL_DTYPES, check_config_fields, check_matrix
+from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2
 
 from sparseffn.kernels.twell_up_down import _load_counts
 
@@ -397,13 +398,14 @@ def _base_config(d: int, max_block_u: int) -> TwellTrainConfig:
     up to 4 warps, ~8K elements per weight tile of a chunk (at most max_block_u units), batches of
     64 slots, 2 tokens per program: twell_up_down.default_config's structure, which measured best
     there."""
-    block_d = min(triton.next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
+    block_d = min(next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
     num_warps = max(1, min(4, block_d // 512))
     block_u = max(1, min(max_block_u, 8192 // block_d))
     return TwellTrainConfig(block_m=2, block_u=block_u, block_d=block_d, block_n=max(64, block_u),
                             num_warps=num_warps)
 
 
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_forward_config(d: int) -> TwellTrainConfig:
     """Heuristic forward config for hidden size d (2 weight rows per unit when gated): block_u 4
     at D = 2048, up to 8 for small D. Not timed on a GPU yet; ptxas (sm_90a, bf16, D = 2048):
@@ -411,6 +413,7 @@ def default_forward_config(d: int) -> TwellTrainConfig:
     return _base_config(d, 8)
 
 
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_backward_config(d: int) -> TwellTrainConfig:
     """Heuristic backward config for hidden size d (3 weight rows per unit when gated, so 12 rows
     in flight per chunk at D = 2048): block_u 4 at most. Not timed on a GPU yet; ptxas (sm_90a,
@@ -430,9 +433,9 @@ def _constexprs(config: TwellTrainConfig, d: int, n_tiles: int, slots: int, *, g
         BLOCK_M=config.block_m,
         BLOCK_U=config.block_u,
         # no batch needs more lanes than a row can have valid slots
-        BLOCK_N=max(config.block_u, min(config.block_n, triton.next_power_of_2(n_tiles * slots))),
+        BLOCK_N=max(config.block_u, min(config.block_n, next_power_of_2(n_tiles * slots))),
         BLOCK_D=config.block_d,
-        BLOCK_T=min(triton.next_power_of_2(n_tiles), config.max_block_t),
+        BLOCK_T=min(next_power_of_2(n_tiles), config.max_block_t),
         EVICT=config.evict,
     )
 
@@ -487,7 +490,7 @@ def _check_weight(w: object, name: str, n_tiles: int, tile: int, d: int, dtype: 
     if w.dim() != 2 or w.shape[1] != d:
         raise ValueError(f"{name} must have shape [H, D] with D = {d}, got {list(w.shape)}")
     h = w.shape[0]
-    if triton.cdiv(h, tile) != n_tiles:
+    if cdiv(h, tile) != n_tiles:
         raise ValueError(f"{name} has H = {h} rows, but values has n_tiles = {n_tiles} tiles of "
                          f"{tile}: expected cdiv(H, tile) == n_tiles")
     _check(w, name, (h, d), dtype, device, unit_stride=True)
@@ -556,7 +559,7 @@ def twell_train_forward(
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
     rows = [x, down_weight_t, out] + ([up_weight] if gated else [])
     aligned = _aligned(d, config.block_d, rows)
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(d, config.block_d))
+    grid = (cdiv(m, config.block_m), cdiv(d, config.block_d))
     _twell_train_forward_kernel[grid](
         x, values, columns, counts, up_weight if gated else down_weight_t, down_weight_t, out,
         u_out if gated else row_l1_out, row_l1_out,
@@ -619,7 +622,7 @@ def twell_train_backward(
         dy = dy.contiguous()  # the kernel reads 16-byte vectors along D
     rows = [dy, up_weight, down_weight_t, dx_out] + ([gate_weight] if gated else [])
     aligned = _aligned(d, config.block_d, rows)
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(d, config.block_d))
+    grid = (cdiv(m, config.block_m), cdiv(d, config.block_d))
     _twell_train_backward_kernel[grid](
         dy, values, columns, counts, u_slots if gated else dg_out,
         gate_weight if gated else up_weight, up_weight, down_weight_t, l1_grad,

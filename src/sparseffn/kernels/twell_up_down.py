@@ -73,6 +73,7 @@ int64.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -80,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import TL_DTYPES, check_config_fields, check_matrix, num_sms
+from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2, num_sms
 
 __all__ = [
     "UpDownConfig",
@@ -420,6 +421,7 @@ class UpDownConfig:
                              f"got {self.block_n}")
 
 
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_config(d: int) -> UpDownConfig:
     """Heuristic config for hidden size d: the whole row of D in one program up to D = 8192,
     8 contiguous elements per thread along D, ~8K weight elements per [BLOCK_U, BLOCK_D] chunk
@@ -432,7 +434,7 @@ def default_config(d: int) -> UpDownConfig:
     1.992 ms at M = 65536, against 2.866 ms at M = 65536 for the earlier kernel's best config
     (columns loaded per chunk: 2.362 ms for its structure here). The 104-register variants were
     within 5% at M = 4096 (0.219-0.225 ms) but not timed at M = 65536."""
-    block_d = min(triton.next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
+    block_d = min(next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
     num_warps = max(1, min(4, block_d // 512))
     block_u = max(1, min(8, 8192 // block_d))
     return UpDownConfig(block_m=2, block_u=block_u, block_d=block_d, block_n=max(64, block_u),
@@ -528,9 +530,9 @@ def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated
         PERSISTENT=config.persistent > 0,
         BLOCK_U=config.block_u,
         # no batch needs more lanes than a row can have valid slots
-        BLOCK_N=max(config.block_u, min(config.block_n, triton.next_power_of_2(n_tiles * slots))),
+        BLOCK_N=max(config.block_u, min(config.block_n, next_power_of_2(n_tiles * slots))),
         BLOCK_D=config.block_d,
-        BLOCK_T=min(triton.next_power_of_2(n_tiles), config.max_block_t),
+        BLOCK_T=min(next_power_of_2(n_tiles), config.max_block_t),
         PREFETCH=config.prefetch,
         LOOKAHEAD=config.lookahead and (config.block_m > 1 or config.persistent > 0),
         EVICT=config.evict,
@@ -571,8 +573,8 @@ def twell_up_down(
     if values.dim() != 3:
         raise ValueError(f"values must have shape [M, n_tiles, slots], got {list(values.shape)}")
     n_tiles, slots = values.shape[1], values.shape[2]
-    if n_tiles != triton.cdiv(h, tile):
-        raise ValueError(f"values must have n_tiles = cdiv(H={h}, tile={tile}) = {triton.cdiv(h, tile)}"
+    if n_tiles != cdiv(h, tile):
+        raise ValueError(f"values must have n_tiles = cdiv(H={h}, tile={tile}) = {cdiv(h, tile)}"
                          f" tiles, got {n_tiles}")
     if not 1 <= slots <= tile:
         raise ValueError(f"values must have 1 <= slots <= tile = {tile}, got slots = {slots}")
@@ -608,9 +610,9 @@ def twell_up_down(
     if config.persistent:
         sms = (num_sms(x.device) if x.is_cuda
                else _INTERPRETER_SMS)
-        grid = (min(m, config.persistent * sms), triton.cdiv(d, config.block_d))
+        grid = (min(m, config.persistent * sms), cdiv(d, config.block_d))
     else:
-        grid = (triton.cdiv(m, config.block_m), triton.cdiv(d, config.block_d))
+        grid = (cdiv(m, config.block_m), cdiv(d, config.block_d))
     _twell_up_down_kernel[grid](
         x, values, columns, counts, packed_weight, out,
         m, d, n_tiles, tile, slots,

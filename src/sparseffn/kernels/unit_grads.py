@@ -114,6 +114,7 @@ truncating bf16 casts too: each residual keeps at most 16, then 8 significant bi
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -121,7 +122,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import TL_DTYPES, check_config_fields, check_matrix, interpreting, mma
+from sparseffn.kernels._runtime import (
+    TL_DTYPES, cdiv, check_config_fields, check_matrix, interpreting, mma, next_power_of_2,
+)
 from sparseffn.kernels.twell_train import _check, _check_gated
 
 __all__ = [
@@ -398,8 +401,8 @@ def _unit_weight_grads_kernel(
 def _slot_blocks(n_tiles: int, slots: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_S) of the slot kernels: all slots of a tile per step when they fit, as many
     tiles as fill _SLOT_LANES lanes."""
-    block_s = min(triton.next_power_of_2(slots), _SLOT_LANES)
-    block_t = max(1, min(triton.next_power_of_2(n_tiles), _SLOT_LANES // block_s))
+    block_s = min(next_power_of_2(slots), _SLOT_LANES)
+    block_t = max(1, min(next_power_of_2(n_tiles), _SLOT_LANES // block_s))
     return block_t, block_s
 
 
@@ -409,7 +412,7 @@ def _index_dtype(n: int) -> torch.dtype:
 
 def _det_rows_per_block(m: int) -> int:
     """Rows per block of the deterministic counting sort (a function of M; not a constexpr)."""
-    return max(_MIN_DET_ROWS, triton.cdiv(m, _MAX_DET_BLOCKS))
+    return max(_MIN_DET_ROWS, cdiv(m, _MAX_DET_BLOCKS))
 
 
 def slots_by_unit(
@@ -438,7 +441,7 @@ def slots_by_unit(
     if columns.dim() != 3:
         raise ValueError(f"columns must have shape [M, n_tiles, slots], got {list(columns.shape)}")
     m = columns.shape[0]
-    n_tiles = triton.cdiv(h, tile)
+    n_tiles = cdiv(h, tile)
     dev = columns.device
     _check(columns, "columns", (m, n_tiles, slots), torch.int16, dev, contiguous=True)
     _check(counts, "counts", (m, n_tiles), torch.int32, dev, contiguous=True)
@@ -449,7 +452,7 @@ def slots_by_unit(
     if m == 0:
         return offsets, entries
     rows_per_block = _det_rows_per_block(m) if deterministic else m
-    n_blocks = triton.cdiv(m, rows_per_block)
+    n_blocks = cdiv(m, rows_per_block)
     hist = torch.zeros(n_blocks, h, dtype=index, device=dev)  # [n_blocks, H] per-block counts
     block_t, block_s = _slot_blocks(n_tiles, slots)
     meta = dict(BLOCK_T=block_t, BLOCK_S=block_s, num_warps=_SLOT_WARPS)
@@ -490,6 +493,7 @@ class UnitGradsConfig:
                             at_least=((("block_e", "block_d"), 16, "an MMA dimension"),))
 
 
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_unit_grads_config(d: int) -> UnitGradsConfig:
     """D % 8 == 0: 32 entries per step; a 256-column slice on 8 warps (x + dy slices of 1 KB per
     token: 16 MB at M = 16384, in the H200's L2); 7 stages = 3 buffers of [32, 256] x and dy rows
@@ -502,9 +506,9 @@ def default_unit_grads_config(d: int) -> UnitGradsConfig:
     no spills for bf16 gated / non-gated and fp16 non-gated, 12 bytes for fp16 gated with int32
     entries (none with int64); ~102 KB shared memory. D = 100: 101-128 registers, no spills."""
     if d % 8:
-        return UnitGradsConfig(block_e=16, block_d=min(64, max(16, triton.next_power_of_2(d))),
+        return UnitGradsConfig(block_e=16, block_d=min(64, max(16, next_power_of_2(d))),
                                num_warps=4, num_stages=1, max_regs=None)
-    block_d = min(256, max(16, triton.next_power_of_2(d)))
+    block_d = min(256, max(16, next_power_of_2(d)))
     return UnitGradsConfig(block_e=32, block_d=block_d, num_warps=8 if block_d >= 256 else 4)
 
 
@@ -587,8 +591,8 @@ def unit_weight_grads(
                        for t in (x, dy)))
     # longest-processing-time order: the unit with the most entries first (stable: reproducible)
     order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
-    n_groups = triton.cdiv(h, config.units_per_program)
-    grid = (n_groups, triton.cdiv(d, config.block_d))
+    n_groups = cdiv(h, config.units_per_program)
+    grid = (n_groups, cdiv(d, config.block_d))
     _unit_weight_grads_kernel[grid](
         x, dy, values, u_slots if gated else dg_slots, du_slots if gated else dg_slots, dg_slots,
         offsets, entries, order,
