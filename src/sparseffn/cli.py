@@ -46,8 +46,10 @@ def env_report() -> list[str]:
     return lines
 
 
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, dest=field.name, type=type(field.default), default=field.default,
                             help=f"(default: {field.default})")
@@ -168,11 +170,29 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sparseffn.bench.calibrate import CalibrateBenchConfig, calibrate_table, plot_calibrate, run_calibrate_bench
+    from sparseffn.bench.timing import device_slug
+
+    import torch
+
+    cfg = CalibrateBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CalibrateBenchConfig)})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = run_calibrate_bench(cfg, device)
+    folder = Path(cfg.out_dir) / device_slug(device)
+    plot_calibrate(rows, folder / "calibrate.png")
+    print(calibrate_table(rows))
+    print(f"wrote {folder / 'calibrate.csv'} and {folder / 'calibrate.png'}")
+    return 0
+
+
 def _cmd_bench_report(args: argparse.Namespace) -> int:
     """Every README table whose CSV exists in --results-dir, regenerated with its PNG."""
     from pathlib import Path
 
-    from sparseffn.bench import quality
+    from sparseffn.bench import calibrate, quality
     from sparseffn.bench.report import (e2e_table, mlp_table, plot_e2e, plot_mlp, plot_train, read_rows,
                                         replace_block, train_table)
 
@@ -183,6 +203,7 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
         "train": ("mlp_train.csv", train_table, plot_train),
         "e2e": ("e2e.csv", e2e_table, plot_e2e),
         "quality": ("quality.csv", quality.quality_table, quality.plot_quality),
+        "calibrate": ("calibrate.csv", calibrate.calibrate_table, calibrate.plot_calibrate),
     }
     readme = Path(args.readme)
     text = readme.read_text()
@@ -203,6 +224,7 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sparseffn.bench.calibrate import CalibrateBenchConfig
     from sparseffn.bench.e2e import E2EBenchConfig
     from sparseffn.bench.mlp import MLPBenchConfig
     from sparseffn.bench.pack_demo import PackDemoConfig
@@ -265,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "energy (CSV + PNG under --out-dir)")
     _add_dataclass_flags(e2e, E2EBenchConfig)
     e2e.set_defaults(func=_cmd_bench_e2e)
+    cal = bench.add_parser("calibrate", help="post-training thresholds on a trained run: held-out CE and sparsity "
+                                             "per target nnz (CSV + PNG under --out-dir)")
+    cal.add_argument("checkpoint", metavar="RUN_DIR", help="a training run directory (config.json, model/)")
+    _add_dataclass_flags(cal, CalibrateBenchConfig, skip=("checkpoint",))
+    cal.set_defaults(func=_cmd_bench_calibrate)
     report = bench.add_parser("report", help="regenerate the README tables and PNGs from the benchmark CSVs")
     report.add_argument("--results-dir", default="benchmarks/results/h200")
     report.add_argument("--readme", default="README.md")
