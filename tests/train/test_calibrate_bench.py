@@ -33,3 +33,17 @@ def test_calibrate_bench_bad_input(trained_run, tmp_path):
         run_calibrate_bench(CalibrateBenchConfig(checkpoint=str(trained_run.out_dir), targets="8,many"))
     with pytest.raises(FileNotFoundError, match="CKPT"):
         run_calibrate_bench(CalibrateBenchConfig(checkpoint=str(tmp_path / "missing")))
+
+
+def test_cli_bench_calibrate_then_report(trained_run, tmp_path, capsys):
+    from sparseffn.cli import main
+
+    args = ["bench", "calibrate", str(trained_run.out_dir), "--targets", "20", "--calibration-windows", "4",
+            "--out-dir", str(tmp_path), "--git-sha", "c1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| tiny | 20.0 |" in out and (tmp_path / "cpu" / "calibrate.png").stat().st_size > 0
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- bench:calibrate -->\nSTALE\n<!-- /bench:calibrate -->\n")
+    assert main(["bench", "report", "--results-dir", str(tmp_path / "cpu"), "--readme", str(readme)]) == 0
+    assert "STALE" not in readme.read_text() and "git c1" in readme.read_text()
