@@ -151,41 +151,35 @@ def _cmd_bench_mlp(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_e2e(args: argparse.Namespace) -> int:
+def _run_bench(args: argparse.Namespace, config_cls: type, run, table, plot, name: str) -> int:
+    """Build config_cls from the parsed flags, run on the best device, write NAME.png, print the table."""
     from pathlib import Path
 
-    from sparseffn.bench.e2e import E2EBenchConfig, run_e2e_bench
-    from sparseffn.bench.report import e2e_table, plot_e2e
     from sparseffn.bench.timing import device_slug
 
     import torch
 
-    cfg = E2EBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(E2EBenchConfig)})
+    cfg = config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = run_e2e_bench(cfg, device)
+    rows = run(cfg, device)
     folder = Path(cfg.out_dir) / device_slug(device)
-    plot_e2e(rows, folder / "e2e.png")
-    print(e2e_table(rows))
-    print(f"wrote {folder / 'e2e.csv'} and {folder / 'e2e.png'}")
+    plot(rows, folder / f"{name}.png")
+    print(table(rows))
+    print(f"wrote {folder / f'{name}.csv'} and {folder / f'{name}.png'}")
     return 0
+
+
+def _cmd_bench_e2e(args: argparse.Namespace) -> int:
+    from sparseffn.bench.e2e import E2EBenchConfig, run_e2e_bench
+    from sparseffn.bench.report import e2e_table, plot_e2e
+
+    return _run_bench(args, E2EBenchConfig, run_e2e_bench, e2e_table, plot_e2e, "e2e")
 
 
 def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from sparseffn.bench.calibrate import CalibrateBenchConfig, calibrate_table, plot_calibrate, run_calibrate_bench
-    from sparseffn.bench.timing import device_slug
 
-    import torch
-
-    cfg = CalibrateBenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CalibrateBenchConfig)})
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = run_calibrate_bench(cfg, device)
-    folder = Path(cfg.out_dir) / device_slug(device)
-    plot_calibrate(rows, folder / "calibrate.png")
-    print(calibrate_table(rows))
-    print(f"wrote {folder / 'calibrate.csv'} and {folder / 'calibrate.png'}")
-    return 0
+    return _run_bench(args, CalibrateBenchConfig, run_calibrate_bench, calibrate_table, plot_calibrate, "calibrate")
 
 
 def _cmd_bench_report(args: argparse.Namespace) -> int:
