@@ -47,3 +47,13 @@ def test_bench_mlp_train_then_report_regenerates_the_readme_table(tmp_path, caps
     assert "old" not in text and "git t1" in text and "| 64×256 | 6." in text
     with pytest.raises(FileNotFoundError, match="no benchmark CSV"):
         main(["bench", "report", "--results-dir", str(tmp_path / "nothing"), "--readme", str(readme)])
+
+
+def test_bench_e2e_runs_through_the_cli(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    args = ["bench", "e2e", "--model", "tiny", "--target-nnz", "12", "--batches", "2", "--train-batches", "2",
+            "--seq-len", "32", "--vocab-size", "256", "--dtype", "float32", "--warmup", "1", "--reps", "1",
+            "--non-mlp", "hf", "--calibration-batch-size", "1", "--out-dir", str(tmp_path), "--git-sha", "e1"]
+    assert main(args) == 0
+    assert "| forward | hf | 2×32 |" in capsys.readouterr().out
+    assert (tmp_path / "cpu" / "e2e.csv").is_file() and (tmp_path / "cpu" / "e2e.png").stat().st_size > 0
