@@ -58,3 +58,14 @@ def test_median_timing_takes_each_statistic_over_rounds():
     assert median_timing(rounds[:2]) == Timing(2.0, 0.75, 6.5)
     with pytest.raises(ValueError, match="at least one"):
         median_timing([])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphed_replays_on_the_inputs_current_values():
+    from sparseffn.bench.timing import cuda_graphed
+
+    x = torch.randn(64, 64, device="cuda")
+    w = torch.randn(64, 64, device="cuda")
+    replay = cuda_graphed(lambda: x @ w, x.device)
+    x.copy_(torch.randn_like(x))  # captured inputs are read at replay time
+    torch.testing.assert_close(replay(), x @ w)
