@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import torch
 
-from sparseffn.kernels._runtime import cdiv
 from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
 from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
 from sparseffn.kernels.gate_twell import gate_twell
@@ -87,7 +86,7 @@ def sparse_mlp_train_fwd(
 @sparse_mlp_train_fwd.register_fake
 def _(x, gate_weight, up_weight, down_weight, threshold, tile, slots):
     m, d = x.shape
-    n_tiles = cdiv(up_weight.shape[0], tile)
+    n_tiles = -(-up_weight.shape[0] // tile)
     u_rows = m if gate_weight is not None else 0
     return (
         x.new_empty(m, d),
