@@ -35,8 +35,7 @@ import torch
 from sparseffn.kernels._runtime import interpreting
 from sparseffn.kernels.rms_norm import NORM_DTYPES, rms_norm_backward, rms_norm_forward
 from sparseffn.kernels.rope import ROPE_DTYPES, empty_like_layout, rope_backward, rope_forward
-
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+from sparseffn.ops.checks import check_tensor
 
 
 def _kernels_run(*tensors: torch.Tensor, dtypes) -> bool:
@@ -227,14 +226,6 @@ rope_op.register_autograd(_rope_autograd, setup_context=_rope_setup_context)
 # public functions
 
 
-def _check_float(t: object, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be floating point ({', '.join(map(str, FLOAT_DTYPES))}), got {t.dtype}")
-    return t
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face LlamaRMSNorm: weight * (x.float() * rstd).to(x.dtype), rstd = rsqrt(mean(x², -1) + eps).
 
@@ -242,8 +233,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     finite number >= 0. Returns [..., D] in torch.promote_types(weight.dtype, x.dtype).
     Differentiable in x and weight.
     """
-    _check_float(x, "x")
-    _check_float(weight, "weight")
+    check_tensor(x, "x")
+    check_tensor(weight, "weight")
     if x.dim() < 1:
         raise ValueError("x must have shape [..., D], got a 0-D tensor")
     if tuple(weight.shape) != (x.shape[-1],):
@@ -269,7 +260,7 @@ def apply_rope(
     Differentiable in q and k; cos and sin get no gradient (an error if they require one).
     """
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        _check_float(t, name)
+        check_tensor(t, name)
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     if q.dim() != 4 or k.dim() != 4:
