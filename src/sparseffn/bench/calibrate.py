@@ -35,11 +35,13 @@ class CalibrateBenchConfig:
     git_sha: str = ""  # empty: read from git
 
 
-def _windows(cfg, tokenizer, split: str, count: int) -> torch.Tensor:
+def _split_windows(run_cfg, tokenizer, train_count: int, held_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training-split windows, held-out windows) [N, seq_len + 1] of a run's corpus, read once."""
     from sparseffn.train.data import eval_windows, read_corpus, split_documents, token_stream
 
-    train_texts, held_texts = split_documents(read_corpus(cfg.data), cfg.eval_fraction)
-    return eval_windows(token_stream(tokenizer, train_texts if split == "train" else held_texts), cfg.seq_len, count)
+    train_texts, held_texts = split_documents(read_corpus(run_cfg.data), run_cfg.eval_fraction)
+    return tuple(eval_windows(token_stream(tokenizer, texts), run_cfg.seq_len, count)
+                 for texts, count in ((train_texts, train_count), (held_texts, held_count)))
 
 
 def run_calibrate_bench(cfg: CalibrateBenchConfig, device: torch.device | None = None,
@@ -64,16 +66,18 @@ def run_calibrate_bench(cfg: CalibrateBenchConfig, device: torch.device | None =
                          "the training and held-out splits")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     amp = torch.bfloat16 if device.type == "cuda" else None
-    meta = run_metadata(device)
-    meta = {"device": meta["gpu"], "git_sha": cfg.git_sha or meta["git_sha"]}
+    metadata = run_metadata(device)
+    meta = {"device": metadata["gpu"], "git_sha": cfg.git_sha or metadata["git_sha"]}
 
     rows: list[dict] = []
     base_ce = None
     for goal in [None, *targets]:
-        model, tokenizer, run_cfg = load_for_eval(target, device)
-        held = _windows(run_cfg, tokenizer, "held", run_cfg.eval_batches * run_cfg.batch_size)
-        calibration = _windows(run_cfg, tokenizer, "train", cfg.calibration_windows)[:, :-1]
-        if goal is not None:
+        model, tokenizer, run_cfg = load_for_eval(target, device)  # a fresh, uncalibrated copy per target
+        if goal is None:
+            calibration, held = _split_windows(run_cfg, tokenizer, cfg.calibration_windows,
+                                               run_cfg.eval_batches * run_cfg.batch_size)
+            calibration = calibration[:, :-1]
+        else:
             batches = list(calibration.split(run_cfg.batch_size))
             calibrate_thresholds(model, batches, goal, mix=cfg.mix)
         result = evaluate(model, held, batch_size=run_cfg.batch_size, device=device, autocast_dtype=amp)
