@@ -6,8 +6,8 @@ Semantics are those of `ops.reference.sparse_mlp_reference`, computed in the inp
 
 Two paths compute it:
 - "sparse": Triton kernels through TwELL (ops/twell_mlp.py), registered as the custom op
-  `sparseffn::twell_mlp` so torch.compile treats it as one opaque node. Exact for every input:
-  rows whose tiles overflow are computed densely.
+  `sparseffn::twell_mlp` so torch.compile treats it as one opaque node (eager calls skip the op's
+  dispatch, ops/dispatch.py). Exact for every input: rows whose tiles overflow are computed densely.
 - "dense": three torch GEMMs in the input dtype.
 
 Calls that need gradients or the L1 penalty (`return_l1=True`) take the training kernels on the sparse
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseffn.ops.checks import check_mlp_inputs
+from sparseffn.ops.dispatch import eager_call
 from sparseffn.ops.train_mlp import sparse_mlp_train
 from sparseffn.ops.twell_mlp import KERNEL_DTYPES, SparseMLPWeights, dense_mlp, threshold_vector, twell_mlp
 
@@ -188,5 +189,8 @@ def sparse_mlp(
     elif not prepared.matches(gate_weight, up_weight, down_weight):
         raise ValueError("prepared was built from other weight tensors than gate_weight/up_weight/down_weight")
     theta = threshold_vector(threshold, up_weight.shape[0], x.device)
-    y = _twell_mlp_op(x2d, gate_weight, up_weight, down_weight, prepared.up_down, theta, tile, slots)
+    if eager_call(x2d, gate_weight, up_weight, down_weight, theta):
+        y = twell_mlp(x2d, prepared, theta, tile=tile, slots=slots)  # the op's body, without its dispatch
+    else:
+        y = _twell_mlp_op(x2d, gate_weight, up_weight, down_weight, prepared.up_down, theta, tile, slots)
     return y.view(x.shape)

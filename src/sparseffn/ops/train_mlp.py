@@ -24,9 +24,12 @@ Saved for backward: the TwELL of p, u per slot, row flags — no dense [M, H] te
 Weight gradients accumulate in fp32 and are rounded to the weights' dtype once.
 
 Both halves are `torch.library` custom ops (`sparseffn::sparse_mlp_train_fwd` / `_bwd`) with fake
-implementations, and the forward has a registered autograd formula, so torch.compile, activation
-checkpointing (the recompute runs the same op) and DDP/FSDP (weights are ordinary tensors read only
-inside the ops) see ordinary differentiable ops.
+implementations, and the forward has a registered autograd formula, so torch.compile, export and other
+tracers see one opaque differentiable op. Eager calls run the same two implementations through a
+`torch.autograd.Function` instead: the custom-op dispatch cost ~250 µs of host time per call on the
+H200's host (ops/dispatch.py). Either way activation checkpointing (the recompute runs the same path)
+and DDP/FSDP (weights are ordinary tensors read only inside forward and backward) see ordinary
+differentiable calls.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.unit_grads import slots_by_unit, unit_weight_grads
+from sparseffn.ops.dispatch import eager_call
 
 
 def _aligned(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -52,8 +56,7 @@ def _empty_slots(x: torch.Tensor, n_tiles: int, slots: int) -> torch.Tensor:
     return torch.empty(x.shape[0], n_tiles, slots, dtype=torch.float32, device=x.device)
 
 
-@torch.library.custom_op("sparseffn::sparse_mlp_train_fwd", mutates_args=())
-def sparse_mlp_train_fwd(
+def _train_forward(
     x: torch.Tensor,
     gate_weight: torch.Tensor | None,
     up_weight: torch.Tensor,
@@ -83,6 +86,19 @@ def sparse_mlp_train_fwd(
     return y, l1, values, columns, counts, u_slots, row_flags
 
 
+@torch.library.custom_op("sparseffn::sparse_mlp_train_fwd", mutates_args=())
+def sparse_mlp_train_fwd(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    threshold: torch.Tensor | None,
+    tile: int,
+    slots: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _train_forward(x, gate_weight, up_weight, down_weight, threshold, tile, slots)
+
+
 @sparse_mlp_train_fwd.register_fake
 def _(x, gate_weight, up_weight, down_weight, threshold, tile, slots):
     m, d = x.shape
@@ -99,8 +115,7 @@ def _(x, gate_weight, up_weight, down_weight, threshold, tile, slots):
     )
 
 
-@torch.library.custom_op("sparseffn::sparse_mlp_train_bwd", mutates_args=())
-def sparse_mlp_train_bwd(
+def _train_backward(
     dy: torch.Tensor,
     l1_grad: torch.Tensor,
     x: torch.Tensor,
@@ -153,6 +168,28 @@ def sparse_mlp_train_bwd(
     return dx, d_gate, d_up, d_down
 
 
+@torch.library.custom_op("sparseffn::sparse_mlp_train_bwd", mutates_args=())
+def sparse_mlp_train_bwd(
+    dy: torch.Tensor,
+    l1_grad: torch.Tensor,
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    threshold: torch.Tensor | None,
+    values: torch.Tensor,
+    columns: torch.Tensor,
+    counts: torch.Tensor,
+    u_slots: torch.Tensor,
+    row_flags: torch.Tensor,
+    tile: int,
+    slots: int,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _train_backward(dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, columns, counts,
+                           u_slots, row_flags, tile, slots, deterministic)
+
+
 @sparse_mlp_train_bwd.register_fake
 def _(dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots, row_flags,
       tile, slots, deterministic):
@@ -160,21 +197,18 @@ def _(dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, co
     return torch.empty_like(x), d_gate, torch.empty_like(up_weight), torch.empty_like(down_weight)
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, packed) -> None:
+    """What backward needs: the inputs and the packed forward state (values, columns, counts, u_slots,
+    row_flags), no dense [M, H] tensor. An unused y or l1 arrives in backward as None, not as zeros."""
     x, gate_weight, up_weight, down_weight, threshold, tile, slots = inputs
-    _, _, values, columns, counts, u_slots, row_flags = output
-    ctx.save_for_backward(x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots,
-                          row_flags)
+    ctx.save_for_backward(x, gate_weight, up_weight, down_weight, threshold, *packed)
     ctx.tile, ctx.slots = tile, slots
     ctx.deterministic = torch.are_deterministic_algorithms_enabled()
-    # The packed forms are bookkeeping for backward: no gradient flows through them, and an unused y or
-    # l1 arrives as None rather than as zeros (materialising zero gradients for the [M, n_tiles, slots]
-    # outputs cost ~0.7 ms of host time and a fill kernel per step at M = 4096 on the H200).
-    ctx.mark_non_differentiable(values, columns, counts, u_slots, row_flags)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, dl1, *_):
+def _gradients(ctx, dy, dl1, backward):
+    """(dx, d gate, d up, d down) from the saved state through `backward` (the op or its implementation)."""
     x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots, row_flags = ctx.saved_tensors
     m = x.shape[0]
     if dl1 is None:
@@ -183,14 +217,40 @@ def _backward(ctx, dy, dl1, *_):
         l1_grad = (dl1.float() / max(m, 1)).reshape(1)
     if dy is None:
         dy = torch.zeros_like(x)
-    dx, d_gate, d_up, d_down = sparse_mlp_train_bwd(
+    dx, d_gate, d_up, d_down = backward(
         dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots, row_flags,
         ctx.tile, ctx.slots, ctx.deterministic,
     )
-    return dx, (d_gate if gate_weight is not None else None), d_up, d_down, None, None, None
+    return dx, (d_gate if gate_weight is not None else None), d_up, d_down
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, inputs, output[2:])
+    # The packed forms are bookkeeping for backward: no gradient flows through them (materialising zero
+    # gradients for the [M, n_tiles, slots] outputs cost ~0.7 ms of host time and a fill kernel per step
+    # at M = 4096 on the H200).
+    ctx.mark_non_differentiable(*output[2:])
+
+
+def _backward(ctx, dy, dl1, *_):
+    return *_gradients(ctx, dy, dl1, sparse_mlp_train_bwd), None, None, None
 
 
 sparse_mlp_train_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerTrain(torch.autograd.Function):
+    """The same forward and backward as the custom ops, without their dispatch (eager calls only)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_weight, up_weight, down_weight, threshold, tile, slots):
+        y, l1, *packed = _train_forward(x, gate_weight, up_weight, down_weight, threshold, tile, slots)
+        _save(ctx, (x, gate_weight, up_weight, down_weight, threshold, tile, slots), packed)
+        return y, l1
+
+    @staticmethod
+    def backward(ctx, dy, dl1):
+        return *_gradients(ctx, dy, dl1, _train_backward), None, None, None
 
 
 def sparse_mlp_train(
@@ -204,5 +264,7 @@ def sparse_mlp_train(
     slots: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [M, D], l1) through the training kernels; x [M, D] bf16/fp16 on the kernels' device."""
+    if eager_call(x, gate_weight, up_weight, down_weight, threshold):
+        return _EagerTrain.apply(x, gate_weight, up_weight, down_weight, threshold, tile, slots)
     y, l1, *_ = sparse_mlp_train_fwd(x, gate_weight, up_weight, down_weight, threshold, tile, slots)
     return y, l1

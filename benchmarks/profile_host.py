@@ -1,0 +1,109 @@
+"""Host time of one sparse MLP call, piece by piece, on the GPU machine.
+
+Not part of the package (`python3 benchmarks/profile_host.py > $OUT/host.txt`). At M = 1 the GPU
+work is a few µs, so the time to enqueue a call is what the host spends on it: Python, torch
+dispatch, Triton's launcher. Each row is the mean over 300 back-to-back calls (µs); the last part
+is a cProfile of sparse_mlp (inference), then of one training step at M = 4096.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.kernels.dense_rows_mlp import dense_rows_mlp
+from sparseffn.kernels.gate_twell import gate_twell
+from sparseffn.kernels.twell_up_down import twell_up_down
+from sparseffn.ops.sparse_mlp import _twell_mlp_op, sparse_mlp
+from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp, twell_mlp
+
+
+@triton.jit
+def _noop(x_ptr, n, BLOCK: tl.constexpr):
+    pass
+
+
+def host_us(fn, n: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / n
+
+
+def inference_pieces() -> None:
+    mlp = synthetic_mlp(1, 2048, 5632, 29, device="cuda", seed=0)
+    x, gate, up, down = mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight
+    w = SparseMLPWeights.prepare(gate, up, down)
+    values, columns, counts = gate_twell(x, gate)
+    y = torch.empty_like(x)
+    overflow = (counts > 32).any(1)
+    rows = {
+        "torch.empty": lambda: torch.empty(1, 2048, dtype=torch.bfloat16, device="cuda"),
+        "F.linear": lambda: F.linear(x, gate),
+        "dense_mlp (3 F.linear)": lambda: dense_mlp(x, gate, up, down, None),
+        "triton no-op launch": lambda: _noop[(1,)](x, 1, BLOCK=16),
+        "gate_twell": lambda: gate_twell(x, gate),
+        "twell_up_down": lambda: twell_up_down(x, values, columns, counts, w.up_down, tile=256, out=y),
+        "(counts > slots).any(1)": lambda: (counts > 32).any(1),
+        "dense_rows_mlp": lambda: dense_rows_mlp(x, overflow, gate, w.up_down[:, 0], w.up_down[:, 1], None, y),
+        "twell_mlp (op body)": lambda: twell_mlp(x, w),
+        "sparseffn::twell_mlp op": lambda: _twell_mlp_op(x, gate, up, down, w.up_down, None, 256, 32),
+        "sparse_mlp(mode=sparse)": lambda: sparse_mlp(x, gate, up, down, mode="sparse", prepared=w),
+    }
+    print("host µs per call at M=1:")
+    for name, fn in rows.items():
+        print(f"  {name:26s} {host_us(fn):7.1f}", flush=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(200):
+        sparse_mlp(x, gate, up, down, mode="sparse", prepared=w)
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+def training_step() -> None:
+    mlp = synthetic_mlp(4096, 2048, 5632, 29, device="cuda", seed=0)
+    params = [t.detach().clone().requires_grad_() for t in (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)]
+    dy = torch.randn_like(mlp.x)
+    one = torch.ones((), device="cuda")
+
+    def step():
+        y, l1 = sparse_mlp(*params, mode="sparse", return_l1=True)
+        return torch.autograd.grad([y, l1], params, [dy, one])
+
+    def dense_step():
+        y, l1 = dense_mlp(*params, None, return_l1=True)
+        return torch.autograd.grad([y, l1], params, [dy, one])
+
+    print(f"training step at M=4096, host µs: sparse {host_us(step, 50):.0f}, dense {host_us(dense_step, 50):.0f}")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(20):
+        step()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+def main() -> int:
+    inference_pieces()
+    training_step()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
