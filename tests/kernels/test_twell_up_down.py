@@ -58,6 +58,10 @@ CONFIGS = {
     "chunked": dataclasses.replace(SMALL, block_u=8, max_block_t=8, lookahead=False, evict=False),
     "prefetch": dataclasses.replace(SMALL, block_m=2, block_d=128, block_n=16, prefetch=True),
     "persistent": dataclasses.replace(SMALL, block_d=128, block_n=16, persistent=2),
+    # rows of more than 8 valid slots split into pieces of 8 (whole D per program); the list holds
+    # 2 rows, so other long rows run whole in the same launch
+    "split": dataclasses.replace(SMALL, block_d=128, split_slots=8, split_cap=2),
+    "split_all": dataclasses.replace(SMALL, block_d=128, block_n=16, split_slots=16, split_cap=64, persistent=2),
 }
 
 # row kinds of the synthetic activation
@@ -219,6 +223,40 @@ def test_default_output_and_transposed_x(gated):
     _assert_close(y, *_reference(x, up, down, p), ~overflow, dtype)
 
 
+@pytest.mark.parametrize("flag_dtype", [torch.uint8, torch.bool], ids=str)
+@pytest.mark.parametrize("config", ["default", "split"])
+def test_overflow_out_flags_the_overflow_rows(flag_dtype, config):
+    m, d, h, tile, slots, dtype = 13, 64, 320, 64, 4, torch.bfloat16
+    x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, True, 9)
+    assert overflow.any() and not overflow.all()
+    args = [t.to(DEVICE) for t in (x, values, columns, counts, prepare_up_down_weight(up, down))]
+    flags = torch.full((m,), 7, dtype=torch.uint8).to(flag_dtype).to(DEVICE)
+    y = twell_up_down(*args, tile=tile, overflow_out=flags, config=CONFIGS[config]).cpu()
+    assert torch.equal(flags.cpu().bool(), overflow)
+    _assert_close(y, *_reference(x, up, down, p), ~overflow, dtype)
+
+
+def test_split_list_takes_long_rows_up_to_its_capacity():
+    """With room for 2, two long rows are split and the other long rows run whole in the same
+    launch; every ordinary row is right either way."""
+    from sparseffn.kernels.twell_up_down import _classify_rows
+
+    m, d, h, tile, slots, dtype = 24, 64, 320, 64, 16, torch.float16
+    config = CONFIGS["split"]
+    x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, True, 11)
+    nnz = counts.sum(1)
+    long_rows = ~overflow & (nnz > config.split_slots)
+    assert int(long_rows.sum()) > config.split_cap
+    flags, ids, state, cap, max_pieces = _classify_rows(counts.to(DEVICE), slots, config, d, None, True)
+    flags, ids, state = flags.cpu(), ids.cpu(), state.cpu()
+    assert cap == config.split_cap and max_pieces == -(-5 * slots // config.split_slots)
+    assert int(state[cap]) == int(long_rows.sum())  # every long row counted, only cap taken
+    assert torch.equal(flags.bool(), torch.isin(torch.arange(m), ids.long()))
+    assert long_rows[ids.long()].all() and int(flags.sum()) == cap
+    y = _run(x, values, columns, counts, prepare_up_down_weight(up, down), tile=tile, config=config)
+    _assert_close(y, *_reference(x, up, down, p), ~overflow, dtype)
+
+
 def test_agrees_with_twell_format_and_reference_op():
     """Packed by `TwELL.from_dense`, overflow rows filled by the caller from the eager reference op
     (`ops.reference.twell_up_down_reference`): the whole output matches it within rounding."""
@@ -374,11 +412,18 @@ def test_sm90_compile_specs_cover_launcher_variants():
     """The sm_90a compile list (tests/kernels/sm90_compile.py) covers both dtypes, gated and
     non-gated, aligned and not, whole-D and split-D programs, every kernel variant, and every
     benchmark config's specialization."""
-    from sparseffn.kernels.twell_up_down import _constexprs
+    from sparseffn.kernels.twell_up_down import _classify_rows_kernel, _constexprs, _twell_up_down_kernel
 
-    specs = sm90_compile_specs()
+    all_specs = sm90_compile_specs()
+    specs = [spec for spec in all_specs if spec[0] is _twell_up_down_kernel]
+    classify = [spec for spec in all_specs if spec[0] is _classify_rows_kernel]
+    assert len(specs) + len(classify) == len(all_specs)
+    assert {c["SPLIT"] for _, _, c in classify} == {True, False}
+    assert {c["SPLIT"] for _, _, c in specs} == {True, False}
     seen = set()
     compiled = set()
+    for _, signature, constexprs in all_specs:
+        assert set(constexprs) == {k for k, v in signature.items() if v == "constexpr"}
     for _, signature, constexprs in specs:
         assert set(constexprs) == {k for k, v in signature.items() if v == "constexpr"}
         seen.add((signature["x_ptr"], constexprs["GATED"], constexprs["ALIGNED"],

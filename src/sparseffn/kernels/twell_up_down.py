@@ -93,6 +93,7 @@ __all__ = [
 ]
 
 _MAX_BLOCK_D = 8192
+_CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
 _INTERPRETER_SMS = 2  # "SMs" of the CPU interpreter, for persistent grids
 
 
@@ -264,14 +265,9 @@ def _pairs(t, col, val, b, nnz, tile, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _row_head(columns_ptr, values_ptr, counts_ptr, cnt0, m, valid, n_tiles, slots,
-              BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
-    """(ordinary, nnz, first batch (t, column, value) of `_batch_slots`) of row m whose first
-    counts segment is cnt0, as issued loads. `ordinary` is False for overflow rows (out[m] is
-    left to the dense backup path) and for rows that are not `valid` (not this program's: nothing
-    of them is read)."""
-    m64 = m.to(tl.int64)
-    counts_row = counts_ptr + m64 * n_tiles
+def _row_nnz(counts_row, cnt0, valid, n_tiles, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """(largest count, valid slots) of the row whose counts start at counts_row and whose first
+    counts segment is cnt0."""
     worst = tl.max(cnt0, 0)
     nnz = tl.sum(cnt0, 0)
     for t0 in range(BLOCK_T, n_tiles, BLOCK_T):  # further counts segments (n_tiles > BLOCK_T)
@@ -280,16 +276,118 @@ def _row_head(columns_ptr, values_ptr, counts_ptr, cnt0, m, valid, n_tiles, slot
                       eviction_policy="evict_first" if EVICT else "")
         worst = tl.maximum(worst, tl.max(seg, 0))
         nnz += tl.sum(seg, 0)
+    return worst, nnz
+
+
+@triton.jit
+def _row_head(columns_ptr, values_ptr, counts_ptr, split_flags_ptr, cnt0, m, valid, n_tiles, slots,
+              SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """(ordinary, nnz, first batch (t, column, value) of `_batch_slots`) of row m whose first
+    counts segment is cnt0, as issued loads. `ordinary` is False for overflow rows (out[m] is
+    left to the dense backup path), for rows split over programs (SPLIT: their pieces write
+    out[m]) and for rows that are not `valid` (not this program's: nothing of them is read)."""
+    m64 = m.to(tl.int64)
+    counts_row = counts_ptr + m64 * n_tiles
+    worst, nnz = _row_nnz(counts_row, cnt0, valid, n_tiles, BLOCK_T, EVICT)
     ok = valid & (worst <= slots)
+    if SPLIT:
+        ok = ok & (tl.load(split_flags_ptr + m64, mask=valid, other=0) == 0)
     t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, 0, nnz, ok,
                                n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
     return ok, nnz, t, col, val
 
 
 @triton.jit
+def _split_piece(pid, x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
+                 split_ids_ptr, split_state_ptr, partials_ptr, split_cap, max_pieces,
+                 D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d, down_shift,
+                 GATED: tl.constexpr, ALIGNED: tl.constexpr, EVEN_D: tl.constexpr, PIECE: tl.constexpr,
+                 BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr):
+    """Piece `pid % max_pieces` (valid slots [piece · PIECE, piece · PIECE + PIECE)) of split row
+    number `pid // max_pieces` of the list `_classify_rows_kernel` built. The piece's fp32 partial
+    y goes to its own row of `partials`; the last piece of a row to finish (a per-row arrival
+    counter) adds the row's partials in piece order, so the result does not depend on timing, and
+    writes out[m] rounded once."""
+    i = pid // max_pieces
+    piece = pid % max_pieces
+    n_split = tl.minimum(tl.load(split_state_ptr + split_cap), split_cap)
+    if i < n_split:
+        m64 = tl.load(split_ids_ptr + i).to(tl.int64)
+        counts_row = counts_ptr + m64 * n_tiles
+        cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)
+        _, nnz = _row_nnz(counts_row, cnt0, True, n_tiles, BLOCK_T, EVICT)
+        b0 = piece * PIECE
+        if b0 < nnz:
+            x_row = x_ptr + m64 * stride_xm
+            if ALIGNED:
+                x_row = tl.multiple_of(x_row, 16)
+            if GATED:
+                xv = tl.load(x_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            else:
+                xv = tl.zeros([BLOCK_D], dtype=tl.float32)  # unused
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for b in range(b0, tl.minimum(nnz, b0 + PIECE), BLOCK_N):
+                t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b, nnz, True,
+                                           n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
+                pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
+                acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
+                                        weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
+                                        GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N,
+                                        BLOCK_D, PREFETCH, EVICT)
+            row_partials = partials_ptr + i.to(tl.int64) * max_pieces * D
+            # .cg: through L2 only, where the last piece's program reads them back
+            tl.store(row_partials + piece * D + offs_d, acc, mask=mask_d, cache_modifier=".cg")
+            n_pieces = tl.cdiv(nnz, PIECE)
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+            arrived = tl.atomic_add(split_state_ptr + i, 1, sem="acq_rel")
+            tl.debug_barrier()
+            if arrived == n_pieces - 1:
+                y = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for q in range(0, n_pieces):
+                    y += tl.load(row_partials + q * D + offs_d, mask=mask_d, other=0.0, cache_modifier=".cg")
+                out_row = out_ptr + m64 * stride_om
+                if ALIGNED:
+                    out_row = tl.multiple_of(out_row, 16)
+                tl.store(out_row + offs_d, y.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _classify_rows_kernel(counts_ptr, overflow_ptr, split_flags_ptr, split_ids_ptr, split_state_ptr,
+                          M, n_tiles, slots, split_cap,
+                          SPLIT: tl.constexpr, PIECE: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_T: tl.constexpr):
+    """Per row of counts [M, n_tiles]: overflow[m] = (some count > slots), as uint8; with SPLIT,
+    ordinary rows of more than PIECE valid slots take a place in the split list (split_ids, the
+    count in split_state[split_cap], pre-zeroed) while it has room, and split_flags[m] says which
+    rows did. A row past the list's capacity stays with the row programs: nothing is dropped."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < M
+    worst = tl.zeros([BLOCK_R], dtype=tl.int32)
+    nnz = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for t0 in range(0, n_tiles, BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        cnt = tl.load(counts_ptr + rows.to(tl.int64)[:, None] * n_tiles + tiles[None, :],
+                      mask=live[:, None] & (tiles < n_tiles)[None, :], other=0)
+        worst = tl.maximum(worst, tl.max(cnt, 1))
+        nnz += tl.sum(cnt, 1)
+    over = worst > slots
+    tl.store(overflow_ptr + rows, over.to(tl.uint8), mask=live)
+    if SPLIT:
+        long_row = live & ~over & (nnz > PIECE)
+        rank = tl.cumsum(long_row.to(tl.int32), 0) - 1  # place among this block's long rows
+        first = tl.atomic_add(split_state_ptr + split_cap, tl.sum(long_row.to(tl.int32), 0))
+        place = first + rank
+        taken = long_row & (place < split_cap)
+        tl.store(split_ids_ptr + place, rows, mask=taken)
+        tl.store(split_flags_ptr + rows, taken.to(tl.uint8), mask=live)
+
+
+@triton.jit
 def _twell_up_down_kernel(
     x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
-    M, D, n_tiles, tile, slots,
+    split_flags_ptr, split_ids_ptr, split_state_ptr, partials_ptr,
+    M, D, n_tiles, tile, slots, split_cap, max_pieces,
     stride_xm, stride_wh, stride_om,
     GATED: tl.constexpr,          # packed rows are [up; down] (True) or [down] (False)
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides
@@ -304,8 +402,9 @@ def _twell_up_down_kernel(
     PREFETCH: tl.constexpr,       # double-buffer the chunk loop in registers
     LOOKAHEAD: tl.constexpr,      # the next token's columns/values load under this token's chunks
     EVICT: tl.constexpr,          # L2 hints: weights evict_last, streamed data evict_first
+    SPLIT: tl.constexpr,          # the first split_cap * max_pieces programs run split-row pieces
+    PIECE: tl.constexpr,          # valid slots per piece of a split row (a multiple of BLOCK_N)
 ):
-    pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of y
     mask_d = offs_d < D
@@ -313,12 +412,45 @@ def _twell_up_down_kernel(
         mask_d = tl.max_constancy(mask_d, 8)
     # packed row j = [up_j; down_j] or [down_j]; the down half starts D elements in when gated
     down_shift = D if GATED else 0
-    stream: tl.constexpr = "evict_first" if EVICT else ""
+    if SPLIT:
+        # the pieces of long rows come first, so they start in the first wave instead of
+        # finishing the launch as one long chain each
+        n_piece_programs = split_cap * max_pieces
+        if tl.program_id(0) < n_piece_programs:
+            _split_piece(tl.program_id(0), x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
+                         split_ids_ptr, split_state_ptr, partials_ptr, split_cap, max_pieces,
+                         D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
+                         down_shift, GATED, ALIGNED, EVEN_D, PIECE, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T,
+                         PREFETCH, EVICT)
+        else:
+            _row_programs(tl.program_id(0) - n_piece_programs, tl.num_programs(0) - n_piece_programs,
+                          x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr, split_flags_ptr,
+                          M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
+                          down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_M, PERSISTENT, BLOCK_U,
+                          BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, LOOKAHEAD, EVICT, SPLIT)
+    else:
+        _row_programs(tl.program_id(0), tl.num_programs(0),
+                      x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr, split_flags_ptr,
+                      M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
+                      down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_M, PERSISTENT, BLOCK_U,
+                      BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, LOOKAHEAD, EVICT, SPLIT)
 
+
+@triton.jit
+def _row_programs(pid_m, n_programs, x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
+                  split_flags_ptr, M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
+                  down_shift, GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr,
+                  EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, PERSISTENT: tl.constexpr,
+                  BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr,
+                  EVICT: tl.constexpr, SPLIT: tl.constexpr):
+    """Row program pid_m of n_programs: its rows (BLOCK_M consecutive ones, or every n_programs-th
+    when PERSISTENT), one after the other."""
+    stream: tl.constexpr = "evict_first" if EVICT else ""
     if PERSISTENT:
         # rows pid_m, pid_m + grid, pid_m + 2 grid, ...: every program gets ~M / grid rows
         m_first = pid_m
-        m_step = tl.num_programs(0)
+        m_step = n_programs
         n_rows = tl.cdiv(M - pid_m, m_step)
     else:
         m_first = pid_m * BLOCK_M
@@ -333,8 +465,8 @@ def _twell_up_down_kernel(
         # waited for) runs one row early: cnt_head and the *_head values belong to the next row,
         # cnt_next to the one after
         ok_head, nnz_head, t_head, col_head, val_head = _row_head(
-            columns_ptr, values_ptr, counts_ptr, cnt_head, m_first, n_rows > 0, n_tiles, slots,
-            BLOCK_N, BLOCK_T, EVICT)
+            columns_ptr, values_ptr, counts_ptr, split_flags_ptr, cnt_head, m_first, n_rows > 0, n_tiles,
+            slots, SPLIT, BLOCK_N, BLOCK_T, EVICT)
         cnt_next = _load_counts(counts_ptr + (m_first + m_step).to(tl.int64) * n_tiles, 0,
                                 n_tiles, n_rows > 1, BLOCK_T, EVICT)
     for r in range(n_rows):
@@ -348,8 +480,8 @@ def _twell_up_down_kernel(
             # the next row's first counts segment is in flight while this row runs
             cnt_head = _load_counts(counts_row + m_step * n_tiles, 0, n_tiles, r + 1 < n_rows,
                                     BLOCK_T, EVICT)
-            ok, nnz, t, col, val = _row_head(columns_ptr, values_ptr, counts_ptr, cnt0, m, True,
-                                             n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
+            ok, nnz, t, col, val = _row_head(columns_ptr, values_ptr, counts_ptr, split_flags_ptr, cnt0, m,
+                                             True, n_tiles, slots, SPLIT, BLOCK_N, BLOCK_T, EVICT)
         x_row = x_ptr + m64 * stride_xm
         if ALIGNED:
             x_row = tl.multiple_of(x_row, 16)
@@ -364,8 +496,8 @@ def _twell_up_down_kernel(
             x = tl.zeros([BLOCK_D], dtype=tl.float32)  # unused
         if LOOKAHEAD:
             ok_head, nnz_head, t_head, col_head, val_head = _row_head(
-                columns_ptr, values_ptr, counts_ptr, cnt_next, m + m_step, r + 1 < n_rows, n_tiles,
-                slots, BLOCK_N, BLOCK_T, EVICT)
+                columns_ptr, values_ptr, counts_ptr, split_flags_ptr, cnt_next, m + m_step, r + 1 < n_rows,
+                n_tiles, slots, SPLIT, BLOCK_N, BLOCK_T, EVICT)
             cnt_head = cnt_next
             cnt_next = _load_counts(counts_row + 2 * m_step * n_tiles, 0, n_tiles, r + 2 < n_rows,
                                     BLOCK_T, EVICT)
@@ -407,11 +539,18 @@ class UpDownConfig:
     lookahead: bool = True  # several rows per program: the next row's columns/values load early
     evict: bool = True      # L2 hints: weights evict_last, x/values/columns/counts/out evict_first
     max_regs: int | None = 96  # register cap per thread (ptxas .maxnreg): more programs per SM
+    split_slots: int = 128  # rows with more valid slots are split into pieces of this many; 0: off
+    split_cap: int = 256    # rows split per call at most (the rest run whole)
 
     def __post_init__(self) -> None:
-        check_config_fields(self, positive=("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps"),
+        check_config_fields(self, positive=("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps",
+                                            "split_cap"),
                             powers_of_two=("block_u", "block_d", "block_n", "max_block_t", "num_warps"),
                             flags=("prefetch", "lookahead", "evict"))
+        if (not isinstance(self.split_slots, int) or isinstance(self.split_slots, bool) or self.split_slots < 0
+                or (self.split_slots and self.split_slots % self.block_n)):
+            raise ValueError(f"UpDownConfig.split_slots must be 0 or a positive multiple of block_n = "
+                             f"{self.block_n}, got {self.split_slots!r}")
         if (not isinstance(self.persistent, int) or isinstance(self.persistent, bool)
                 or self.persistent < 0):
             raise ValueError(f"UpDownConfig.persistent must be an int >= 0, got "
@@ -517,6 +656,11 @@ def _check_tensor(t: object, name: str, shape: tuple[int, ...], dtype: torch.dty
     return t
 
 
+def _splits_rows(config: UpDownConfig, d: int, n_tiles: int, slots: int) -> bool:
+    """Whether long rows are split: on, whole rows of D per program, and rows can be longer."""
+    return 0 < config.split_slots < n_tiles * slots and config.block_d >= d
+
+
 def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
                 aligned: bool) -> dict[str, object]:
     """The kernel's meta-parameters for a launch; they depend on D, n_tiles and slots, never on M
@@ -536,6 +680,8 @@ def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated
         PREFETCH=config.prefetch,
         LOOKAHEAD=config.lookahead and (config.block_m > 1 or config.persistent > 0),
         EVICT=config.evict,
+        SPLIT=_splits_rows(config, d, n_tiles, slots),
+        PIECE=config.split_slots,
     )
 
 
@@ -548,13 +694,15 @@ def twell_up_down(
     *,
     tile: int,
     out: torch.Tensor | None = None,
+    overflow_out: torch.Tensor | None = None,
     config: UpDownConfig | None = None,
 ) -> torch.Tensor:
     """y [M, D] = down(p ⊙ up(x)) (or down(p)) for the ordinary rows of a TwELL-packed p.
 
     Rows with some count > slots are not written: pass `out` to pre-fill them (or fill them
-    afterwards); with `out=None` they hold whatever torch.empty left there. `config` overrides the
-    launch heuristic (`default_config(D)`). Returns `out` (or the new tensor).
+    afterwards); with `out=None` they hold whatever torch.empty left there. overflow_out: None, or
+    a uint8 / bool [M] tensor that receives which rows those are (for the dense backup).
+    `config` overrides the launch heuristic (`default_config(D)`). Returns `out` (or the new tensor).
     """
     m, d = check_matrix(x, "x")
     if not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 32768:
@@ -590,11 +738,20 @@ def twell_up_down(
         _check_tensor(out, "out", (m, d), x.dtype, x.device)
         if d > 1 and out.stride(1) != 1:
             raise ValueError(f"out must have unit stride along D, got strides {list(out.stride())}")
+    if overflow_out is not None:
+        _check_tensor(overflow_out, "overflow_out", (m,), (torch.uint8, torch.bool), x.device)
+        if not overflow_out.is_contiguous():
+            raise ValueError("overflow_out must be contiguous")
     if config is None:
         config = default_config(d)
     elif not isinstance(config, UpDownConfig):
         raise TypeError(f"config must be an UpDownConfig or None, got {type(config).__name__}")
-    if m == 0 or d == 0:
+    if m == 0:
+        return out
+    split = _splits_rows(config, d, n_tiles, slots)
+    if split or overflow_out is not None:
+        split_rows = _classify_rows(counts, slots, config, d, overflow_out, split)
+    if d == 0:
         return out
     if d > 1 and x.stride(1) != 1:
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
@@ -610,18 +767,50 @@ def twell_up_down(
     if config.persistent:
         sms = (num_sms(x.device) if x.is_cuda
                else _INTERPRETER_SMS)
-        grid = (min(m, config.persistent * sms), cdiv(d, config.block_d))
+        row_programs = min(m, config.persistent * sms)
     else:
-        grid = (cdiv(m, config.block_m), cdiv(d, config.block_d))
+        row_programs = cdiv(m, config.block_m)
+    if split:
+        flags, ids, state, cap, max_pieces = split_rows
+        partials = torch.empty(cap * max_pieces * d, dtype=torch.float32, device=x.device)
+    else:
+        flags = ids = state = partials = None
+        cap = max_pieces = 0
+    grid = (cap * max_pieces + row_programs, cdiv(d, config.block_d))
     _twell_up_down_kernel[grid](
-        x, values, columns, counts, packed_weight, out,
-        m, d, n_tiles, tile, slots,
+        x, values, columns, counts, packed_weight, out, flags, ids, state, partials,
+        m, d, n_tiles, tile, slots, cap, max_pieces,
         x.stride(0), packed_weight.stride(0), out.stride(0),
         **_constexprs(config, d, n_tiles, slots, gated=n_mat == 2, aligned=aligned),
         num_warps=config.num_warps,
         maxnreg=config.max_regs,
     )
     return out
+
+
+def _classify_rows(counts: torch.Tensor, slots: int, config: UpDownConfig, d: int,
+                   overflow_out: torch.Tensor | None, split: bool):
+    """Launch `_classify_rows_kernel`: overflow flags into overflow_out (when given) and, when
+    split, the split list. Returns (split flags uint8 [M], split ids int32 [cap], state int32
+    [cap + 1]: arrival counters then the list length, cap, pieces per row at most) or None."""
+    m, n_tiles = counts.shape
+    overflow = overflow_out if overflow_out is not None else torch.empty(m, dtype=torch.uint8, device=counts.device)
+    if overflow.dtype == torch.bool:
+        overflow = overflow.view(torch.uint8)  # same bytes
+    if split:
+        cap = min(config.split_cap, m)
+        max_pieces = cdiv(n_tiles * slots, config.split_slots)  # an ordinary row has <= n_tiles * slots
+        flags = torch.empty(m, dtype=torch.uint8, device=counts.device)
+        ids = torch.empty(cap, dtype=torch.int32, device=counts.device)
+        state = torch.zeros(cap + 1, dtype=torch.int32, device=counts.device)
+    else:
+        flags = ids = state = None
+        cap = max_pieces = 0
+    _classify_rows_kernel[(cdiv(m, _CLASSIFY_ROWS),)](
+        counts, overflow, flags, ids, state, m, n_tiles, slots, cap,
+        SPLIT=split, PIECE=config.split_slots, BLOCK_R=_CLASSIFY_ROWS,
+        BLOCK_T=min(next_power_of_2(n_tiles), config.max_block_t), num_warps=4)
+    return (flags, ids, state, cap, max_pieces) if split else None
 
 
 def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]]]:
@@ -656,12 +845,27 @@ def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]
         if key in seen:
             continue
         seen.add(key)
+        split = constexprs["SPLIT"]
+        split_args = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32",
+                      "partials_ptr": "*fp32"}
+        if not split:
+            constexprs = {**constexprs, **{k: None for k in split_args}}
         signature = {
             "x_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16", "counts_ptr": "*i32",
-            "weight_ptr": f"*{ty}", "out_ptr": f"*{ty}",
+            "weight_ptr": f"*{ty}", "out_ptr": f"*{ty}", **(split_args if split else {}),
             "M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32",
+            "split_cap": "i32", "max_pieces": "i32",
             "stride_xm": "i32", "stride_wh": "i32", "stride_om": "i32",
             **{k: "constexpr" for k in constexprs},
         }
         specs.append((_twell_up_down_kernel, signature, constexprs))
+    for split in (True, False):  # the row classification: with the split list, and flags only
+        constexprs = {"SPLIT": split, "PIECE": base.split_slots, "BLOCK_R": _CLASSIFY_ROWS, "BLOCK_T": 32}
+        split_args = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32"}
+        if not split:
+            constexprs.update({k: None for k in split_args})
+        signature = {"counts_ptr": "*i32", "overflow_ptr": "*u8", **(split_args if split else {}),
+                     "M": "i32", "n_tiles": "i32", "slots": "i32", "split_cap": "i32",
+                     **{k: "constexpr" for k in constexprs}}
+        specs.append((_classify_rows_kernel, signature, constexprs))
     return specs

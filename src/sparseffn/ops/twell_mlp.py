@@ -104,8 +104,8 @@ def twell_mlp(
     theta = threshold_vector(threshold, h, x.device)
     values, columns, counts = gate_twell(x, weights.first_weight, theta, tile=tile, slots=slots)
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
-    twell_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y)
-    overflow = (counts > slots).any(1)
+    overflow = torch.empty(m, dtype=torch.bool, device=x.device)
+    twell_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y, overflow_out=overflow)
     if weights.gate_weight is not None:  # up_down [H, 2, D] holds up and down^T
         up, down_t = weights.up_down[:, 0], weights.up_down[:, 1]
     else:  # up_down [H, 1, D] holds down^T
