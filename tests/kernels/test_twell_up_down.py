@@ -355,6 +355,9 @@ def _valid_args(m=3, d=64, h=100, tile=64, slots=4, dtype=torch.bfloat16):
     (dict(out=torch.zeros(3, 63, dtype=torch.bfloat16)), ValueError, "out must have shape"),
     (dict(out=torch.zeros(64, 3, dtype=torch.bfloat16).t()), ValueError, "out must have unit stride"),
     (dict(config=dict(block_u=8)), TypeError, "config"),
+    (dict(overflow_out=torch.zeros(3, dtype=torch.int32)), TypeError, "overflow_out must have dtype"),
+    (dict(overflow_out=torch.zeros(4, dtype=torch.uint8)), ValueError, "overflow_out must have shape"),
+    (dict(overflow_out=torch.zeros(3, 2, dtype=torch.uint8)[:, 0]), ValueError, "overflow_out must be contiguous"),
 ])
 def test_input_errors(change, error, match):
     args = dict(_valid_args(), **change)
@@ -379,10 +382,17 @@ def test_config_validation_and_default():
         UpDownConfig(max_regs=300)
     with pytest.raises(TypeError, match="evict"):
         UpDownConfig(evict=1)
+    for bad in (-64, 96, 32, True):  # a multiple of block_n = 64, or 0
+        with pytest.raises(ValueError, match="split_slots"):
+            UpDownConfig(split_slots=bad)
+    with pytest.raises(ValueError, match="split_cap"):
+        UpDownConfig(split_cap=0)
+    assert UpDownConfig(split_slots=0).split_slots == 0
     cfg = default_config(2048)
     assert cfg == UpDownConfig()
     assert cfg.block_d == 2048 and cfg.block_u * cfg.block_d <= 16384
-    assert (cfg.block_m, cfg.block_u, cfg.block_n, cfg.num_warps, cfg.max_regs) == (2, 4, 64, 4, 96)
+    assert (cfg.block_m, cfg.block_u, cfg.block_n, cfg.num_warps, cfg.max_regs) == (2, 4, 64, 4, 128)
+    assert (cfg.split_slots, cfg.split_cap) == (128, 256)
     assert cfg.lookahead and cfg.evict and not cfg.prefetch and not cfg.persistent
     assert default_config(100).block_d == 128 and default_config(20000).block_d == 8192
     assert default_config(100).max_regs is None and default_config(8192).max_regs is None
@@ -440,4 +450,6 @@ def test_sm90_compile_specs_cover_launcher_variants():
             assert {v[k] for v in variants} == {True, False}, (dtype, gated, k)
     for config in benchmark_configs(2048):
         constexprs = _constexprs(config, 2048, 22, 32, gated=True, aligned=True)
+        if not constexprs["SPLIT"]:  # the split list's pointers are None then
+            constexprs.update(dict.fromkeys(("split_flags_ptr", "split_ids_ptr", "split_state_ptr", "partials_ptr")))
         assert ("*bf16", tuple(constexprs.items())) in compiled, config

@@ -195,7 +195,8 @@ def test_auto_mode_trains_sparse_on_cuda_at_scale():
     assert choose_mode(x, up, needs_grad=True, return_l1=True).mode == "sparse"
     decision = choose_mode(x[:8192], up, needs_grad=True)  # measured break-even lies above 8192
     assert decision.mode == "dense" and "16384" in decision.reason
-    assert choose_mode(x[:8192], up).mode == "sparse"  # inference starts at 8192
+    assert choose_mode(x[:4096], up).mode == "sparse"  # inference starts at 4096
+    assert choose_mode(x[:4095], up).mode == "dense"
 
 
 @needs_cuda

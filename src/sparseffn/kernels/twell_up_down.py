@@ -57,7 +57,20 @@ Triton's software-pipelined version of the chunk loop (`tl.range(num_stages > 1)
 staged in shared memory by cp.async) faulted on sm_90 (H200: illegal memory access at block_n 64)
 and was removed; the chunk loop is a plain loop.
 
-Reuse across tokens (not implemented, the lever for beating L2 bandwidth): tokens of a program are
+Long rows (split_slots, split_cap): one program runs a row as a serial chain of chunks, so the
+few rows with ~12x the mean count (the heavy tail, max ~370 at mean 29) finished the launch alone:
+at M = 4096 on the H200 the pass took 0.234 ms with them and 0.143 ms with the rows over 4x the
+mean left out (5% of the units; benchmarks/probe_l2.py). `_classify_rows_kernel` (one pass over
+counts, which also yields the overflow flags for the dense backup) lists the ordinary rows with
+more than split_slots valid slots, up to split_cap of them; the first split_cap * max_pieces
+programs of the launch each run one piece of split_slots slots of a listed row (the pieces start
+in the first wave, beside the row programs), store its fp32 partial, and the last piece of a row
+to arrive adds the partials in piece order (deterministic) and writes the row. Rows past the
+list's capacity run whole. The price: three small buffers, one memset and the classification
+launch per call.
+
+Reuse across tokens (not implemented; on the synthetic activations of DESIGN.md §4 reading each
+unit once per group of tokens would save 3% of the row reads at 8 tokens, 34% at 128): tokens of a program are
 processed one after the other, so a hot unit shared by them is re-read (from L1 at best). The exact
 reuse variant would, per tile, take the union of the BLOCK_M tokens' columns (callers sort/group
 tokens so unions stay small), load each union unit's [2, D] row once into a [BLOCK_U, D] chunk, and
@@ -538,7 +551,7 @@ class UpDownConfig:
     prefetch: bool = False  # double-buffer the chunk loop in registers
     lookahead: bool = True  # several rows per program: the next row's columns/values load early
     evict: bool = True      # L2 hints: weights evict_last, x/values/columns/counts/out evict_first
-    max_regs: int | None = 96  # register cap per thread (ptxas .maxnreg): more programs per SM
+    max_regs: int | None = 128  # register cap per thread (ptxas .maxnreg): more programs per SM
     split_slots: int = 128  # rows with more valid slots are split into pieces of this many; 0: off
     split_cap: int = 256    # rows split per call at most (the rest run whole)
 
@@ -565,20 +578,21 @@ def default_config(d: int) -> UpDownConfig:
     """Heuristic config for hidden size d: the whole row of D in one program up to D = 8192,
     8 contiguous elements per thread along D, ~8K weight elements per [BLOCK_U, BLOCK_D] chunk
     (block_u 4 at D = 2048), batches of 64 compact slots, up to 4 warps, 2 tokens per program,
-    the next token's head looked up early, L2 hints, and at D = 2048 (4 warps) registers capped
-    at 96 (5 programs per SM). Other D keep the compiler's register count.
+    the next token's head looked up early, L2 hints, rows of more than 128 valid slots split into
+    pieces, and at D = 2048 (4 warps) registers capped at 128 (4 programs per SM). Other D keep
+    the compiler's register count.
 
-    Measured (H200, bf16, D = 2048, H = 5632, 29 active units per token, each config of
-    `benchmark_configs(2048)` in its own process): this config takes 0.231 ms at M = 4096 and
-    1.992 ms at M = 65536, against 2.866 ms at M = 65536 for the earlier kernel's best config
-    (columns loaded per chunk: 2.362 ms for its structure here). The 104-register variants were
-    within 5% at M = 4096 (0.219-0.225 ms) but not timed at M = 65536."""
+    Measured (H200, bf16, D = 2048, H = 5632, 29 active units per token with a tail to ~370,
+    git ef09de9, .carry sweep): this config takes 0.147 / 0.489 / 1.932 ms at M = 4096 / 16384 /
+    65536, against 0.234 / 0.593 / 2.008 ms for the earlier default (no split, 96 registers) and
+    0.211 / 0.558 / 1.926 ms for no split at 128 registers. The split kernel spills under the
+    96-register cap: 0.180 / 0.611 / 2.433 ms there."""
     block_d = min(next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
     num_warps = max(1, min(4, block_d // 512))
     block_u = max(1, min(8, 8192 // block_d))
     return UpDownConfig(block_m=2, block_u=block_u, block_d=block_d, block_n=max(64, block_u),
                         num_warps=num_warps,
-                        max_regs=96 if block_d == 2048 and num_warps == 4 else None)
+                        max_regs=128 if block_d == 2048 and num_warps == 4 else None)
 
 
 def benchmark_configs(d: int) -> list[UpDownConfig]:
@@ -587,19 +601,21 @@ def benchmark_configs(d: int) -> list[UpDownConfig]:
     Occupancy at d = 2048 (ptxas, sm_90a, bf16 gated): 4 warps hold a [block_u, 2048] chunk of
     up and down rows in 16 * block_u registers per thread; 65536 registers per SM give 3
     programs at 168 registers, 4 at 104-128, 5 at 96, 6 at 80 (2 warps: 6 at 168).
-    H200 times at M = 4096 (ms) from the last sweep are noted where measured."""
+    H200 times at M = 4096 (ms) noted below are from the sweep before rows were split and the
+    default moved from 96 to 128 registers (its default then: 0.231)."""
     base = default_config(d)
     r = dataclasses.replace
     w2 = max(1, base.num_warps // 2)
     half = max(1, base.block_u // 2)
     configs = [
-        base,                                  # 0.231 (1.992 at M = 65536)
+        base,
+        r(base, split_slots=0),                # long rows whole: one chain each
+        r(base, max_regs=96),                  # 5 programs per SM, but spills
         # the first kernel's structure: columns loaded per chunk, no lookahead, no L2 hints,
         # compiler's registers
         r(base, block_n=base.block_u, lookahead=False, evict=False, max_regs=None),  # 0.268
         r(base, max_regs=104),                 # 4 programs per SM: 0.224
         r(base, max_regs=104, lookahead=False),  # 0.219
-        r(base, max_regs=104, evict=False),    # 0.225
         r(base, max_regs=None),                # 168 registers, 3 programs: 0.223
         # one change at a time from the default
         r(base, block_u=half),
@@ -609,7 +625,6 @@ def benchmark_configs(d: int) -> list[UpDownConfig]:
         r(base, persistent=5),
         # 2 warps per program: fewer warps per cross-warp reduction, 6 programs at 168 registers
         r(base, num_warps=w2, max_regs=168),   # 0.239
-        r(base, num_warps=w2, max_regs=168, persistent=6),  # 0.239
         # register double buffering
         r(base, block_u=half, prefetch=True, max_regs=None),  # 0.255
         r(base, prefetch=True, max_regs=None),  # 0.283

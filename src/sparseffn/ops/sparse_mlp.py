@@ -34,12 +34,13 @@ from sparseffn.ops.twell_mlp import KERNEL_DTYPES, SparseMLPWeights, dense_mlp, 
 MODES = ("auto", "sparse", "dense")
 
 # Auto-mode limits, from `sparseffn bench mlp` on the H200 (benchmarks/results/h200/mlp.csv, bf16):
-# - tokens: sparse won robustly from 16384 tokens (1.52x, 1.87x) and lost at 256 (~0.35 ms of host launch
-#   work per call is not hidden there); at 4096 it sits on that edge (1.09x for `sparse` but 0.71x for
-#   `auto`, same path, same run), so auto starts at 8192 (not measured between 4096 and 16384);
+# - tokens: sparse won from 16384 tokens (1.52x, 1.87x) and lost at 256 (~0.3 ms of host launch work per
+#   call is not hidden there); at 4096 it sat on the edge (1.09x-1.21x eager) until long rows were split
+#   over programs (kernels/twell_up_down.py), which cut the up/down pass there from 0.234 to 0.147 ms, so
+#   auto starts at 4096 (not measured between 256 and 4096);
 # - density: sparse lost at 110 non-zeros per token on both shapes (break-even ~69 at D=2048/H=5632,
 #   ~83 at D=4096/H=14336, whose gathered weights no longer fit L2).
-AUTO_MIN_TOKENS = 8192
+AUTO_MIN_TOKENS = 4096
 # Training calls (gradients or return_l1), from `bench mlp --train` and `bench e2e` on the H200: the
 # step won at 16384 tokens (1.41x) and lost at 4096 (0.47x, host-bound; 0.63x after the zero-gradient
 # fix of ops/train_mlp.py); at 8192 the 2B model's whole training step came out 0.97x with the MLPs ~41%
