@@ -1,17 +1,23 @@
 """Is the sparse up/down pass bound by L2 capacity, and does prefetching its weight pay? A probe
 for tuning runs on the lent H200.
 
-Not part of the package (`python3 benchmarks/probe_l2.py [--h-sweep] > $OUT/probe_l2.txt`). The interleaved
-up/down weight of D = 2048, H = 5632 is 46 MB, about the H200's whole L2 (50 MB). Measurements,
+Not part of the package (`python3 benchmarks/probe_l2.py [--h-sweep] > $OUT/probe_l2.txt`). The
+interleaved up/down weight of D = 2048, H = 5632 is 46 MB, about the H200's whole L2 (50 MB). Measurements,
 do_bench medians (ms, L2 flushed before each), 29 active units per token throughout:
-  1. (--h-sweep) the pass over M tokens at H = 1408 .. 11264 (weights 11.5 .. 92 MB). First run (1c28dfa):
+  1. (--h-sweep) the pass over M tokens at H = 1408 .. 11264 (weights 11.5 .. 92 MB). First run (98c0f3f):
      per active unit 0.90 / 0.94 / 1.06 / 3.40 ns at M = 65536; a fit over M = 16384 and 65536
      gives a fixed cost per call of ~0.02 ms up to 23 MB of weights but ~0.12 ms at 46 MB.
      (Splitting the pass into 2 or 4 passes over tile ranges did not help: 2.045 / 2.575 ms
      against 2.007 ms at M = 65536.)
+  Also measured (1c28dfa, with a kernel issuing `prefetch.global.L2::evict_last` over the whole
+  weight, 0.015 ms, since removed): prefetching before the pass did not make it faster (0.244 /
+  0.603 / 2.021 ms against 0.233 / 0.593 / 2.005 ms at M = 4096 / 16384 / 65536), nor before the
+  gate kernel. Cold misses are not what the fixed cost is.
   2. the pass with the same rows reordered (longest first / last), and with the rows of over 4x the
      mean count dropped: whether the few long rows, each a serial chain in one program, set the
-     time at small M.
+     time at small M. First run (1c28dfa, before rows were split): 0.234 ms as drawn, 0.143 ms without those
+     rows (5% of the units) at M = 4096; 0.593 / 0.480 at 16384; 2.009 / 1.851 at 65536. That
+     led to splitting long rows (kernels/twell_up_down.py); the split configs are timed first.
 """
 
 from __future__ import annotations
