@@ -1,7 +1,7 @@
 """Is the sparse up/down pass bound by L2 capacity, and does prefetching its weight pay? A probe
 for tuning runs on the lent H200.
 
-Not part of the package (`python3 benchmarks/probe_l2.py [--h-sweep] > $OUT/probe_l2.txt`). The
+Not part of the package (`python3 benchmarks/probe_l2.py [--h-sweep] [--train] > $OUT/probe_l2.txt`). The
 interleaved up/down weight of D = 2048, H = 5632 is 46 MB, about the H200's whole L2 (50 MB). Measurements,
 do_bench medians (ms, L2 flushed before each), 29 active units per token throughout:
   1. (--h-sweep) the pass over M tokens at H = 1408 .. 11264 (weights 11.5 .. 92 MB). First run (98c0f3f):
@@ -30,6 +30,7 @@ from triton.testing import do_bench
 
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.kernels.gate_twell import gate_twell
+from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.twell_up_down import default_config, twell_up_down
 from sparseffn.ops.twell_mlp import SparseMLPWeights
 
@@ -84,7 +85,35 @@ def main() -> int:
         share = float(light.sum()) / float(total.sum())
         print(f"M={m} max {int(total.max())} (share of units kept without heavy rows {share:.3f}): "
               + "  ".join(f"{k} {v:.3f}" for k, v in rows.items()), flush=True)
+    if "--train" in sys.argv:
+        train_rows()
     return 0
+
+
+def train_rows() -> None:
+    """(--train) The token-major training kernels (kernels/twell_train.py, no row splitting) as drawn
+    and with the rows of over 4x the mean count dropped, as in 2."""
+    for m in (4096, 16384):
+        mlp = synthetic_mlp(m, 2048, 5632, 29, device="cuda", seed=0)
+        x, gate, up = mlp.x, mlp.gate_weight, mlp.up_weight
+        down_t = mlp.down_weight.t().contiguous()
+        values, columns, counts = gate_twell(x, gate, tile=TILE)
+        total = counts.sum(1)
+        light = counts.clone()
+        light[total > 4 * total.float().mean()] = 0
+        slots_f32 = torch.empty(values.shape, dtype=torch.float32, device="cuda")
+        u, du, dg = slots_f32, torch.empty_like(slots_f32), torch.empty_like(slots_f32)
+        y, dx, row_l1 = torch.empty_like(x), torch.empty_like(x), torch.empty(m, device="cuda")
+        dy = torch.randn_like(x)
+        l1_grad = torch.full((1,), 1e-3, device="cuda")
+        rows = {}
+        for name, cnt in (("as drawn", counts), ("long rows dropped", light)):
+            rows[f"forward {name}"] = ms(lambda: twell_train_forward(
+                x, values, columns, cnt, up, down_t, tile=TILE, gated=True, out=y, u_out=u, row_l1_out=row_l1))
+            rows[f"backward {name}"] = ms(lambda: twell_train_backward(
+                dy, values, columns, cnt, u, gate, up, down_t, l1_grad, tile=TILE, gated=True, dx_out=dx,
+                du_out=du, dg_out=dg))
+        print(f"train M={m}: " + "  ".join(f"{k} {v:.3f}" for k, v in rows.items()), flush=True)
 
 
 if __name__ == "__main__":

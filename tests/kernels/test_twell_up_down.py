@@ -239,7 +239,7 @@ def test_overflow_out_flags_the_overflow_rows(flag_dtype, config):
 def test_split_list_takes_long_rows_up_to_its_capacity():
     """With room for 2, two long rows are split and the other long rows run whole in the same
     launch; every ordinary row is right either way."""
-    from sparseffn.kernels.twell_up_down import _classify_rows
+    from sparseffn.kernels.row_split import classify_rows
 
     m, d, h, tile, slots, dtype = 24, 64, 320, 64, 16, torch.float16
     config = CONFIGS["split"]
@@ -247,8 +247,9 @@ def test_split_list_takes_long_rows_up_to_its_capacity():
     nnz = counts.sum(1)
     long_rows = ~overflow & (nnz > config.split_slots)
     assert int(long_rows.sum()) > config.split_cap
-    flags, ids, state, cap, max_pieces = _classify_rows(counts.to(DEVICE), slots, config, d, None, True)
-    flags, ids, state = flags.cpu(), ids.cpu(), state.cpu()
+    split = classify_rows(counts.to(DEVICE), slots, piece=config.split_slots, cap=config.split_cap,
+                          max_block_t=config.max_block_t, split=True)
+    flags, ids, state, cap, max_pieces = split.flags.cpu(), split.ids.cpu(), split.state.cpu(), split.cap, split.max_pieces
     assert cap == config.split_cap and max_pieces == -(-5 * slots // config.split_slots)
     assert int(state[cap]) == int(long_rows.sum())  # every long row counted, only cap taken
     assert torch.equal(flags.bool(), torch.isin(torch.arange(m), ids.long()))
@@ -422,18 +423,12 @@ def test_sm90_compile_specs_cover_launcher_variants():
     """The sm_90a compile list (tests/kernels/sm90_compile.py) covers both dtypes, gated and
     non-gated, aligned and not, whole-D and split-D programs, every kernel variant, and every
     benchmark config's specialization."""
-    from sparseffn.kernels.twell_up_down import _classify_rows_kernel, _constexprs, _twell_up_down_kernel
+    from sparseffn.kernels.twell_up_down import _constexprs
 
-    all_specs = sm90_compile_specs()
-    specs = [spec for spec in all_specs if spec[0] is _twell_up_down_kernel]
-    classify = [spec for spec in all_specs if spec[0] is _classify_rows_kernel]
-    assert len(specs) + len(classify) == len(all_specs)
-    assert {c["SPLIT"] for _, _, c in classify} == {True, False}
+    specs = sm90_compile_specs()
     assert {c["SPLIT"] for _, _, c in specs} == {True, False}
     seen = set()
     compiled = set()
-    for _, signature, constexprs in all_specs:
-        assert set(constexprs) == {k for k, v in signature.items() if v == "constexpr"}
     for _, signature, constexprs in specs:
         assert set(constexprs) == {k for k, v in signature.items() if v == "constexpr"}
         seen.add((signature["x_ptr"], constexprs["GATED"], constexprs["ALIGNED"],

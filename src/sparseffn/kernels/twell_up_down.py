@@ -57,17 +57,13 @@ Triton's software-pipelined version of the chunk loop (`tl.range(num_stages > 1)
 staged in shared memory by cp.async) faulted on sm_90 (H200: illegal memory access at block_n 64)
 and was removed; the chunk loop is a plain loop.
 
-Long rows (split_slots, split_cap): one program runs a row as a serial chain of chunks, so the
-few rows with ~12x the mean count (the heavy tail, max ~370 at mean 29) finished the launch alone:
-at M = 4096 on the H200 the pass took 0.234 ms with them and 0.143 ms with the rows over 4x the
-mean left out (5% of the units; benchmarks/probe_l2.py). `_classify_rows_kernel` (one pass over
-counts, which also yields the overflow flags for the dense backup) lists the ordinary rows with
-more than split_slots valid slots, up to split_cap of them; the first split_cap * max_pieces
-programs of the launch each run one piece of split_slots slots of a listed row (the pieces start
-in the first wave, beside the row programs), store its fp32 partial, and the last piece of a row
-to arrive adds the partials in piece order (deterministic) and writes the row. Rows past the
-list's capacity run whole. The price: three small buffers, one memset and the classification
-launch per call.
+Long rows (split_slots, split_cap; kernels/row_split.py): one program runs a row as a serial chain
+of chunks, so the few rows of the heavy tail finished the launch alone (0.234 ms at M = 4096 on the
+H200 with them, 0.143 ms with the rows over 4x the mean left out). Rows of more than split_slots
+valid slots are listed (up to split_cap; the same pass over counts yields the overflow flags for
+the dense backup), and the first split_cap * max_pieces programs of the launch run their pieces
+beside the row programs; the last piece of a row to arrive adds the fp32 partials in piece order
+and writes the row. The price: a few small buffers, one memset and the classification launch.
 
 Reuse across tokens (not implemented; on the synthetic activations of DESIGN.md §4 reading each
 unit once per group of tokens would save 3% of the row reads at 8 tokens, 34% at 128): tokens of a program are
@@ -95,6 +91,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2, num_sms
+from sparseffn.kernels.row_split import classify_rows, gather_pieces, listed_row, split_signature, splits
 
 __all__ = [
     "UpDownConfig",
@@ -106,7 +103,6 @@ __all__ = [
 ]
 
 _MAX_BLOCK_D = 8192
-_CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
 _INTERPRETER_SMS = 2  # "SMs" of the CPU interpreter, for persistent grids
 
 
@@ -317,19 +313,13 @@ def _split_piece(pid, x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, ou
                  GATED: tl.constexpr, ALIGNED: tl.constexpr, EVEN_D: tl.constexpr, PIECE: tl.constexpr,
                  BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr):
-    """Piece `pid % max_pieces` (valid slots [piece · PIECE, piece · PIECE + PIECE)) of split row
-    number `pid // max_pieces` of the list `_classify_rows_kernel` built. The piece's fp32 partial
-    y goes to its own row of `partials`; the last piece of a row to finish (a per-row arrival
-    counter) adds the row's partials in piece order, so the result does not depend on timing, and
-    writes out[m] rounded once."""
-    i = pid // max_pieces
-    piece = pid % max_pieces
-    n_split = tl.minimum(tl.load(split_state_ptr + split_cap), split_cap)
-    if i < n_split:
-        m64 = tl.load(split_ids_ptr + i).to(tl.int64)
+    """Piece program pid of the split rows (row_split.py): the piece's valid slots, its fp32 partial
+    of y[m], and y[m] itself from the row's last piece to arrive, rounded once."""
+    listed, i, piece, m64 = listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces)
+    if listed:
         counts_row = counts_ptr + m64 * n_tiles
         cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)
-        _, nnz = _row_nnz(counts_row, cnt0, True, n_tiles, BLOCK_T, EVICT)
+        nnz = _row_nnz(counts_row, cnt0, True, n_tiles, BLOCK_T, EVICT)[1]
         b0 = piece * PIECE
         if b0 < nnz:
             x_row = x_ptr + m64 * stride_xm
@@ -348,52 +338,13 @@ def _split_piece(pid, x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, ou
                                         weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
                                         GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N,
                                         BLOCK_D, PREFETCH, EVICT)
-            row_partials = partials_ptr + i.to(tl.int64) * max_pieces * D
-            # .cg: through L2 only, where the last piece's program reads them back
-            tl.store(row_partials + piece * D + offs_d, acc, mask=mask_d, cache_modifier=".cg")
-            n_pieces = tl.cdiv(nnz, PIECE)
-            tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-            arrived = tl.atomic_add(split_state_ptr + i, 1, sem="acq_rel")
-            tl.debug_barrier()
-            if arrived == n_pieces - 1:
-                y = tl.zeros([BLOCK_D], dtype=tl.float32)
-                for q in range(0, n_pieces):
-                    y += tl.load(row_partials + q * D + offs_d, mask=mask_d, other=0.0, cache_modifier=".cg")
+            last, y, no_scalar = gather_pieces(partials_ptr, partials_ptr, i, piece, tl.cdiv(nnz, PIECE), max_pieces,
+                                               acc, 0.0, offs_d, mask_d, D, split_state_ptr, False)
+            if last:
                 out_row = out_ptr + m64 * stride_om
                 if ALIGNED:
                     out_row = tl.multiple_of(out_row, 16)
                 tl.store(out_row + offs_d, y.to(out_ptr.dtype.element_ty), mask=mask_d)
-
-
-@triton.jit
-def _classify_rows_kernel(counts_ptr, overflow_ptr, split_flags_ptr, split_ids_ptr, split_state_ptr,
-                          M, n_tiles, slots, split_cap,
-                          SPLIT: tl.constexpr, PIECE: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_T: tl.constexpr):
-    """Per row of counts [M, n_tiles]: overflow[m] = (some count > slots), as uint8; with SPLIT,
-    ordinary rows of more than PIECE valid slots take a place in the split list (split_ids, the
-    count in split_state[split_cap], pre-zeroed) while it has room, and split_flags[m] says which
-    rows did. A row past the list's capacity stays with the row programs: nothing is dropped."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = rows < M
-    worst = tl.zeros([BLOCK_R], dtype=tl.int32)
-    nnz = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for t0 in range(0, n_tiles, BLOCK_T):
-        tiles = t0 + tl.arange(0, BLOCK_T)
-        cnt = tl.load(counts_ptr + rows.to(tl.int64)[:, None] * n_tiles + tiles[None, :],
-                      mask=live[:, None] & (tiles < n_tiles)[None, :], other=0)
-        worst = tl.maximum(worst, tl.max(cnt, 1))
-        nnz += tl.sum(cnt, 1)
-    over = worst > slots
-    tl.store(overflow_ptr + rows, over.to(tl.uint8), mask=live)
-    if SPLIT:
-        long_row = live & ~over & (nnz > PIECE)
-        rank = tl.cumsum(long_row.to(tl.int32), 0) - 1  # place among this block's long rows
-        first = tl.atomic_add(split_state_ptr + split_cap, tl.sum(long_row.to(tl.int32), 0))
-        place = first + rank
-        taken = long_row & (place < split_cap)
-        tl.store(split_ids_ptr + place, rows, mask=taken)
-        tl.store(split_flags_ptr + rows, taken.to(tl.uint8), mask=live)
 
 
 @triton.jit
@@ -671,11 +622,6 @@ def _check_tensor(t: object, name: str, shape: tuple[int, ...], dtype: torch.dty
     return t
 
 
-def _splits_rows(config: UpDownConfig, d: int, n_tiles: int, slots: int) -> bool:
-    """Whether long rows are split: on, whole rows of D per program, and rows can be longer."""
-    return 0 < config.split_slots < n_tiles * slots and config.block_d >= d
-
-
 def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
                 aligned: bool) -> dict[str, object]:
     """The kernel's meta-parameters for a launch; they depend on D, n_tiles and slots, never on M
@@ -695,7 +641,7 @@ def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated
         PREFETCH=config.prefetch,
         LOOKAHEAD=config.lookahead and (config.block_m > 1 or config.persistent > 0),
         EVICT=config.evict,
-        SPLIT=_splits_rows(config, d, n_tiles, slots),
+        SPLIT=splits(config.split_slots, d, config.block_d, n_tiles, slots),
         PIECE=config.split_slots,
     )
 
@@ -763,9 +709,10 @@ def twell_up_down(
         raise TypeError(f"config must be an UpDownConfig or None, got {type(config).__name__}")
     if m == 0:
         return out
-    split = _splits_rows(config, d, n_tiles, slots)
+    split = splits(config.split_slots, d, config.block_d, n_tiles, slots)
     if split or overflow_out is not None:
-        split_rows = _classify_rows(counts, slots, config, d, overflow_out, split)
+        row_split = classify_rows(counts, slots, piece=config.split_slots, cap=config.split_cap,
+                                  max_block_t=config.max_block_t, split=split, overflow_out=overflow_out)
     if d == 0:
         return out
     if d > 1 and x.stride(1) != 1:
@@ -786,8 +733,9 @@ def twell_up_down(
     else:
         row_programs = cdiv(m, config.block_m)
     if split:
-        flags, ids, state, cap, max_pieces = split_rows
-        partials = torch.empty(cap * max_pieces * d, dtype=torch.float32, device=x.device)
+        flags, ids, state, cap, max_pieces = (row_split.flags, row_split.ids, row_split.state, row_split.cap,
+                                              row_split.max_pieces)
+        partials = row_split.partials(d)
     else:
         flags = ids = state = partials = None
         cap = max_pieces = 0
@@ -801,31 +749,6 @@ def twell_up_down(
         maxnreg=config.max_regs,
     )
     return out
-
-
-def _classify_rows(counts: torch.Tensor, slots: int, config: UpDownConfig, d: int,
-                   overflow_out: torch.Tensor | None, split: bool):
-    """Launch `_classify_rows_kernel`: overflow flags into overflow_out (when given) and, when
-    split, the split list. Returns (split flags uint8 [M], split ids int32 [cap], state int32
-    [cap + 1]: arrival counters then the list length, cap, pieces per row at most) or None."""
-    m, n_tiles = counts.shape
-    overflow = overflow_out if overflow_out is not None else torch.empty(m, dtype=torch.uint8, device=counts.device)
-    if overflow.dtype == torch.bool:
-        overflow = overflow.view(torch.uint8)  # same bytes
-    if split:
-        cap = min(config.split_cap, m)
-        max_pieces = cdiv(n_tiles * slots, config.split_slots)  # an ordinary row has <= n_tiles * slots
-        flags = torch.empty(m, dtype=torch.uint8, device=counts.device)
-        ids = torch.empty(cap, dtype=torch.int32, device=counts.device)
-        state = torch.zeros(cap + 1, dtype=torch.int32, device=counts.device)
-    else:
-        flags = ids = state = None
-        cap = max_pieces = 0
-    _classify_rows_kernel[(cdiv(m, _CLASSIFY_ROWS),)](
-        counts, overflow, flags, ids, state, m, n_tiles, slots, cap,
-        SPLIT=split, PIECE=config.split_slots, BLOCK_R=_CLASSIFY_ROWS,
-        BLOCK_T=min(next_power_of_2(n_tiles), config.max_block_t), num_warps=4)
-    return (flags, ids, state, cap, max_pieces) if split else None
 
 
 def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]]]:
@@ -860,27 +783,15 @@ def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]
         if key in seen:
             continue
         seen.add(key)
-        split = constexprs["SPLIT"]
-        split_args = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32",
-                      "partials_ptr": "*fp32"}
-        if not split:
-            constexprs = {**constexprs, **{k: None for k in split_args}}
+        split_args, split_constexprs = split_signature(constexprs["SPLIT"])
+        constexprs = {**constexprs, **split_constexprs}
         signature = {
             "x_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16", "counts_ptr": "*i32",
-            "weight_ptr": f"*{ty}", "out_ptr": f"*{ty}", **(split_args if split else {}),
+            "weight_ptr": f"*{ty}", "out_ptr": f"*{ty}", **split_args,
             "M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32",
             "split_cap": "i32", "max_pieces": "i32",
             "stride_xm": "i32", "stride_wh": "i32", "stride_om": "i32",
             **{k: "constexpr" for k in constexprs},
         }
         specs.append((_twell_up_down_kernel, signature, constexprs))
-    for split in (True, False):  # the row classification: with the split list, and flags only
-        constexprs = {"SPLIT": split, "PIECE": base.split_slots, "BLOCK_R": _CLASSIFY_ROWS, "BLOCK_T": 32}
-        split_args = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32"}
-        if not split:
-            constexprs.update({k: None for k in split_args})
-        signature = {"counts_ptr": "*i32", "overflow_ptr": "*u8", **(split_args if split else {}),
-                     "M": "i32", "n_tiles": "i32", "slots": "i32", "split_cap": "i32",
-                     **{k: "constexpr" for k in constexprs}}
-        specs.append((_classify_rows_kernel, signature, constexprs))
     return specs

@@ -1,0 +1,172 @@
+"""Splitting long rows of a TwELL activation over several programs (token-major kernels).
+
+The token-major kernels (twell_up_down.py, twell_train.py) run a row as one serial chain of weight
+row loads in one program. The heavy tail of the activations (~0.5% of the tokens at ~12x the mean
+count, max ~370 at mean 29) made those few rows finish each launch alone: on the H200 at
+M = 4096 the inference pass took 0.234 ms as drawn and 0.143 ms with the rows over 4x the mean
+left out (5% of the units), the training forward 0.224 / 0.140 ms and backward 0.366 / 0.246 ms
+(benchmarks/probe_l2.py).
+
+So a launch splits them:
+1. `classify_rows` (one pass over counts [M, n_tiles]) writes each row's overflow flag (some count
+   > slots: the dense backup's rows) and lists the ordinary rows with more than `piece` valid
+   slots, at most `cap` of them (split_ids, the list length in state[cap]); split_flags[m] says
+   which rows were taken. Rows past the capacity stay whole: nothing is dropped.
+2. In the kernel, the first cap * max_pieces programs each take piece `pid % max_pieces` (valid
+   slots [piece · PIECE, piece · PIECE + PIECE)) of listed row `pid // max_pieces`, so the pieces
+   start in the first wave beside the row programs, which skip the listed rows.
+3. `gather_pieces`: a piece stores its fp32 partial (and an optional scalar, the training
+   forward's Σ|h|) in its own slot of a [cap, max_pieces, D] buffer, then counts its arrival on
+   the row's counter (state[i]); the last piece to arrive adds the partials in piece order (so the
+   result does not depend on timing) and resets the counter to 0, leaving the list reusable.
+
+Buffers (per launch, on the device): split_flags uint8 [M], split_ids int32 [cap], state int32
+[cap + 1] (zeroed), partials fp32 [cap * max_pieces * D] (+ [cap * max_pieces] for a scalar).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseffn.kernels._runtime import cdiv, next_power_of_2
+
+__all__ = ["RowSplit", "classify_rows", "gather_pieces", "listed_row", "sm90_compile_specs", "split_signature",
+           "splits"]
+
+_CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
+
+
+@triton.jit
+def _classify_rows_kernel(counts_ptr, overflow_ptr, split_flags_ptr, split_ids_ptr, split_state_ptr,
+                          M, n_tiles, slots, split_cap,
+                          SPLIT: tl.constexpr, PIECE: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_T: tl.constexpr):
+    """Per row of counts [M, n_tiles]: overflow[m] = (some count > slots), as uint8; with SPLIT,
+    ordinary rows of more than PIECE valid slots take a place in the split list while it has room."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < M
+    worst = tl.zeros([BLOCK_R], dtype=tl.int32)
+    nnz = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for t0 in range(0, n_tiles, BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        cnt = tl.load(counts_ptr + rows.to(tl.int64)[:, None] * n_tiles + tiles[None, :],
+                      mask=live[:, None] & (tiles < n_tiles)[None, :], other=0)
+        worst = tl.maximum(worst, tl.max(cnt, 1))
+        nnz += tl.sum(cnt, 1)
+    over = worst > slots
+    tl.store(overflow_ptr + rows, over.to(tl.uint8), mask=live)
+    if SPLIT:
+        long_row = live & ~over & (nnz > PIECE)
+        rank = tl.cumsum(long_row.to(tl.int32), 0) - 1  # place among this block's long rows
+        first = tl.atomic_add(split_state_ptr + split_cap, tl.sum(long_row.to(tl.int32), 0))
+        place = first + rank
+        taken = long_row & (place < split_cap)
+        tl.store(split_ids_ptr + place, rows, mask=taken)
+        tl.store(split_flags_ptr + rows, taken.to(tl.uint8), mask=live)
+
+
+@triton.jit
+def listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces):
+    """(listed, i, piece, m) of piece program pid: whether the list has a row i = pid // max_pieces,
+    its number i, the piece number and the row m (int64; 0 when not listed)."""
+    i = pid // max_pieces
+    listed = i < tl.minimum(tl.load(split_state_ptr + split_cap), split_cap)
+    m64 = tl.load(split_ids_ptr + i, mask=listed, other=0).to(tl.int64)
+    return listed, i, pid % max_pieces, m64
+
+
+@triton.jit
+def gather_pieces(partials_ptr, scalars_ptr, i, piece, n_pieces, max_pieces, acc, scalar, offs_d, mask_d, D,
+                  split_state_ptr, HAS_SCALAR: tl.constexpr):
+    """(last, Σ acc, Σ scalar) over the n_pieces pieces of listed row i, the sums in piece order and
+    valid only where `last` (this program is the row's last piece to arrive)."""
+    row = i.to(tl.int64) * max_pieces
+    # .cg: through L2 only, where the last piece's program reads them back
+    tl.store(partials_ptr + (row + piece) * D + offs_d, acc, mask=mask_d, cache_modifier=".cg")
+    if HAS_SCALAR:
+        tl.store(scalars_ptr + row + piece, scalar, cache_modifier=".cg")
+    tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+    arrived = tl.atomic_add(split_state_ptr + i, 1, sem="acq_rel")
+    tl.debug_barrier()
+    last = arrived == n_pieces - 1
+    total = tl.zeros_like(acc)
+    total_scalar = tl.full([], 0.0, tl.float32)
+    if last:
+        for q in range(0, n_pieces):
+            total += tl.load(partials_ptr + (row + q) * D + offs_d, mask=mask_d, other=0.0, cache_modifier=".cg")
+            if HAS_SCALAR:
+                total_scalar += tl.load(scalars_ptr + row + q, cache_modifier=".cg")
+        tl.store(split_state_ptr + i, 0)  # every piece has arrived: the counter is free again
+    return last, total, total_scalar
+
+
+@dataclass(frozen=True, eq=False)
+class RowSplit:
+    """The split list of one call and the kernel arguments that go with it."""
+
+    flags: torch.Tensor  # uint8 [M]: 1 where the row is split (its row program skips it)
+    ids: torch.Tensor  # int32 [cap]: the listed rows, in no particular order
+    state: torch.Tensor  # int32 [cap + 1]: per-row arrival counters (0 between launches), list length
+    cap: int
+    max_pieces: int  # pieces of the longest possible ordinary row: cdiv(n_tiles * slots, piece)
+
+    def partials(self, d: int, scalars: bool = False) -> torch.Tensor:
+        """An fp32 buffer for the pieces' [D] partials (or, scalars=True, one scalar each)."""
+        return torch.empty(self.cap * self.max_pieces * (1 if scalars else d), dtype=torch.float32,
+                           device=self.ids.device)
+
+
+def splits(piece: int, d: int, block_d: int, n_tiles: int, slots: int) -> bool:
+    """Whether a launch splits rows: splitting on (piece > 0), whole rows of D per program, and an
+    ordinary row can have more than `piece` valid slots."""
+    return 0 < piece < n_tiles * slots and block_d >= d
+
+
+def classify_rows(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max_block_t: int,
+                  split: bool, overflow_out: torch.Tensor | None = None) -> RowSplit | None:
+    """Launch `_classify_rows_kernel` over counts [M, n_tiles] int32 (on the kernels' device, M >= 1):
+    overflow flags into overflow_out (uint8 / bool [M], when given) and, when split, the list of at
+    most min(cap, M) rows of more than `piece` valid slots. Returns the RowSplit, or None."""
+    m, n_tiles = counts.shape
+    overflow = overflow_out if overflow_out is not None else torch.empty(m, dtype=torch.uint8, device=counts.device)
+    if overflow.dtype == torch.bool:
+        overflow = overflow.view(torch.uint8)  # same bytes
+    result = None
+    flags = ids = state = None
+    if split:
+        cap = min(cap, m)
+        flags = torch.empty(m, dtype=torch.uint8, device=counts.device)
+        ids = torch.empty(cap, dtype=torch.int32, device=counts.device)
+        state = torch.zeros(cap + 1, dtype=torch.int32, device=counts.device)
+        result = RowSplit(flags, ids, state, cap, cdiv(n_tiles * slots, piece))
+    _classify_rows_kernel[(cdiv(m, _CLASSIFY_ROWS),)](
+        counts, overflow, flags, ids, state, m, n_tiles, slots, cap if split else 0,
+        SPLIT=split, PIECE=piece, BLOCK_R=_CLASSIFY_ROWS,
+        BLOCK_T=min(next_power_of_2(n_tiles), max_block_t), num_warps=4)
+    return result
+
+
+def split_signature(split: bool) -> tuple[dict[str, str], dict[str, None]]:
+    """(signature entries, constexpr None entries) of a split-aware kernel's split pointers, for the
+    sm_90a compile specs: typed pointers when split, None constexprs otherwise."""
+    args = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32", "partials_ptr": "*fp32"}
+    return (args, {}) if split else ({k: "constexpr" for k in args}, dict.fromkeys(args))
+
+
+def sm90_compile_specs():
+    """(jit_function, signature, constexprs) of the classification: with the split list, and flags only."""
+    specs = []
+    for split in (True, False):
+        constexprs = {"SPLIT": split, "PIECE": 128, "BLOCK_R": _CLASSIFY_ROWS, "BLOCK_T": 32}
+        split_args = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32"}
+        if not split:
+            constexprs.update(dict.fromkeys(split_args))
+        signature = {"counts_ptr": "*i32", "overflow_ptr": "*u8", **(split_args if split else {}),
+                     "M": "i32", "n_tiles": "i32", "slots": "i32", "split_cap": "i32",
+                     **{k: "constexpr" for k in constexprs}}
+        specs.append((_classify_rows_kernel, signature, constexprs))
+    return specs
