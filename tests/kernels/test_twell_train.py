@@ -47,7 +47,12 @@ SENTINEL = -1234.5
 SMALL = TwellTrainConfig(block_m=3, block_u=2, block_d=64, block_n=4, max_block_t=2, num_warps=1)
 # one chunk per batch (block_n == block_u: no tl.gather), one token per program, no L2 hints
 WIDE = TwellTrainConfig(block_m=1, block_u=8, block_d=128, block_n=8, num_warps=2, evict=False)
-CONFIGS = {"default": None, "small": SMALL, "wide": WIDE}
+# long rows split (kernels/row_split.py): pieces of 4 valid slots, room for 3 rows (other long
+# rows run whole in the same launch); and pieces of 2 batches with room for every row
+SPLIT = TwellTrainConfig(block_m=2, block_u=2, block_d=128, block_n=4, max_block_t=2, num_warps=1, split_slots=4,
+                         split_cap=3)
+SPLIT_ALL = TwellTrainConfig(block_m=1, block_u=4, block_d=128, block_n=8, num_warps=2, split_slots=16, split_cap=64)
+CONFIGS = {"default": None, "small": SMALL, "wide": WIDE, "split": SPLIT, "split_all": SPLIT_ALL}
 
 # (M, D, H, tile, slots, strided x / dy, config): M = 1 (the fullest ordinary row), odd M, D and H
 # off the tile / block multiples, tile-multiple and aligned D (16-byte paths), D split over programs
@@ -58,6 +63,8 @@ SHAPES = [
     (33, 100, 100, 32, 4, False, "default"),
     (12, 64, 320, 64, 16, True, "small"),
     (7, 128, 512, 128, 32, False, "default"),
+    (33, 100, 320, 64, 16, True, "split"),
+    (12, 64, 512, 128, 32, False, "split_all"),
 ]
 
 
@@ -258,6 +265,26 @@ def test_backward_matches_float64_reference(shape, gated, dtype):
     _check_backward(prob, tile, gated, u32, l1_grad, dx, du, dg)
 
 
+@pytest.mark.parametrize("config", ["default", "split"])
+def test_forward_flags_overflow_rows(config):
+    m, d, h, tile, slots = 33, 64, 320, 64, 16
+    prob = _problem(m, d, h, tile, slots, torch.bfloat16, True, seed=3)
+    assert prob["overflow"].any() and not prob["overflow"].all()
+    flags = torch.zeros(m, dtype=torch.bool, device=DEVICE)
+    out = torch.empty(m, d, dtype=torch.bfloat16, device=DEVICE)
+    u_out = torch.empty(prob["values"].shape, dtype=torch.float32, device=DEVICE)
+    twell_train_forward(prob["x"].to(DEVICE), prob["values"].to(DEVICE), prob["columns"].to(DEVICE),
+                        prob["counts"].to(DEVICE), prob["up"].to(DEVICE), prob["down_t"].to(DEVICE), tile=tile,
+                        gated=True, out=out, u_out=u_out, row_l1_out=torch.empty(m, device=DEVICE),
+                        overflow_out=flags, config=CONFIGS[config])
+    assert torch.equal(flags.cpu(), prob["overflow"])
+    with pytest.raises(TypeError, match="overflow_out"):
+        twell_train_forward(prob["x"].to(DEVICE), prob["values"].to(DEVICE), prob["columns"].to(DEVICE),
+                            prob["counts"].to(DEVICE), prob["up"].to(DEVICE), prob["down_t"].to(DEVICE), tile=tile,
+                            gated=True, out=out, u_out=u_out, row_l1_out=torch.empty(m, device=DEVICE),
+                            overflow_out=flags.int())
+
+
 def test_forward_u_feeds_backward():
     """The forward's u_out, passed as u_slots, gives the backward the reference gradients."""
     m, d, h, tile, slots, dtype = 9, 64, 100, 64, 8, torch.bfloat16
@@ -412,7 +439,13 @@ def test_config_validation_and_defaults():
         TwellTrainConfig(max_regs=300)
     with pytest.raises(TypeError, match="evict"):
         TwellTrainConfig(evict=1)
+    for bad in (-64, 96, True):
+        with pytest.raises(ValueError, match="split_slots"):
+            TwellTrainConfig(split_slots=bad)
+    with pytest.raises(ValueError, match="split_cap"):
+        TwellTrainConfig(split_cap=0)
     fwd, bwd = default_forward_config(2048), default_backward_config(2048)
+    assert (fwd.split_slots, fwd.split_cap, bwd.max_regs) == (128, 256, 168)
     assert (fwd.block_d, fwd.block_u, fwd.num_warps) == (2048, 4, 4)
     assert (bwd.block_d, bwd.block_u, bwd.num_warps) == (2048, 4, 4)
     assert default_forward_config(100).block_d == 128 and default_backward_config(100).block_u == 4

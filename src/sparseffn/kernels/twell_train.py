@@ -73,6 +73,7 @@ specialized on: the compiled variants depend on (dtype, D, n_tiles, slots, confi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2
-
+from sparseffn.kernels.row_split import classify_rows, gather_pieces, listed_row, split_signature, splits
 from sparseffn.kernels.twell_up_down import _load_counts
 
 __all__ = [
@@ -219,10 +220,112 @@ def _store_token_row(row_ptr, acc, offs_d, mask_d, EVEN_D: tl.constexpr, EVICT: 
                  eviction_policy=stream)
 
 
+@triton.jit
+def _forward_slots(x_row, xv, values_ptr, columns_ptr, counts_row, cnt0, row_slot0, b_lo, b_hi, nnz,
+                   up_ptr, down_ptr, u_ptr, D, n_tiles, tile, slots, stride_uh, stride_dh, offs_d, mask_d, store_u,
+                   GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr, EVEN_D: tl.constexpr,
+                   BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                   EVICT: tl.constexpr):
+    """(fp32 [BLOCK_D] slice of Σ_j h_j · down[j], fp32 Σ_j |h_j|) over the valid slots b_lo ..
+    b_hi - 1 (batch starts, b_hi <= nnz) of an ordinary row; stores u of those slots (gated) where
+    store_u."""
+    lanes = tl.arange(0, BLOCK_U)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    l1 = tl.zeros([BLOCK_U], dtype=tl.float32)  # [BLOCK_U] fp32 partial Σ|h|
+    for b in range(b_lo, b_hi, BLOCK_N):
+        local, pairs = _slot_batch(columns_ptr, values_ptr, counts_row, cnt0, row_slot0, b,
+                                   nnz, n_tiles, tile, slots, BLOCK_N, BLOCK_T, EVICT)
+        for c0 in range(0, tl.minimum(b_hi - b, BLOCK_N), BLOCK_U):
+            idx = c0 + lanes
+            live = b + idx < b_hi  # [BLOCK_U] lanes holding a slot of their own
+            unit, p, loc = _chunk(pairs, local, idx, BLOCK_U, BLOCK_N)
+            p = tl.where(live, p, 0.0)
+            # [BLOCK_U, BLOCK_D] down rows, issued first (they do not depend on u)
+            down = _unit_rows(down_ptr, unit, stride_dh, offs_d, mask_d, ALIGNED, EVEN_D, EVICT)
+            if GATED:
+                if ONE_D_BLOCK:
+                    up = _unit_rows(up_ptr, unit, stride_uh, offs_d, mask_d, ALIGNED,
+                                    EVEN_D, EVICT)  # [BLOCK_U, BLOCK_D]
+                    u = tl.sum(up.to(tl.float32) * xv[None, :], 1)  # [BLOCK_U] fp32
+                else:
+                    u = _unit_dots(up_ptr, unit, stride_uh, x_row, D, ALIGNED, BLOCK_D, EVICT)
+                tl.store(u_ptr + row_slot0 + loc, u, mask=live & store_u)
+                h = tl.where(live, p * u, 0.0)  # [BLOCK_U] fp32
+            else:
+                h = p  # dead lanes have p = 0
+            acc += tl.sum(h[:, None] * down.to(tl.float32), 0)
+            l1 += tl.abs(h)
+    return acc, tl.sum(l1, 0)
+
+
+@triton.jit
+def _backward_slots(dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0, row_slot0, b_lo, b_hi, nnz,
+                    u_ptr, gate_ptr, up_ptr, down_ptr, du_ptr, dg_ptr, l1_grad, D, n_tiles, tile, slots,
+                    stride_gh, stride_uh, stride_dh, offs_d, mask_d, store_slots,
+                    GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr, EVEN_D: tl.constexpr,
+                    BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                    EVICT: tl.constexpr):
+    """fp32 [BLOCK_D] slice of Σ_j du_j · up[j] + dg_j · gate[j] (non-gated: Σ_j df_j · up[j]) over
+    the valid slots b_lo .. b_hi - 1 of an ordinary row; stores du, dg of those slots where
+    store_slots."""
+    lanes = tl.arange(0, BLOCK_U)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for b in range(b_lo, b_hi, BLOCK_N):
+        local, pairs = _slot_batch(columns_ptr, values_ptr, counts_row, cnt0, row_slot0, b,
+                                   nnz, n_tiles, tile, slots, BLOCK_N, BLOCK_T, EVICT)
+        for c0 in range(0, tl.minimum(b_hi - b, BLOCK_N), BLOCK_U):
+            idx = c0 + lanes
+            live = b + idx < b_hi  # [BLOCK_U] lanes holding a slot of their own
+            unit, p, loc = _chunk(pairs, local, idx, BLOCK_U, BLOCK_N)
+            if GATED:
+                u = tl.load(u_ptr + row_slot0 + loc, mask=live, other=0.0)  # [BLOCK_U] fp32
+            # [BLOCK_U, BLOCK_D] rows of this slice; the down rows only when they give dh
+            if ONE_D_BLOCK:
+                down = _unit_rows(down_ptr, unit, stride_dh, offs_d, mask_d, ALIGNED, EVEN_D, EVICT)
+            up = _unit_rows(up_ptr, unit, stride_uh, offs_d, mask_d, ALIGNED, EVEN_D, EVICT)
+            if GATED:
+                gate = _unit_rows(gate_ptr, unit, stride_gh, offs_d, mask_d, ALIGNED, EVEN_D, EVICT)
+            if ONE_D_BLOCK:
+                dh = tl.sum(down.to(tl.float32) * dyv[None, :], 1)  # [BLOCK_U] fp32
+            else:
+                dh = _unit_dots(down_ptr, unit, stride_dh, dy_row, D, ALIGNED, BLOCK_D, EVICT)
+            if GATED:
+                h = p * u
+            else:
+                h = p
+            sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))  # torch.sign
+            dh = dh + l1_grad * sign
+            if GATED:
+                du = tl.where(live, dh * p, 0.0)  # [BLOCK_U] fp32
+                dg = tl.where(live, dh * u, 0.0)  # [BLOCK_U] fp32
+                acc += tl.sum(du[:, None] * up.to(tl.float32) + dg[:, None] * gate.to(tl.float32), 0)
+                tl.store(du_ptr + row_slot0 + loc, du, mask=live & store_slots)
+            else:
+                dg = tl.where(live, dh, 0.0)  # [BLOCK_U] fp32 d(first projection)
+                acc += tl.sum(dg[:, None] * up.to(tl.float32), 0)
+            tl.store(dg_ptr + row_slot0 + loc, dg, mask=live & store_slots)
+    return acc
+
+
+@triton.jit
+def _token_row(row_ptr, m64, stride, offs_d, mask_d, LOAD: tl.constexpr, ALIGNED: tl.constexpr,
+               EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
+    """(pointer to token row m, its fp32 [BLOCK_D] slice when LOAD, else zeros)."""
+    row = row_ptr + m64 * stride
+    if ALIGNED:
+        row = tl.multiple_of(row, 16)
+    if LOAD:
+        v = _load_token_row(row, offs_d, mask_d, EVEN_D, EVICT)
+    else:
+        v = tl.zeros([BLOCK_D], dtype=tl.float32)  # unused
+    return row, v
+
+
 @triton.jit(do_not_specialize=["M"])
 def _twell_train_forward_kernel(
     x_ptr, values_ptr, columns_ptr, counts_ptr, up_ptr, down_ptr, out_ptr, u_ptr, l1_ptr,
-    M, D, n_tiles, tile, slots,
+    split_flags_ptr, split_ids_ptr, split_state_ptr, partials_ptr, l1_partials_ptr,
+    M, D, n_tiles, tile, slots, split_cap, max_pieces,
     stride_xm, stride_uh, stride_dh, stride_om,
     GATED: tl.constexpr,          # h = p * (x · up) (True) or h = p (False: up_ptr, u_ptr unused)
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides
@@ -234,63 +337,69 @@ def _twell_train_forward_kernel(
     BLOCK_D: tl.constexpr,        # y columns per program (power of two)
     BLOCK_T: tl.constexpr,        # tiles per counts segment (power of two)
     EVICT: tl.constexpr,          # L2 hints: weights evict_last, streamed data evict_first
+    SPLIT: tl.constexpr,          # the first split_cap * max_pieces programs run split-row pieces
+    PIECE: tl.constexpr,          # valid slots per piece of a split row (a multiple of BLOCK_N)
 ):
-    pid_m = tl.program_id(0)
+    pid = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of y
     mask_d = offs_d < D
     if ALIGNED:
         mask_d = tl.max_constancy(mask_d, 8)
-    lanes = tl.arange(0, BLOCK_U)
     first_slice = pid_d == 0  # stores u and row_l1 (every D-slice computes them)
-    m_first = pid_m * BLOCK_M
-    for r in range(0, tl.minimum(M - m_first, BLOCK_M)):
-        m64 = (m_first + r).to(tl.int64)
-        counts_row = counts_ptr + m64 * n_tiles
-        cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
-        worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
-        if worst <= slots:  # overflow rows belong to the dense-rows path
-            x_row = x_ptr + m64 * stride_xm
-            if ALIGNED:
-                x_row = tl.multiple_of(x_row, 16)
-            if GATED and ONE_D_BLOCK:
-                xv = _load_token_row(x_row, offs_d, mask_d, EVEN_D, EVICT)  # [BLOCK_D] fp32
-            row_slot0 = m64 * n_tiles * slots
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32 slice of y[m]
-            l1 = tl.zeros([BLOCK_U], dtype=tl.float32)  # [BLOCK_U] fp32 partial Σ|h|
-            for b in range(0, nnz, BLOCK_N):
-                local, pairs = _slot_batch(columns_ptr, values_ptr, counts_row, cnt0, row_slot0, b,
-                                           nnz, n_tiles, tile, slots, BLOCK_N, BLOCK_T, EVICT)
-                for c0 in range(0, tl.minimum(nnz - b, BLOCK_N), BLOCK_U):
-                    idx = c0 + lanes
-                    live = b + idx < nnz  # [BLOCK_U] lanes holding a slot of their own
-                    unit, p, loc = _chunk(pairs, local, idx, BLOCK_U, BLOCK_N)
-                    # [BLOCK_U, BLOCK_D] down rows, issued first (they do not depend on u)
-                    down = _unit_rows(down_ptr, unit, stride_dh, offs_d, mask_d, ALIGNED, EVEN_D,
-                                      EVICT)
-                    if GATED:
-                        if ONE_D_BLOCK:
-                            up = _unit_rows(up_ptr, unit, stride_uh, offs_d, mask_d, ALIGNED,
-                                            EVEN_D, EVICT)  # [BLOCK_U, BLOCK_D]
-                            u = tl.sum(up.to(tl.float32) * xv[None, :], 1)  # [BLOCK_U] fp32
-                        else:
-                            u = _unit_dots(up_ptr, unit, stride_uh, x_row, D, ALIGNED, BLOCK_D,
+    n_piece_programs = 0
+    piece_program = False
+    if SPLIT:
+        n_piece_programs = split_cap * max_pieces
+        piece_program = pid < n_piece_programs
+    if piece_program:
+        if SPLIT:  # a piece of a long row (row_split.py); SPLIT implies ONE_D_BLOCK
+            listed, i, piece, m64 = listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces)
+            if listed:
+                counts_row = counts_ptr + m64 * n_tiles
+                cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)
+                nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)[1]
+                b0 = piece * PIECE
+                if b0 < nnz:
+                    x_row, xv = _token_row(x_ptr, m64, stride_xm, offs_d, mask_d, GATED, ALIGNED, EVEN_D, BLOCK_D,
                                            EVICT)
-                        tl.store(u_ptr + row_slot0 + loc, u, mask=live & first_slice)
-                        h = tl.where(live, p * u, 0.0)  # [BLOCK_U] fp32
-                    else:
-                        h = p  # dead lanes have p = 0
-                    acc += tl.sum(h[:, None] * down.to(tl.float32), 0)
-                    l1 += tl.abs(h)
-            _store_token_row(out_ptr + m64 * stride_om, acc, offs_d, mask_d, EVEN_D, EVICT)
-            tl.store(l1_ptr + m64, tl.sum(l1, 0), mask=first_slice)
+                    acc, l1 = _forward_slots(x_row, xv, values_ptr, columns_ptr, counts_row, cnt0,
+                                             m64 * n_tiles * slots, b0, tl.minimum(nnz, b0 + PIECE), nnz, up_ptr,
+                                             down_ptr, u_ptr, D, n_tiles, tile, slots, stride_uh, stride_dh, offs_d,
+                                             mask_d, True, GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
+                                             BLOCK_T, EVICT)
+                    last, y, row_l1 = gather_pieces(partials_ptr, l1_partials_ptr, i, piece, tl.cdiv(nnz, PIECE),
+                                                    max_pieces, acc, l1, offs_d, mask_d, D, split_state_ptr, True)
+                    if last:
+                        _store_token_row(out_ptr + m64 * stride_om, y, offs_d, mask_d, EVEN_D, EVICT)
+                        tl.store(l1_ptr + m64, row_l1)
+    else:
+        m_first = (pid - n_piece_programs) * BLOCK_M
+        for r in range(0, tl.minimum(M - m_first, BLOCK_M)):
+            m64 = (m_first + r).to(tl.int64)
+            counts_row = counts_ptr + m64 * n_tiles
+            cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
+            worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
+            ordinary = worst <= slots  # overflow rows belong to the dense-rows path
+            if SPLIT:
+                ordinary = ordinary & (tl.load(split_flags_ptr + m64) == 0)  # split rows: their pieces
+            if ordinary:
+                x_row, xv = _token_row(x_ptr, m64, stride_xm, offs_d, mask_d, GATED and ONE_D_BLOCK, ALIGNED,
+                                       EVEN_D, BLOCK_D, EVICT)
+                acc, l1 = _forward_slots(x_row, xv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots,
+                                         0, nnz, nnz, up_ptr, down_ptr, u_ptr, D, n_tiles, tile, slots, stride_uh,
+                                         stride_dh, offs_d, mask_d, first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D,
+                                         BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
+                _store_token_row(out_ptr + m64 * stride_om, acc, offs_d, mask_d, EVEN_D, EVICT)
+                tl.store(l1_ptr + m64, l1, mask=first_slice)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _twell_train_backward_kernel(
     dy_ptr, values_ptr, columns_ptr, counts_ptr, u_ptr, gate_ptr, up_ptr, down_ptr, l1_grad_ptr,
     dx_ptr, du_ptr, dg_ptr,
-    M, D, n_tiles, tile, slots,
+    split_flags_ptr, split_ids_ptr, split_state_ptr, partials_ptr,
+    M, D, n_tiles, tile, slots, split_cap, max_pieces,
     stride_dym, stride_gh, stride_uh, stride_dh, stride_dxm,
     GATED: tl.constexpr,          # True: du, dg from u (gate_ptr, u_ptr, du_ptr used); False: dg = dh
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides
@@ -302,69 +411,61 @@ def _twell_train_backward_kernel(
     BLOCK_D: tl.constexpr,        # dx columns per program (power of two)
     BLOCK_T: tl.constexpr,        # tiles per counts segment (power of two)
     EVICT: tl.constexpr,          # L2 hints: weights evict_last, streamed data evict_first
+    SPLIT: tl.constexpr,          # the first split_cap * max_pieces programs run split-row pieces
+    PIECE: tl.constexpr,          # valid slots per piece of a split row (a multiple of BLOCK_N)
 ):
-    pid_m = tl.program_id(0)
+    pid = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of dx
     mask_d = offs_d < D
     if ALIGNED:
         mask_d = tl.max_constancy(mask_d, 8)
-    lanes = tl.arange(0, BLOCK_U)
     first_slice = pid_d == 0  # stores du / dg (every D-slice computes them)
     l1_grad = tl.load(l1_grad_ptr)  # fp32 scalar: d(loss)/d(row L1) for every row
-    m_first = pid_m * BLOCK_M
-    for r in range(0, tl.minimum(M - m_first, BLOCK_M)):
-        m64 = (m_first + r).to(tl.int64)
-        counts_row = counts_ptr + m64 * n_tiles
-        cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
-        worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
-        if worst <= slots:  # overflow rows belong to the dense-rows path
-            dy_row = dy_ptr + m64 * stride_dym
-            if ALIGNED:
-                dy_row = tl.multiple_of(dy_row, 16)
-            if ONE_D_BLOCK:
-                dyv = _load_token_row(dy_row, offs_d, mask_d, EVEN_D, EVICT)  # [BLOCK_D] fp32
-            row_slot0 = m64 * n_tiles * slots
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32 slice of dx[m]
-            for b in range(0, nnz, BLOCK_N):
-                local, pairs = _slot_batch(columns_ptr, values_ptr, counts_row, cnt0, row_slot0, b,
-                                           nnz, n_tiles, tile, slots, BLOCK_N, BLOCK_T, EVICT)
-                for c0 in range(0, tl.minimum(nnz - b, BLOCK_N), BLOCK_U):
-                    idx = c0 + lanes
-                    live = b + idx < nnz  # [BLOCK_U] lanes holding a slot of their own
-                    unit, p, loc = _chunk(pairs, local, idx, BLOCK_U, BLOCK_N)
-                    if GATED:
-                        u = tl.load(u_ptr + row_slot0 + loc, mask=live, other=0.0)  # [BLOCK_U] fp32
-                    # [BLOCK_U, BLOCK_D] rows of this slice; the down rows only when they give dh
-                    if ONE_D_BLOCK:
-                        down = _unit_rows(down_ptr, unit, stride_dh, offs_d, mask_d, ALIGNED,
-                                          EVEN_D, EVICT)
-                    up = _unit_rows(up_ptr, unit, stride_uh, offs_d, mask_d, ALIGNED, EVEN_D, EVICT)
-                    if GATED:
-                        gate = _unit_rows(gate_ptr, unit, stride_gh, offs_d, mask_d, ALIGNED,
-                                          EVEN_D, EVICT)
-                    if ONE_D_BLOCK:
-                        dh = tl.sum(down.to(tl.float32) * dyv[None, :], 1)  # [BLOCK_U] fp32
-                    else:
-                        dh = _unit_dots(down_ptr, unit, stride_dh, dy_row, D, ALIGNED, BLOCK_D,
-                                        EVICT)
-                    if GATED:
-                        h = p * u
-                    else:
-                        h = p
-                    sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))  # torch.sign
-                    dh = dh + l1_grad * sign
-                    if GATED:
-                        du = tl.where(live, dh * p, 0.0)  # [BLOCK_U] fp32
-                        dg = tl.where(live, dh * u, 0.0)  # [BLOCK_U] fp32
-                        acc += tl.sum(du[:, None] * up.to(tl.float32)
-                                      + dg[:, None] * gate.to(tl.float32), 0)
-                        tl.store(du_ptr + row_slot0 + loc, du, mask=live & first_slice)
-                    else:
-                        dg = tl.where(live, dh, 0.0)  # [BLOCK_U] fp32 d(first projection)
-                        acc += tl.sum(dg[:, None] * up.to(tl.float32), 0)
-                    tl.store(dg_ptr + row_slot0 + loc, dg, mask=live & first_slice)
-            _store_token_row(dx_ptr + m64 * stride_dxm, acc, offs_d, mask_d, EVEN_D, EVICT)
+    n_piece_programs = 0
+    piece_program = False
+    if SPLIT:
+        n_piece_programs = split_cap * max_pieces
+        piece_program = pid < n_piece_programs
+    if piece_program:
+        if SPLIT:  # a piece of a long row (row_split.py); SPLIT implies ONE_D_BLOCK
+            listed, i, piece, m64 = listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces)
+            if listed:
+                counts_row = counts_ptr + m64 * n_tiles
+                cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)
+                nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)[1]
+                b0 = piece * PIECE
+                if b0 < nnz:
+                    dy_row, dyv = _token_row(dy_ptr, m64, stride_dym, offs_d, mask_d, True, ALIGNED, EVEN_D, BLOCK_D,
+                                             EVICT)
+                    acc = _backward_slots(dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0,
+                                          m64 * n_tiles * slots, b0, tl.minimum(nnz, b0 + PIECE), nnz, u_ptr,
+                                          gate_ptr, up_ptr, down_ptr, du_ptr, dg_ptr, l1_grad, D, n_tiles, tile, slots,
+                                          stride_gh, stride_uh, stride_dh, offs_d, mask_d, True, GATED, ALIGNED, True,
+                                          EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
+                    last, dx, no_scalar = gather_pieces(partials_ptr, partials_ptr, i, piece, tl.cdiv(nnz, PIECE),
+                                                        max_pieces, acc, 0.0, offs_d, mask_d, D, split_state_ptr, False)
+                    if last:
+                        _store_token_row(dx_ptr + m64 * stride_dxm, dx, offs_d, mask_d, EVEN_D, EVICT)
+    else:
+        m_first = (pid - n_piece_programs) * BLOCK_M
+        for r in range(0, tl.minimum(M - m_first, BLOCK_M)):
+            m64 = (m_first + r).to(tl.int64)
+            counts_row = counts_ptr + m64 * n_tiles
+            cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
+            worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
+            ordinary = worst <= slots  # overflow rows belong to the dense-rows path
+            if SPLIT:
+                ordinary = ordinary & (tl.load(split_flags_ptr + m64) == 0)  # split rows: their pieces
+            if ordinary:
+                dy_row, dyv = _token_row(dy_ptr, m64, stride_dym, offs_d, mask_d, ONE_D_BLOCK, ALIGNED, EVEN_D,
+                                         BLOCK_D, EVICT)
+                acc = _backward_slots(dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots,
+                                      0, nnz, nnz, u_ptr, gate_ptr, up_ptr, down_ptr, du_ptr, dg_ptr, l1_grad, D,
+                                      n_tiles, tile, slots, stride_gh, stride_uh, stride_dh, offs_d, mask_d,
+                                      first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
+                                      BLOCK_T, EVICT)
+                _store_token_row(dx_ptr + m64 * stride_dxm, acc, offs_d, mask_d, EVEN_D, EVICT)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -383,14 +484,21 @@ class TwellTrainConfig:
     num_warps: int = 4
     evict: bool = True      # L2 hints: weights evict_last, streamed token data evict_first
     max_regs: int | None = None  # register cap per thread (ptxas .maxnreg)
+    split_slots: int = 128  # rows with more valid slots are split into pieces of this many; 0: off
+    split_cap: int = 256    # rows split per call at most (the rest run whole)
 
     def __post_init__(self) -> None:
-        check_config_fields(self, positive=("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps"),
+        check_config_fields(self, positive=("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps",
+                                            "split_cap"),
                             powers_of_two=("block_u", "block_d", "block_n", "max_block_t", "num_warps"),
                             flags=("evict",))
         if self.block_n < self.block_u:
             raise ValueError(f"TwellTrainConfig.block_n must be >= block_u = {self.block_u}, "
                              f"got {self.block_n}")
+        if (not isinstance(self.split_slots, int) or isinstance(self.split_slots, bool) or self.split_slots < 0
+                or (self.split_slots and self.split_slots % self.block_n)):
+            raise ValueError(f"TwellTrainConfig.split_slots must be 0 or a positive multiple of block_n = "
+                             f"{self.block_n}, got {self.split_slots!r}")
 
 
 def _base_config(d: int, max_block_u: int) -> TwellTrainConfig:
@@ -416,9 +524,14 @@ def default_forward_config(d: int) -> TwellTrainConfig:
 @functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_backward_config(d: int) -> TwellTrainConfig:
     """Heuristic backward config for hidden size d (3 weight rows per unit when gated, so 12 rows
-    in flight per chunk at D = 2048): block_u 4 at most. Not timed on a GPU yet; ptxas (sm_90a,
-    bf16, D = 2048): 168 registers gated (3 programs per SM), 128 non-gated."""
-    return _base_config(d, 4)
+    in flight per chunk at D = 2048): block_u 4 at most. ptxas (sm_90a, bf16, D = 2048): the
+    kernel with split pieces takes 243 registers gated (2 programs per SM) left alone, so at
+    D = 2048 it is capped at 168 (3 programs per SM, no spills: what it used before the pieces);
+    128 non-gated."""
+    base = _base_config(d, 4)
+    if base.block_d == 2048 and base.num_warps == 4:
+        return dataclasses.replace(base, max_regs=168)
+    return base
 
 
 def _constexprs(config: TwellTrainConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
@@ -437,7 +550,27 @@ def _constexprs(config: TwellTrainConfig, d: int, n_tiles: int, slots: int, *, g
         BLOCK_D=config.block_d,
         BLOCK_T=min(next_power_of_2(n_tiles), config.max_block_t),
         EVICT=config.evict,
+        SPLIT=splits(config.split_slots, d, config.block_d, n_tiles, slots),
+        PIECE=config.split_slots,
     )
+
+
+def _split_args(config: TwellTrainConfig, counts: torch.Tensor, d: int, slots: int, overflow_out=None,
+                scalars: bool = False):
+    """(kernel arguments of the split list: flags, ids, state, partials[, scalar partials], cap,
+    max_pieces; the row-program count offset) for a launch; None pointers when rows are not split.
+    Classifies the rows (and writes overflow_out) when splitting or when overflow_out is given."""
+    n_tiles = counts.shape[1]
+    split = splits(config.split_slots, d, config.block_d, n_tiles, slots)
+    rows = None
+    if split or overflow_out is not None:
+        rows = classify_rows(counts, slots, piece=config.split_slots, cap=config.split_cap,
+                             max_block_t=config.max_block_t, split=split, overflow_out=overflow_out)
+    if rows is None:
+        return [None] * (5 if scalars else 4) + [0, 0], 0
+    pointers = [rows.flags, rows.ids, rows.state, rows.partials(d)] + ([rows.partials(d, scalars=True)] if scalars
+                                                                        else [])
+    return pointers + [rows.cap, rows.max_pieces], rows.cap * rows.max_pieces
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -532,13 +665,15 @@ def twell_train_forward(
     out: torch.Tensor,
     u_out: torch.Tensor | None,
     row_l1_out: torch.Tensor,
+    overflow_out: torch.Tensor | None = None,
     config: TwellTrainConfig | None = None,
 ) -> None:
     """Training forward of the ordinary rows of a TwELL-packed p: writes y into `out` [M, D],
     u (gated) into the valid slots of `u_out` [M, n_tiles, slots] fp32 and Σ_j |h_j| into
-    `row_l1_out` [M] fp32. Rows with some count > slots are not written in any output.
-    Non-gated: `up_weight` and `u_out` are unused and may be None. `config` overrides
-    `default_forward_config(D)`. No host synchronisation."""
+    `row_l1_out` [M] fp32. Rows with some count > slots are not written in any output; with
+    `overflow_out` (bool / uint8 [M]) they are flagged there. Non-gated: `up_weight` and `u_out`
+    are unused and may be None. `config` overrides `default_forward_config(D)`. No host
+    synchronisation."""
     gated = _check_gated(gated)
     m, d = check_matrix(x, "x")
     tile, n_tiles, slots = _check_packed(values, columns, counts, m, x.dtype, x.device, tile)
@@ -552,6 +687,10 @@ def twell_train_forward(
         _check(u_out, "u_out", (m, n_tiles, slots), torch.float32, x.device, contiguous=True)
     _check(out, "out", (m, d), x.dtype, x.device, unit_stride=True)
     _check(row_l1_out, "row_l1_out", (m,), torch.float32, x.device, contiguous=True)
+    if overflow_out is not None:
+        _check(overflow_out, "overflow_out", (m,), overflow_out.dtype, x.device, contiguous=True)
+        if overflow_out.dtype not in (torch.bool, torch.uint8):
+            raise TypeError(f"overflow_out must be torch.bool or torch.uint8, got {overflow_out.dtype}")
     config = _check_config(config, default_forward_config(d))
     if m == 0:
         return
@@ -559,11 +698,12 @@ def twell_train_forward(
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
     rows = [x, down_weight_t, out] + ([up_weight] if gated else [])
     aligned = _aligned(d, config.block_d, rows)
-    grid = (cdiv(m, config.block_m), cdiv(d, config.block_d))
+    (*split_ptrs, cap, max_pieces), piece_programs = _split_args(config, counts, d, slots, overflow_out, scalars=True)
+    grid = (piece_programs + cdiv(m, config.block_m), cdiv(d, config.block_d))
     _twell_train_forward_kernel[grid](
         x, values, columns, counts, up_weight if gated else down_weight_t, down_weight_t, out,
-        u_out if gated else row_l1_out, row_l1_out,
-        m, d, n_tiles, tile, slots,
+        u_out if gated else row_l1_out, row_l1_out, *split_ptrs,
+        m, d, n_tiles, tile, slots, cap, max_pieces,
         x.stride(0), up_weight.stride(0) if gated else 0, down_weight_t.stride(0), out.stride(0),
         **_constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned),
         num_warps=config.num_warps,
@@ -622,12 +762,13 @@ def twell_train_backward(
         dy = dy.contiguous()  # the kernel reads 16-byte vectors along D
     rows = [dy, up_weight, down_weight_t, dx_out] + ([gate_weight] if gated else [])
     aligned = _aligned(d, config.block_d, rows)
-    grid = (cdiv(m, config.block_m), cdiv(d, config.block_d))
+    (*split_ptrs, cap, max_pieces), piece_programs = _split_args(config, counts, d, slots)
+    grid = (piece_programs + cdiv(m, config.block_m), cdiv(d, config.block_d))
     _twell_train_backward_kernel[grid](
         dy, values, columns, counts, u_slots if gated else dg_out,
         gate_weight if gated else up_weight, up_weight, down_weight_t, l1_grad,
-        dx_out, du_out if gated else dg_out, dg_out,
-        m, d, n_tiles, tile, slots,
+        dx_out, du_out if gated else dg_out, dg_out, *split_ptrs,
+        m, d, n_tiles, tile, slots, cap, max_pieces,
         dy.stride(0), gate_weight.stride(0) if gated else 0, up_weight.stride(0),
         down_weight_t.stride(0), dx_out.stride(0),
         **_constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned),
@@ -651,12 +792,19 @@ def sm90_compile_specs(with_options: bool = False):
         for kernel, config in ((_twell_train_forward_kernel, default_forward_config(d)),
                                (_twell_train_backward_kernel, default_backward_config(d))):
             constexprs = _constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned)
+            split_args, split_constexprs = split_signature(constexprs["SPLIT"])
+            if kernel is _twell_train_forward_kernel:
+                split_args["l1_partials_ptr"] = "*fp32" if constexprs["SPLIT"] else "constexpr"
+                if not constexprs["SPLIT"]:
+                    split_constexprs["l1_partials_ptr"] = None
+            constexprs.update(split_constexprs)
+            sizes = {"M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32", "split_cap": "i32",
+                     "max_pieces": "i32"}
             if kernel is _twell_train_forward_kernel:
                 signature = {
                     "x_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16",
                     "counts_ptr": "*i32", "up_ptr": f"*{ty}", "down_ptr": f"*{ty}",
-                    "out_ptr": f"*{ty}", "u_ptr": "*fp32", "l1_ptr": "*fp32",
-                    "M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32",
+                    "out_ptr": f"*{ty}", "u_ptr": "*fp32", "l1_ptr": "*fp32", **split_args, **sizes,
                     "stride_xm": "i32", "stride_uh": "i32", "stride_dh": "i32", "stride_om": "i32",
                 }
             else:
@@ -664,8 +812,7 @@ def sm90_compile_specs(with_options: bool = False):
                     "dy_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16",
                     "counts_ptr": "*i32", "u_ptr": "*fp32", "gate_ptr": f"*{ty}",
                     "up_ptr": f"*{ty}", "down_ptr": f"*{ty}", "l1_grad_ptr": "*fp32",
-                    "dx_ptr": f"*{ty}", "du_ptr": "*fp32", "dg_ptr": "*fp32",
-                    "M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32",
+                    "dx_ptr": f"*{ty}", "du_ptr": "*fp32", "dg_ptr": "*fp32", **split_args, **sizes,
                     "stride_dym": "i32", "stride_gh": "i32", "stride_uh": "i32", "stride_dh": "i32",
                     "stride_dxm": "i32",
                 }

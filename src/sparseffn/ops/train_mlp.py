@@ -12,9 +12,10 @@ Math (DESIGN.md §1, §3), HF layouts, θ a per-unit constant:
     dWd = dy^T h
 
 Forward (no host synchronisation):
-    1. kernels/gate_twell.py       the first GEMM packs p into TwELL (values, columns, counts);
+    1. kernels/gate_twell.py       the first GEMM packs p into TwELL (values, columns, counts)
+    2. kernels/twell_train.py      ordinary rows: u on p's support (kept per slot, fp32), y, Σ|h|;
                                    rows with a tile over capacity are flagged (row_flags, on device)
-    2. kernels/twell_train.py      ordinary rows: u on p's support (kept per slot, fp32), y, Σ|h|
+                                   and long rows split over programs (kernels/row_split.py)
     3. kernels/dense_rows_mlp.py   flagged rows: y and Σ|h| densely, exact
 Saved for backward: the TwELL of p, u per slot, row flags — no dense [M, H] tensor. Backward:
     4. kernels/twell_train.py      ordinary rows: dh on the support (+ L1 term), du, dg per slot, dx
@@ -74,13 +75,13 @@ def _train_forward(
     gate_weight, up_weight = _aligned(gate_weight), _aligned(up_weight)
     first = gate_weight if gated else up_weight
     values, columns, counts = gate_twell(x, first, threshold, tile=tile, slots=slots)
-    row_flags = (counts > slots).any(1)
+    row_flags = torch.empty(m, dtype=torch.bool, device=x.device)
     down_t = down_weight.t().contiguous()
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     u_slots = _empty_slots(x, values.shape[1], slots) if gated else x.new_empty(0, dtype=torch.float32)
     row_l1 = torch.empty(m, dtype=torch.float32, device=x.device)
     twell_train_forward(x, values, columns, counts, up_weight, down_t, tile=tile, gated=gated, out=y,
-                        u_out=u_slots if gated else None, row_l1_out=row_l1)
+                        u_out=u_slots if gated else None, row_l1_out=row_l1, overflow_out=row_flags)
     dense_rows_mlp(x, row_flags, gate_weight, up_weight, down_t, threshold, y, row_l1=row_l1)
     l1 = row_l1.sum() / m if m else row_l1.sum() * float("nan")
     return y, l1, values, columns, counts, u_slots, row_flags
