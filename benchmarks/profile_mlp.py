@@ -1,4 +1,5 @@
-"""Where the time of the sparse MLP goes, on the GPU: each stage alone, launch configs, a profile.
+"""Where the time of the sparse MLP goes, on the GPU: each stage alone, launch configs, a profile
+(host time per call: benchmarks/profile_host.py).
 
 Not part of the package: a measurement script for tuning runs on the lent H200
 (`python3 benchmarks/profile_mlp.py > $OUT/profile.txt`). Every stage runs on the same synthetic
@@ -8,7 +9,6 @@ inputs as `sparseffn bench mlp`; times are do_bench medians (ms) with L2 flushed
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -64,36 +64,6 @@ def sweep_up_down(mlp, w, values, columns, counts) -> None:
         print(f"    {t:.3f} ms {'*' if cfg == default else ' '} {cfg}", flush=True)
 
 
-def cpu_overhead() -> None:
-    """Host time per call (µs) at M = 1, where the GPU work is tiny: launch and check overheads."""
-    mlp = synthetic_mlp(1, 2048, 5632, 29, device="cuda", seed=0)
-    x, gate, up, down = mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight
-    w = SparseMLPWeights.prepare(gate, up, down)
-    values, columns, counts = gate_twell(x, gate)
-    out = torch.empty_like(x)
-
-    def host_us(fn, n: int = 200) -> float:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        elapsed = time.perf_counter() - start
-        torch.cuda.synchronize()
-        return 1e6 * elapsed / n
-
-    row = {
-        "F.linear": host_us(lambda: F.linear(x, gate)),
-        "gate_twell": host_us(lambda: gate_twell(x, gate)),
-        "twell_up_down": host_us(lambda: twell_up_down(x, values, columns, counts, w.up_down, tile=256, out=out)),
-        "overflow_ids(sync)": host_us(lambda: (counts > 32).any(1).nonzero()),
-        "sparse_mlp": host_us(lambda: sparse_mlp(x, gate, up, down, mode="sparse", prepared=w)),
-        "dense_mlp": host_us(lambda: dense_mlp(x, gate, up, down, None)),
-    }
-    print("host µs per call at M=1: " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
-
-
 def profile(mlp, w) -> None:
     x, gate, up, down = mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight
     for _ in range(3):
@@ -109,7 +79,6 @@ def profile(mlp, w) -> None:
 
 def main() -> int:
     torch.manual_seed(0)
-    cpu_overhead()
     for m, nnz in ((256, 29), (4096, 29), (65536, 29), (65536, 110)):
         case = stages(m, 2048, 5632, nnz)
         if m in (4096, 65536) and nnz == 29:

@@ -321,6 +321,19 @@ def _token_row(row_ptr, m64, stride, offs_d, mask_d, LOAD: tl.constexpr, ALIGNED
     return row, v
 
 
+@triton.jit
+def _piece_head(pid, counts_ptr, split_ids_ptr, split_state_ptr, split_cap, max_pieces, n_tiles,
+                PIECE: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """(work, i, piece, m, counts row, first counts segment, nnz, first slot) of piece program pid
+    (row_split.py); `work` says the list has the row and the row has slots in this piece."""
+    listed, i, piece, m64 = listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces)
+    counts_row = counts_ptr + m64 * n_tiles  # row 0 when not listed: read, never used
+    cnt0 = _load_counts(counts_row, 0, n_tiles, listed, BLOCK_T, EVICT)
+    nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)[1]
+    b0 = piece * PIECE
+    return listed & (b0 < nnz), i, piece, m64, counts_row, cnt0, nnz, b0
+
+
 @triton.jit(do_not_specialize=["M"])
 def _twell_train_forward_kernel(
     x_ptr, values_ptr, columns_ptr, counts_ptr, up_ptr, down_ptr, out_ptr, u_ptr, l1_ptr,
@@ -354,25 +367,21 @@ def _twell_train_forward_kernel(
         piece_program = pid < n_piece_programs
     if piece_program:
         if SPLIT:  # a piece of a long row (row_split.py); SPLIT implies ONE_D_BLOCK
-            listed, i, piece, m64 = listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces)
-            if listed:
-                counts_row = counts_ptr + m64 * n_tiles
-                cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)
-                nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)[1]
-                b0 = piece * PIECE
-                if b0 < nnz:
-                    x_row, xv = _token_row(x_ptr, m64, stride_xm, offs_d, mask_d, GATED, ALIGNED, EVEN_D, BLOCK_D,
-                                           EVICT)
-                    acc, l1 = _forward_slots(x_row, xv, values_ptr, columns_ptr, counts_row, cnt0,
-                                             m64 * n_tiles * slots, b0, tl.minimum(nnz, b0 + PIECE), nnz, up_ptr,
-                                             down_ptr, u_ptr, D, n_tiles, tile, slots, stride_uh, stride_dh, offs_d,
-                                             mask_d, True, GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
-                                             BLOCK_T, EVICT)
-                    last, y, row_l1 = gather_pieces(partials_ptr, l1_partials_ptr, i, piece, tl.cdiv(nnz, PIECE),
-                                                    max_pieces, acc, l1, offs_d, mask_d, D, split_state_ptr, True)
-                    if last:
-                        _store_token_row(out_ptr + m64 * stride_om, y, offs_d, mask_d, EVEN_D, EVICT)
-                        tl.store(l1_ptr + m64, row_l1)
+            work, i, piece, m64, counts_row, cnt0, nnz, b0 = _piece_head(
+                pid, counts_ptr, split_ids_ptr, split_state_ptr, split_cap, max_pieces, n_tiles, PIECE, BLOCK_T, EVICT)
+            if work:
+                x_row, xv = _token_row(x_ptr, m64, stride_xm, offs_d, mask_d, GATED, ALIGNED, EVEN_D, BLOCK_D,
+                                       EVICT)
+                acc, l1 = _forward_slots(x_row, xv, values_ptr, columns_ptr, counts_row, cnt0,
+                                         m64 * n_tiles * slots, b0, tl.minimum(nnz, b0 + PIECE), nnz, up_ptr,
+                                         down_ptr, u_ptr, D, n_tiles, tile, slots, stride_uh, stride_dh, offs_d,
+                                         mask_d, True, GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
+                                         BLOCK_T, EVICT)
+                last, y, row_l1 = gather_pieces(partials_ptr, l1_partials_ptr, i, piece, tl.cdiv(nnz, PIECE),
+                                                max_pieces, acc, l1, offs_d, mask_d, D, split_state_ptr, True)
+                if last:
+                    _store_token_row(out_ptr + m64 * stride_om, y, offs_d, mask_d, EVEN_D, EVICT)
+                    tl.store(l1_ptr + m64, row_l1)
     else:
         m_first = (pid - n_piece_programs) * BLOCK_M
         for r in range(0, tl.minimum(M - m_first, BLOCK_M)):
@@ -429,24 +438,20 @@ def _twell_train_backward_kernel(
         piece_program = pid < n_piece_programs
     if piece_program:
         if SPLIT:  # a piece of a long row (row_split.py); SPLIT implies ONE_D_BLOCK
-            listed, i, piece, m64 = listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces)
-            if listed:
-                counts_row = counts_ptr + m64 * n_tiles
-                cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)
-                nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)[1]
-                b0 = piece * PIECE
-                if b0 < nnz:
-                    dy_row, dyv = _token_row(dy_ptr, m64, stride_dym, offs_d, mask_d, True, ALIGNED, EVEN_D, BLOCK_D,
-                                             EVICT)
-                    acc = _backward_slots(dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0,
-                                          m64 * n_tiles * slots, b0, tl.minimum(nnz, b0 + PIECE), nnz, u_ptr,
-                                          gate_ptr, up_ptr, down_ptr, du_ptr, dg_ptr, l1_grad, D, n_tiles, tile, slots,
-                                          stride_gh, stride_uh, stride_dh, offs_d, mask_d, True, GATED, ALIGNED, True,
-                                          EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
-                    last, dx, no_scalar = gather_pieces(partials_ptr, partials_ptr, i, piece, tl.cdiv(nnz, PIECE),
-                                                        max_pieces, acc, 0.0, offs_d, mask_d, D, split_state_ptr, False)
-                    if last:
-                        _store_token_row(dx_ptr + m64 * stride_dxm, dx, offs_d, mask_d, EVEN_D, EVICT)
+            work, i, piece, m64, counts_row, cnt0, nnz, b0 = _piece_head(
+                pid, counts_ptr, split_ids_ptr, split_state_ptr, split_cap, max_pieces, n_tiles, PIECE, BLOCK_T, EVICT)
+            if work:
+                dy_row, dyv = _token_row(dy_ptr, m64, stride_dym, offs_d, mask_d, True, ALIGNED, EVEN_D, BLOCK_D,
+                                         EVICT)
+                acc = _backward_slots(dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0,
+                                      m64 * n_tiles * slots, b0, tl.minimum(nnz, b0 + PIECE), nnz, u_ptr,
+                                      gate_ptr, up_ptr, down_ptr, du_ptr, dg_ptr, l1_grad, D, n_tiles, tile, slots,
+                                      stride_gh, stride_uh, stride_dh, offs_d, mask_d, True, GATED, ALIGNED, True,
+                                      EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
+                last, dx, no_scalar = gather_pieces(partials_ptr, partials_ptr, i, piece, tl.cdiv(nnz, PIECE),
+                                                    max_pieces, acc, 0.0, offs_d, mask_d, D, split_state_ptr, False)
+                if last:
+                    _store_token_row(dx_ptr + m64 * stride_dxm, dx, offs_d, mask_d, EVEN_D, EVICT)
     else:
         m_first = (pid - n_piece_programs) * BLOCK_M
         for r in range(0, tl.minimum(M - m_first, BLOCK_M)):

@@ -87,17 +87,8 @@ def _train_forward(
     return y, l1, values, columns, counts, u_slots, row_flags
 
 
-@torch.library.custom_op("sparseffn::sparse_mlp_train_fwd", mutates_args=())
-def sparse_mlp_train_fwd(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor | None,
-    up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    threshold: torch.Tensor | None,
-    tile: int,
-    slots: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _train_forward(x, gate_weight, up_weight, down_weight, threshold, tile, slots)
+# The op is the implementation itself, registered under a name (schema from its annotations).
+sparse_mlp_train_fwd = torch.library.custom_op("sparseffn::sparse_mlp_train_fwd", _train_forward, mutates_args=())
 
 
 @sparse_mlp_train_fwd.register_fake
@@ -169,26 +160,7 @@ def _train_backward(
     return dx, d_gate, d_up, d_down
 
 
-@torch.library.custom_op("sparseffn::sparse_mlp_train_bwd", mutates_args=())
-def sparse_mlp_train_bwd(
-    dy: torch.Tensor,
-    l1_grad: torch.Tensor,
-    x: torch.Tensor,
-    gate_weight: torch.Tensor | None,
-    up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-    threshold: torch.Tensor | None,
-    values: torch.Tensor,
-    columns: torch.Tensor,
-    counts: torch.Tensor,
-    u_slots: torch.Tensor,
-    row_flags: torch.Tensor,
-    tile: int,
-    slots: int,
-    deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _train_backward(dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, columns, counts,
-                           u_slots, row_flags, tile, slots, deterministic)
+sparse_mlp_train_bwd = torch.library.custom_op("sparseffn::sparse_mlp_train_bwd", _train_backward, mutates_args=())
 
 
 @sparse_mlp_train_bwd.register_fake
