@@ -66,8 +66,9 @@ beside the row programs; the last piece of a row to arrive adds the fp32 partial
 and writes the row. The price: a few small buffers, one memset and the classification launch.
 
 Reuse across tokens (not implemented; on the synthetic activations of DESIGN.md §4 reading each
-unit once per group of tokens would save 3% of the row reads at 8 tokens, 34% at 128): tokens of a program are
-processed one after the other, so a hot unit shared by them is re-read (from L1 at best). The exact
+unit once per group of tokens would save 3% of the row reads at 8 tokens, 34% at 128): tokens of
+a program are processed one after the other, so a hot unit shared by them is re-read (from L1 at
+best). The exact
 reuse variant would, per tile, take the union of the BLOCK_M tokens' columns (callers sort/group
 tokens so unions stay small), load each union unit's [2, D] row once into a [BLOCK_U, D] chunk, and
 compute U = X[BLOCK_M, D] @ Wu_chunk^T and Y += (P ⊙ U)[BLOCK_M, BLOCK_U] @ Wd_chunk with tl.dot,

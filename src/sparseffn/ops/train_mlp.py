@@ -27,8 +27,7 @@ Weight gradients accumulate in fp32 and are rounded to the weights' dtype once.
 Both halves are `torch.library` custom ops (`sparseffn::sparse_mlp_train_fwd` / `_bwd`) with fake
 implementations, and the forward has a registered autograd formula, so torch.compile, export and other
 tracers see one opaque differentiable op. Eager calls run the same two implementations through a
-`torch.autograd.Function` instead: the custom-op dispatch cost ~250 µs of host time per call on the
-H200's host (ops/dispatch.py). Either way activation checkpointing (the recompute runs the same path)
+`torch.autograd.Function` instead, without the custom-op dispatch (ops/dispatch.py). Either way activation checkpointing (the recompute runs the same path)
 and DDP/FSDP (weights are ordinary tensors read only inside forward and backward) see ordinary
 differentiable calls.
 """
