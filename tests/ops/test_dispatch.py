@@ -38,6 +38,9 @@ def test_eager_call_only_outside_tracers():
 
     torch.compile(traced, backend="eager", fullgraph=True)(x)
     assert seen == [False]
+    seen.clear()
+    torch.func.grad(lambda t: traced(t).sum())(x)  # functorch wraps tensors without a subclass
+    assert seen == [False]
 
 
 @needs_kernels
