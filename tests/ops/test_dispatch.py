@@ -41,6 +41,9 @@ def test_eager_call_only_outside_tracers():
     seen.clear()
     torch.func.grad(lambda t: traced(t).sum())(x)  # functorch wraps tensors without a subclass
     assert seen == [False]
+    seen.clear()
+    torch.jit.trace(traced, (x,), check_trace=False)
+    assert seen == [False]
 
 
 @needs_kernels

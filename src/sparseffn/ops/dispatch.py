@@ -17,11 +17,12 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def eager_call(*tensors: torch.Tensor | None) -> bool:
-    """True when nothing traces or transforms this call: not torch.compile / export, no dispatch mode
-    on the stack (FakeTensorMode, make_fx's proxy mode, functionalization), no torch.func transform
-    (grad, vmap: their wrapped tensors look like plain ones) and no tensor subclass among `tensors`
+    """True when nothing traces or transforms this call: not torch.compile / export, not
+    torch.jit.trace (it records only torch ops, not the Triton launches), no dispatch mode on the
+    stack (FakeTensorMode, make_fx's proxy mode, functionalization), no torch.func transform (grad,
+    vmap: their wrapped tensors look like plain ones) and no tensor subclass among `tensors`
     (FakeTensor, FunctionalTensor, DTensor). Then the op bodies may run directly."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active()):
         return False
     return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
