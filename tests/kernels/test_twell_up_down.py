@@ -248,7 +248,7 @@ def test_split_list_takes_long_rows_up_to_its_capacity():
     long_rows = ~overflow & (nnz > config.split_slots)
     assert int(long_rows.sum()) > config.split_cap
     split = classify_rows(counts.to(DEVICE), slots, piece=config.split_slots, cap=config.split_cap,
-                          max_block_t=config.max_block_t, split=True)
+                          max_block_t=config.max_block_t, d=d, split=True)
     flags, ids, state, cap, max_pieces = split.flags.cpu(), split.ids.cpu(), split.state.cpu(), split.cap, split.max_pieces
     assert cap == config.split_cap and max_pieces == -(-5 * slots // config.split_slots)
     assert int(state[cap]) == int(long_rows.sum())  # every long row counted, only cap taken
@@ -256,6 +256,18 @@ def test_split_list_takes_long_rows_up_to_its_capacity():
     assert long_rows[ids.long()].all() and int(flags.sum()) == cap
     y = _run(x, values, columns, counts, prepare_up_down_weight(up, down), tile=tile, config=config)
     _assert_close(y, *_reference(x, up, down, p), ~overflow, dtype)
+
+
+def test_split_list_capacity_keeps_partials_within_budget():
+    """The partials buffer (list rows x pieces of the longest row x D, fp32) stays within the
+    budget: the paper's shapes keep 256 rows, a wide MLP gets fewer, and never fewer than one."""
+    from sparseffn.kernels.row_split import PARTIALS_BUDGET_BYTES, list_capacity
+
+    assert list_capacity(256, 65536, 2048, 6) == 256  # D = 2048 / H = 5632, tile 256, slots 32
+    assert list_capacity(256, 65536, 4096, 14) == 256  # D = 4096 / H = 14336
+    wide = list_capacity(256, 65536, 8192, 28)  # D = 8192 / H = 28672
+    assert 0 < wide < 256 and wide * 28 * 8192 * 4 <= PARTIALS_BUDGET_BYTES
+    assert list_capacity(256, 3, 2048, 6) == 3 and list_capacity(256, 65536, 10**9, 1000) == 1
 
 
 def test_agrees_with_twell_format_and_reference_op():

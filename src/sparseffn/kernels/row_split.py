@@ -21,7 +21,8 @@ So a launch splits them:
    result does not depend on timing) and resets the counter to 0, leaving the list reusable.
 
 Buffers (per launch, on the device): split_flags uint8 [M], split_ids int32 [cap], state int32
-[cap + 1] (zeroed), partials fp32 [cap * max_pieces * D] (+ [cap * max_pieces] for a scalar).
+[cap + 1] (zeroed), partials fp32 [cap * max_pieces * D] (+ [cap * max_pieces] for a scalar), with
+cap lowered where needed to keep the partials within PARTIALS_BUDGET_BYTES.
 """
 
 from __future__ import annotations
@@ -34,10 +35,16 @@ import triton.language as tl
 
 from sparseffn.kernels._runtime import cdiv, next_power_of_2
 
-__all__ = ["RowSplit", "classify_rows", "gather_pieces", "listed_row", "sm90_compile_specs", "split_signature",
-           "splits"]
+__all__ = ["PARTIALS_BUDGET_BYTES", "RowSplit", "classify_rows", "gather_pieces", "list_capacity", "listed_row",
+           "sm90_compile_specs", "split_signature", "splits"]
 
 _CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
+# The pieces' fp32 partials are sized for the longest possible row (n_tiles * slots valid slots), so
+# a wide MLP would need a large buffer for a full list: 256 rows x 28 pieces x D = 8192 would be 235 MB
+# per launch. The list's capacity shrinks to keep the buffer within this budget (the rows it leaves
+# out run whole). The measured shapes stay under it at 256 rows: 12.6 MB at D = 2048 / H = 5632,
+# 58.7 MB at D = 4096 / H = 14336.
+PARTIALS_BUDGET_BYTES = 64 << 20
 
 
 @triton.jit
@@ -126,11 +133,18 @@ def splits(piece: int, d: int, block_d: int, n_tiles: int, slots: int) -> bool:
     return 0 < piece < n_tiles * slots and block_d >= d
 
 
-def classify_rows(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max_block_t: int,
+def list_capacity(cap: int, m: int, d: int, max_pieces: int) -> int:
+    """Rows the split list holds: at most cap and M, and few enough that the fp32 partials of
+    max_pieces pieces of D each fit PARTIALS_BUDGET_BYTES (at least 1)."""
+    return max(1, min(cap, m, PARTIALS_BUDGET_BYTES // (4 * max_pieces * max(d, 1))))
+
+
+def classify_rows(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max_block_t: int, d: int,
                   split: bool, overflow_out: torch.Tensor | None = None) -> RowSplit | None:
     """Launch `_classify_rows_kernel` over counts [M, n_tiles] int32 (on the kernels' device, M >= 1):
     overflow flags into overflow_out (uint8 / bool [M], when given) and, when split, the list of at
-    most min(cap, M) rows of more than `piece` valid slots. Returns the RowSplit, or None."""
+    most `list_capacity(cap, M, d, ...)` rows of more than `piece` valid slots (d: the row width the
+    pieces' partials hold). Returns the RowSplit, or None."""
     m, n_tiles = counts.shape
     overflow = overflow_out if overflow_out is not None else torch.empty(m, dtype=torch.uint8, device=counts.device)
     if overflow.dtype == torch.bool:
@@ -138,11 +152,12 @@ def classify_rows(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max
     result = None
     flags = ids = state = None
     if split:
-        cap = min(cap, m)
+        max_pieces = cdiv(n_tiles * slots, piece)
+        cap = list_capacity(cap, m, d, max_pieces)
         flags = torch.empty(m, dtype=torch.uint8, device=counts.device)
         ids = torch.empty(cap, dtype=torch.int32, device=counts.device)
         state = torch.zeros(cap + 1, dtype=torch.int32, device=counts.device)
-        result = RowSplit(flags, ids, state, cap, cdiv(n_tiles * slots, piece))
+        result = RowSplit(flags, ids, state, cap, max_pieces)
     _classify_rows_kernel[(cdiv(m, _CLASSIFY_ROWS),)](
         counts, overflow, flags, ids, state, m, n_tiles, slots, cap if split else 0,
         SPLIT=split, PIECE=piece, BLOCK_R=_CLASSIFY_ROWS,

@@ -490,7 +490,8 @@ class TwellTrainConfig:
     evict: bool = True      # L2 hints: weights evict_last, streamed token data evict_first
     max_regs: int | None = None  # register cap per thread (ptxas .maxnreg)
     split_slots: int = 128  # rows with more valid slots are split into pieces of this many; 0: off
-    split_cap: int = 256    # rows split per call at most (the rest run whole)
+    split_cap: int = 256    # rows split per call at most (the rest run whole; less for wide MLPs,
+                            # row_split.PARTIALS_BUDGET_BYTES)
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps",
@@ -570,7 +571,7 @@ def _split_args(config: TwellTrainConfig, counts: torch.Tensor, d: int, slots: i
     rows = None
     if split or overflow_out is not None:
         rows = classify_rows(counts, slots, piece=config.split_slots, cap=config.split_cap,
-                             max_block_t=config.max_block_t, split=split, overflow_out=overflow_out)
+                             max_block_t=config.max_block_t, d=d, split=split, overflow_out=overflow_out)
     if rows is None:
         return [None] * (5 if scalars else 4) + [0, 0], 0
     pointers = [rows.flags, rows.ids, rows.state, rows.partials(d)] + ([rows.partials(d, scalars=True)] if scalars

@@ -505,7 +505,8 @@ class UpDownConfig:
     evict: bool = True      # L2 hints: weights evict_last, x/values/columns/counts/out evict_first
     max_regs: int | None = 128  # register cap per thread (ptxas .maxnreg): more programs per SM
     split_slots: int = 128  # rows with more valid slots are split into pieces of this many; 0: off
-    split_cap: int = 256    # rows split per call at most (the rest run whole)
+    split_cap: int = 256    # rows split per call at most (the rest run whole; less for wide MLPs,
+                            # row_split.PARTIALS_BUDGET_BYTES)
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps",
@@ -713,7 +714,7 @@ def twell_up_down(
     split = splits(config.split_slots, d, config.block_d, n_tiles, slots)
     if split or overflow_out is not None:
         row_split = classify_rows(counts, slots, piece=config.split_slots, cap=config.split_cap,
-                                  max_block_t=config.max_block_t, split=split, overflow_out=overflow_out)
+                                  max_block_t=config.max_block_t, d=d, split=split, overflow_out=overflow_out)
     if d == 0:
         return out
     if d > 1 and x.stride(1) != 1:
