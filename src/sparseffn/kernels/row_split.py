@@ -35,8 +35,8 @@ import triton.language as tl
 
 from sparseffn.kernels._runtime import cdiv, next_power_of_2
 
-__all__ = ["PARTIALS_BUDGET_BYTES", "RowSplit", "classify_rows", "gather_pieces", "list_capacity", "listed_row",
-           "sm90_compile_specs", "split_signature", "splits"]
+__all__ = ["PARTIALS_BUDGET_BYTES", "RowSplit", "classify_rows", "gather_pieces", "launch_args", "list_capacity",
+           "listed_row", "prepare_launch", "sm90_compile_specs", "split_signature", "splits"]
 
 _CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
 # The pieces' fp32 partials are sized for the longest possible row (n_tiles * slots valid slots), so
@@ -163,6 +163,28 @@ def classify_rows(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max
         SPLIT=split, PIECE=piece, BLOCK_R=_CLASSIFY_ROWS,
         BLOCK_T=min(next_power_of_2(n_tiles), max_block_t), num_warps=4)
     return result
+
+
+def prepare_launch(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max_block_t: int, d: int, block_d: int,
+                   overflow_out: torch.Tensor | None = None) -> RowSplit | None:
+    """The split list of one launch over counts [M >= 1, n_tiles], or None when the launch does not
+    split (`splits`). The rows are classified when it splits or when overflow_out asks for the
+    overflow flags (a classification for the flags alone returns None)."""
+    split = splits(piece, d, block_d, counts.shape[1], slots)
+    if not split and overflow_out is None:
+        return None
+    return classify_rows(counts, slots, piece=piece, cap=cap, max_block_t=max_block_t, d=d, split=split,
+                         overflow_out=overflow_out)
+
+
+def launch_args(rows: RowSplit | None, d: int, *, scalars: bool = False) -> tuple[list, int]:
+    """(the split arguments of a kernel launch: flags, ids, state, partials[, scalar partials], cap,
+    max_pieces; the number of piece programs that go first in the grid). Without a list: None
+    pointers and zeros."""
+    if rows is None:
+        return [None] * (5 if scalars else 4) + [0, 0], 0
+    partials = [rows.partials(d)] + ([rows.partials(d, scalars=True)] if scalars else [])
+    return [rows.flags, rows.ids, rows.state, *partials, rows.cap, rows.max_pieces], rows.cap * rows.max_pieces
 
 
 def split_signature(split: bool) -> tuple[dict[str, str], dict[str, None]]:

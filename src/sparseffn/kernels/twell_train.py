@@ -83,7 +83,8 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2
-from sparseffn.kernels.row_split import classify_rows, gather_pieces, listed_row, split_signature, splits
+from sparseffn.kernels.row_split import (gather_pieces, launch_args, listed_row, prepare_launch, split_signature,
+                                        splits)
 from sparseffn.kernels.twell_up_down import _load_counts
 
 __all__ = [
@@ -322,6 +323,30 @@ def _token_row(row_ptr, m64, stride, offs_d, mask_d, LOAD: tl.constexpr, ALIGNED
 
 
 @triton.jit
+def _d_slice(D, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):
+    """(columns [BLOCK_D] of this program's D slice, their mask, whether it is the first slice)."""
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    if ALIGNED:
+        mask_d = tl.max_constancy(mask_d, 8)
+    return offs_d, mask_d, tl.program_id(1) == 0
+
+
+@triton.jit
+def _ordinary_row(counts_ptr, split_flags_ptr, m64, n_tiles, slots, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+              EVICT: tl.constexpr):
+    """(ordinary, counts row, first counts segment, nnz) of row m. Not ordinary: a tile over capacity
+    (the dense-rows path owns the row) or, with SPLIT, a listed row (its pieces write it)."""
+    counts_row = counts_ptr + m64 * n_tiles
+    cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
+    worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
+    ordinary = worst <= slots
+    if SPLIT:
+        ordinary = ordinary & (tl.load(split_flags_ptr + m64) == 0)
+    return ordinary, counts_row, cnt0, nnz
+
+
+@triton.jit
 def _piece_head(pid, counts_ptr, split_ids_ptr, split_state_ptr, split_cap, max_pieces, n_tiles,
                 PIECE: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
     """(work, i, piece, m, counts row, first counts segment, nnz, first slot) of piece program pid
@@ -354,18 +379,9 @@ def _twell_train_forward_kernel(
     PIECE: tl.constexpr,          # valid slots per piece of a split row (a multiple of BLOCK_N)
 ):
     pid = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of y
-    mask_d = offs_d < D
-    if ALIGNED:
-        mask_d = tl.max_constancy(mask_d, 8)
-    first_slice = pid_d == 0  # stores u and row_l1 (every D-slice computes them)
-    n_piece_programs = 0
-    piece_program = False
-    if SPLIT:
-        n_piece_programs = split_cap * max_pieces
-        piece_program = pid < n_piece_programs
-    if piece_program:
+    offs_d, mask_d, first_slice = _d_slice(D, BLOCK_D, ALIGNED)  # first_slice stores u and row_l1
+    n_piece_programs = split_cap * max_pieces  # 0 without SPLIT (the launcher passes zeros)
+    if pid < n_piece_programs:
         if SPLIT:  # a piece of a long row (row_split.py); SPLIT implies ONE_D_BLOCK
             work, i, piece, m64, counts_row, cnt0, nnz, b0 = _piece_head(
                 pid, counts_ptr, split_ids_ptr, split_state_ptr, split_cap, max_pieces, n_tiles, PIECE, BLOCK_T, EVICT)
@@ -386,12 +402,8 @@ def _twell_train_forward_kernel(
         m_first = (pid - n_piece_programs) * BLOCK_M
         for r in range(0, tl.minimum(M - m_first, BLOCK_M)):
             m64 = (m_first + r).to(tl.int64)
-            counts_row = counts_ptr + m64 * n_tiles
-            cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
-            worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
-            ordinary = worst <= slots  # overflow rows belong to the dense-rows path
-            if SPLIT:
-                ordinary = ordinary & (tl.load(split_flags_ptr + m64) == 0)  # split rows: their pieces
+            ordinary, counts_row, cnt0, nnz = _ordinary_row(counts_ptr, split_flags_ptr, m64, n_tiles, slots, SPLIT,
+                                                        BLOCK_T, EVICT)
             if ordinary:
                 x_row, xv = _token_row(x_ptr, m64, stride_xm, offs_d, mask_d, GATED and ONE_D_BLOCK, ALIGNED,
                                        EVEN_D, BLOCK_D, EVICT)
@@ -424,19 +436,10 @@ def _twell_train_backward_kernel(
     PIECE: tl.constexpr,          # valid slots per piece of a split row (a multiple of BLOCK_N)
 ):
     pid = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of dx
-    mask_d = offs_d < D
-    if ALIGNED:
-        mask_d = tl.max_constancy(mask_d, 8)
-    first_slice = pid_d == 0  # stores du / dg (every D-slice computes them)
+    offs_d, mask_d, first_slice = _d_slice(D, BLOCK_D, ALIGNED)  # first_slice stores du / dg
     l1_grad = tl.load(l1_grad_ptr)  # fp32 scalar: d(loss)/d(row L1) for every row
-    n_piece_programs = 0
-    piece_program = False
-    if SPLIT:
-        n_piece_programs = split_cap * max_pieces
-        piece_program = pid < n_piece_programs
-    if piece_program:
+    n_piece_programs = split_cap * max_pieces  # 0 without SPLIT (the launcher passes zeros)
+    if pid < n_piece_programs:
         if SPLIT:  # a piece of a long row (row_split.py); SPLIT implies ONE_D_BLOCK
             work, i, piece, m64, counts_row, cnt0, nnz, b0 = _piece_head(
                 pid, counts_ptr, split_ids_ptr, split_state_ptr, split_cap, max_pieces, n_tiles, PIECE, BLOCK_T, EVICT)
@@ -456,12 +459,8 @@ def _twell_train_backward_kernel(
         m_first = (pid - n_piece_programs) * BLOCK_M
         for r in range(0, tl.minimum(M - m_first, BLOCK_M)):
             m64 = (m_first + r).to(tl.int64)
-            counts_row = counts_ptr + m64 * n_tiles
-            cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
-            worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
-            ordinary = worst <= slots  # overflow rows belong to the dense-rows path
-            if SPLIT:
-                ordinary = ordinary & (tl.load(split_flags_ptr + m64) == 0)  # split rows: their pieces
+            ordinary, counts_row, cnt0, nnz = _ordinary_row(counts_ptr, split_flags_ptr, m64, n_tiles, slots, SPLIT,
+                                                        BLOCK_T, EVICT)
             if ordinary:
                 dy_row, dyv = _token_row(dy_ptr, m64, stride_dym, offs_d, mask_d, ONE_D_BLOCK, ALIGNED, EVEN_D,
                                          BLOCK_D, EVICT)
@@ -561,22 +560,9 @@ def _constexprs(config: TwellTrainConfig, d: int, n_tiles: int, slots: int, *, g
     )
 
 
-def _split_args(config: TwellTrainConfig, counts: torch.Tensor, d: int, slots: int, overflow_out=None,
-                scalars: bool = False):
-    """(kernel arguments of the split list: flags, ids, state, partials[, scalar partials], cap,
-    max_pieces; the row-program count offset) for a launch; None pointers when rows are not split.
-    Classifies the rows (and writes overflow_out) when splitting or when overflow_out is given."""
-    n_tiles = counts.shape[1]
-    split = splits(config.split_slots, d, config.block_d, n_tiles, slots)
-    rows = None
-    if split or overflow_out is not None:
-        rows = classify_rows(counts, slots, piece=config.split_slots, cap=config.split_cap,
-                             max_block_t=config.max_block_t, d=d, split=split, overflow_out=overflow_out)
-    if rows is None:
-        return [None] * (5 if scalars else 4) + [0, 0], 0
-    pointers = [rows.flags, rows.ids, rows.state, rows.partials(d)] + ([rows.partials(d, scalars=True)] if scalars
-                                                                        else [])
-    return pointers + [rows.cap, rows.max_pieces], rows.cap * rows.max_pieces
+def _split(config: TwellTrainConfig, counts: torch.Tensor, d: int, slots: int, overflow_out=None):
+    return prepare_launch(counts, slots, piece=config.split_slots, cap=config.split_cap,
+                          max_block_t=config.max_block_t, d=d, block_d=config.block_d, overflow_out=overflow_out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -704,7 +690,8 @@ def twell_train_forward(
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
     rows = [x, down_weight_t, out] + ([up_weight] if gated else [])
     aligned = _aligned(d, config.block_d, rows)
-    (*split_ptrs, cap, max_pieces), piece_programs = _split_args(config, counts, d, slots, overflow_out, scalars=True)
+    (*split_ptrs, cap, max_pieces), piece_programs = launch_args(_split(config, counts, d, slots, overflow_out), d,
+                                                                 scalars=True)
     grid = (piece_programs + cdiv(m, config.block_m), cdiv(d, config.block_d))
     _twell_train_forward_kernel[grid](
         x, values, columns, counts, up_weight if gated else down_weight_t, down_weight_t, out,
@@ -768,7 +755,7 @@ def twell_train_backward(
         dy = dy.contiguous()  # the kernel reads 16-byte vectors along D
     rows = [dy, up_weight, down_weight_t, dx_out] + ([gate_weight] if gated else [])
     aligned = _aligned(d, config.block_d, rows)
-    (*split_ptrs, cap, max_pieces), piece_programs = _split_args(config, counts, d, slots)
+    (*split_ptrs, cap, max_pieces), piece_programs = launch_args(_split(config, counts, d, slots), d)
     grid = (piece_programs + cdiv(m, config.block_m), cdiv(d, config.block_d))
     _twell_train_backward_kernel[grid](
         dy, values, columns, counts, u_slots if gated else dg_out,

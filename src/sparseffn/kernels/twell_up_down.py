@@ -92,7 +92,8 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2, num_sms
-from sparseffn.kernels.row_split import classify_rows, gather_pieces, listed_row, split_signature, splits
+from sparseffn.kernels.row_split import (gather_pieces, launch_args, listed_row, prepare_launch, split_signature,
+                                        splits)
 
 __all__ = [
     "UpDownConfig",
@@ -377,24 +378,18 @@ def _twell_up_down_kernel(
         mask_d = tl.max_constancy(mask_d, 8)
     # packed row j = [up_j; down_j] or [down_j]; the down half starts D elements in when gated
     down_shift = D if GATED else 0
-    if SPLIT:
-        # the pieces of long rows come first, so they start in the first wave instead of
-        # finishing the launch as one long chain each
-        n_piece_programs = split_cap * max_pieces
-        if tl.program_id(0) < n_piece_programs:
+    # the pieces of long rows come first, so they start in the first wave instead of finishing the
+    # launch as one long chain each (split_cap = max_pieces = 0 without SPLIT: no piece programs)
+    n_piece_programs = split_cap * max_pieces
+    if tl.program_id(0) < n_piece_programs:
+        if SPLIT:
             _split_piece(tl.program_id(0), x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
                          split_ids_ptr, split_state_ptr, partials_ptr, split_cap, max_pieces,
                          D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
                          down_shift, GATED, ALIGNED, EVEN_D, PIECE, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T,
                          PREFETCH, EVICT)
-        else:
-            _row_programs(tl.program_id(0) - n_piece_programs, tl.num_programs(0) - n_piece_programs,
-                          x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr, split_flags_ptr,
-                          M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
-                          down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_M, PERSISTENT, BLOCK_U,
-                          BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, LOOKAHEAD, EVICT, SPLIT)
     else:
-        _row_programs(tl.program_id(0), tl.num_programs(0),
+        _row_programs(tl.program_id(0) - n_piece_programs, tl.num_programs(0) - n_piece_programs,
                       x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr, split_flags_ptr,
                       M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
                       down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_M, PERSISTENT, BLOCK_U,
@@ -711,10 +706,8 @@ def twell_up_down(
         raise TypeError(f"config must be an UpDownConfig or None, got {type(config).__name__}")
     if m == 0:
         return out
-    split = splits(config.split_slots, d, config.block_d, n_tiles, slots)
-    if split or overflow_out is not None:
-        row_split = classify_rows(counts, slots, piece=config.split_slots, cap=config.split_cap,
-                                  max_block_t=config.max_block_t, d=d, split=split, overflow_out=overflow_out)
+    rows = prepare_launch(counts, slots, piece=config.split_slots, cap=config.split_cap,
+                          max_block_t=config.max_block_t, d=d, block_d=config.block_d, overflow_out=overflow_out)
     if d == 0:
         return out
     if d > 1 and x.stride(1) != 1:
@@ -734,16 +727,10 @@ def twell_up_down(
         row_programs = min(m, config.persistent * sms)
     else:
         row_programs = cdiv(m, config.block_m)
-    if split:
-        flags, ids, state, cap, max_pieces = (row_split.flags, row_split.ids, row_split.state, row_split.cap,
-                                              row_split.max_pieces)
-        partials = row_split.partials(d)
-    else:
-        flags = ids = state = partials = None
-        cap = max_pieces = 0
-    grid = (cap * max_pieces + row_programs, cdiv(d, config.block_d))
+    (*split_ptrs, cap, max_pieces), piece_programs = launch_args(rows, d)
+    grid = (piece_programs + row_programs, cdiv(d, config.block_d))
     _twell_up_down_kernel[grid](
-        x, values, columns, counts, packed_weight, out, flags, ids, state, partials,
+        x, values, columns, counts, packed_weight, out, *split_ptrs,
         m, d, n_tiles, tile, slots, cap, max_pieces,
         x.stride(0), packed_weight.stride(0), out.stride(0),
         **_constexprs(config, d, n_tiles, slots, gated=n_mat == 2, aligned=aligned),
