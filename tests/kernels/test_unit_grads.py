@@ -27,6 +27,8 @@ from sparseffn.kernels.unit_grads import (
     _unit_scatter_kernel,
     default_unit_grads_config,
     sm90_compile_specs,
+    SlotCoefficients,
+    UnitMajor,
     slots_by_unit,
     unit_weight_grads,
 )
@@ -70,8 +72,9 @@ def _reference_csr(columns, counts, overflow, tile, h):
 
 
 def _run_csr(columns, counts, tile, h, slots, deterministic):
-    offsets, entries = slots_by_unit(columns.to(DEVICE), counts.to(DEVICE), tile=tile, h=h,
-                                     slots=slots, deterministic=deterministic)
+    offsets, entries, coefficients = slots_by_unit(columns.to(DEVICE), counts.to(DEVICE), tile=tile,
+                                                   h=h, slots=slots, deterministic=deterministic)
+    assert coefficients is None
     return offsets.cpu(), entries.cpu()
 
 
@@ -122,9 +125,9 @@ def test_slots_by_unit_many_blocks_int64_and_reproducible(monkeypatch):
 
 def test_slots_by_unit_edge_cases():
     # no rows
-    offsets, entries = slots_by_unit(torch.empty(0, 2, 4, dtype=torch.int16, device=DEVICE),
-                                     torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
-                                     tile=64, h=100, slots=4, deterministic=True)
+    offsets, entries, _ = slots_by_unit(torch.empty(0, 2, 4, dtype=torch.int16, device=DEVICE),
+                                        torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
+                                        tile=64, h=100, slots=4, deterministic=True)
     assert offsets.shape == (101,) and (offsets == 0).all().item() and entries.numel() == 0
     # only empty and overflow rows: no entries at all
     columns = torch.full((3, 2, 4), -1, dtype=torch.int16)
@@ -199,19 +202,26 @@ def _grad_problem(m, d, h, tile, slots, dtype, gated, seed, hot=(), spread=0):
                 slots=per_slot, dense=dense)
 
 
-def _run_grads(prob, gated, offsets, entries, tile, strided=False, config=None):
+def _unit_major(prob, gated, h, tile, deterministic):
+    """slots_by_unit of the problem's packing, with its coefficients, on DEVICE."""
+    n_tiles, slots = prob["values"].shape[1:]
+    s = {k: v.to(DEVICE) for k, v in prob["slots"].items()}
+    coefficients = SlotCoefficients(prob["values"].to(DEVICE), s["dg"], s["u"] if gated else None,
+                                    s["du"] if gated else None)
+    return slots_by_unit(prob["columns"].to(DEVICE), prob["counts"].to(DEVICE), tile=tile, h=h,
+                         slots=slots, deterministic=deterministic, coefficients=coefficients)
+
+
+def _run_grads(prob, gated, unit_major, strided=False, config=None):
     m, d = prob["x"].shape
     n_tiles, slots = prob["values"].shape[1:]
-    h = offsets.shape[0] - 1
+    h = unit_major.offsets.shape[0] - 1
     outs = [torch.full((h, d), float("nan"), device=DEVICE) for _ in range(3)]
     if not gated:
         outs[0] = None
     x, dy = (_strided(prob["x"]), _strided(prob["dy"])) if strided else (prob["x"], prob["dy"])
-    s = prob["slots"]
     unit_weight_grads(
-        x.to(DEVICE), dy.to(DEVICE), prob["values"].to(DEVICE),
-        s["u"].to(DEVICE) if gated else None, s["du"].to(DEVICE) if gated else None,
-        s["dg"].to(DEVICE), offsets.to(DEVICE), entries.to(DEVICE), n_tiles=n_tiles, slots=slots,
+        x.to(DEVICE), dy.to(DEVICE), unit_major, n_tiles=n_tiles, slots=slots,
         gated=gated, grad_gate_out=outs[0], grad_up_out=outs[1], grad_down_t_out=outs[2],
         config=config)
     return [None if o is None else o.cpu() for o in outs]
@@ -252,9 +262,10 @@ def _assert_grads(outs, prob, gated):
 def test_unit_weight_grads_match_reference(shape, gated, deterministic):
     m, d, h, tile, slots, dtype, strided, config = shape
     prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=m + d + h)
-    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, deterministic)
+    unit_major = _unit_major(prob, gated, h, tile, deterministic)
+    offsets = unit_major.offsets.cpu()
     assert (offsets[1:] == offsets[:-1])[3].item(), "unit 3 should have no entries"
-    outs = _run_grads(prob, gated, offsets, entries, tile, strided, config)
+    outs = _run_grads(prob, gated, unit_major, strided, config)
     _assert_grads(outs, prob, gated)
     for out in outs:
         if out is not None:
@@ -268,25 +279,25 @@ def test_deterministic_weight_grads_are_bitwise_reproducible():
     prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, True, seed=21)
     runs = []
     for _ in range(2):
-        offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
-        runs.append(_run_grads(prob, True, offsets, entries, tile))
+        runs.append(_run_grads(prob, True, _unit_major(prob, True, h, tile, True)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, False)
-    for a, b in zip(runs[0], _run_grads(prob, True, offsets, entries, tile)):
+    for a, b in zip(runs[0], _run_grads(prob, True, _unit_major(prob, True, h, tile, False))):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_grad_tolerance_rejects_a_missing_entry():
     m, d, h, tile, slots = 12, 64, 100, 64, 16
     prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, True, seed=4)
-    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
-    _assert_grads(_run_grads(prob, True, offsets, entries, tile), prob, True)
+    unit_major = _unit_major(prob, True, h, tile, True)
+    _assert_grads(_run_grads(prob, True, unit_major), prob, True)
+    offsets = unit_major.offsets.cpu()
     j = int(torch.argmax((offsets[1:] - offsets[:-1]).float()))
-    lost = entries.clone()
-    lost[int(offsets[j])] = lost[int(offsets[j]) + 1]  # one entry of unit j counted twice
+    e = int(offsets[j])
+    entries, coefficients = unit_major.entries.clone(), unit_major.coefficients.clone()
+    entries[e], coefficients[:, e] = entries[e + 1], coefficients[:, e + 1]  # an entry counted twice
     with pytest.raises(AssertionError):
-        _assert_grads(_run_grads(prob, True, offsets, lost, tile), prob, True)
+        _assert_grads(_run_grads(prob, True, UnitMajor(unit_major.offsets, entries, coefficients)), prob, True)
 
 
 # several steps per unit (hot units), units of one program of every length, D off the slice width
@@ -307,10 +318,11 @@ def test_unit_weight_grads_hot_units_wide_range(dtype, gated, config):
     scaling would overflow and flush them. Same tolerances as everywhere."""
     m, d, h, tile, slots = 72, 48, 64, 32, 8
     prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=5, hot=(0, 1, 2, 40), spread=30)
-    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
+    unit_major = _unit_major(prob, gated, h, tile, True)
+    offsets = unit_major.offsets.cpu()
     n = offsets[1:] - offsets[:-1]
     assert int(n.max()) > 2 * config.block_e and int((n == 0).sum()) >= 2
-    outs = _run_grads(prob, gated, offsets, entries, tile, config=config)
+    outs = _run_grads(prob, gated, unit_major, config=config)
     _assert_grads(outs, prob, gated)
 
 
@@ -321,40 +333,42 @@ def test_single_entry_units_are_exact_to_fp32_rounding(dtype):
     (<= 3 * 2^-24 relative). A two-term hi + lo split (~2^-17 .. 2^-16 relative) fails this."""
     m, d, h, tile, slots = 24, 64, 100, 64, 16
     prob = _grad_problem(m, d, h, tile, slots, dtype, True, seed=8, spread=12)
-    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
+    unit_major = _unit_major(prob, True, h, tile, True)
+    offsets = unit_major.offsets.cpu()
     single = (offsets[1:] - offsets[:-1]) == 1
     assert int(single.sum()) >= 5
-    outs = _run_grads(prob, True, offsets, entries, tile)
+    outs = _run_grads(prob, True, unit_major)
     for out, (name, ref, _, _) in zip(outs, _grad_references(prob, True)):
         err = (out.double() - ref)[single].abs()
         assert (err <= 2.0**-22 * ref[single].abs() + 1e-45).all(), f"{name}: {err.max():.3g}"
 
 
-def test_misaligned_values_view_gives_the_same_gradients():
-    """values is read as aligned 32-bit words; a contiguous view at an odd 2-byte offset is copied
-    by the launcher and gives bitwise the same result."""
-    m, d, h, tile, slots = 12, 64, 100, 64, 16
-    prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, True, seed=4)
-    offsets, entries = _run_csr(prob["columns"], prob["counts"], tile, h, slots, True)
-    want = _run_grads(prob, True, offsets, entries, tile)
-    values = prob["values"]
-    storage = torch.zeros(values.numel() + 1, dtype=values.dtype)
-    shifted = storage[1:].view(values.shape)
-    shifted.copy_(values)
-    assert shifted.is_contiguous() and shifted.data_ptr() % 4 == 2
-    got = _run_grads(dict(prob, values=shifted), True, offsets, entries, tile)
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_slots_by_unit_moves_coefficients_into_entry_order(dtype, gated, deterministic):
+    """coefficients[:, e] are the coefficients of the slot entries[e] (dg, h = p u or p, du), bit
+    for bit; the CSR itself is the one built without them."""
+    m, d, h, tile, slots = 33, 16, 100, 32, 4
+    prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=6)
+    offsets, entries, coefficients = (t.cpu() for t in _unit_major(prob, gated, h, tile, deterministic))
+    ref = _reference_csr(prob["columns"], prob["counts"], prob["overflow"], tile, h)
+    _assert_csr(offsets, entries, *ref, deterministic)
+    n = int(offsets[-1])
+    assert coefficients.shape == (3 if gated else 2, prob["values"].numel()) and n > 0
+    flat = entries[:n].long()
+    s = {k: v.reshape(-1)[flat] for k, v in prob["slots"].items()}
+    p = prob["values"].reshape(-1)[flat].float()
+    want = [s["dg"], p * s["u"], s["du"]] if gated else [s["dg"], p]
+    assert torch.equal(coefficients[:, :n], torch.stack(want))
 
 
 def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
     return dict(
         x=torch.randn(m, d).to(dtype), dy=torch.randn(m, d).to(dtype),
-        values=torch.zeros(m, n_tiles, slots, dtype=dtype),
-        u_slots=torch.zeros(m, n_tiles, slots), du_slots=torch.zeros(m, n_tiles, slots),
-        dg_slots=torch.zeros(m, n_tiles, slots),
         offsets=torch.zeros(h + 1, dtype=torch.int32),
         entries=torch.zeros(m * n_tiles * slots, dtype=torch.int32),
+        coefficients=torch.zeros(3, m * n_tiles * slots),
         n_tiles=n_tiles, slots=slots, gated=True,
         grad_gate_out=torch.zeros(h, d), grad_up_out=torch.zeros(h, d),
         grad_down_t_out=torch.zeros(h, d),
@@ -364,10 +378,11 @@ def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
 @pytest.mark.parametrize("change, error, match", [
     (dict(x=torch.randn(3, 64)), TypeError, "x must be bf16 or fp16"),
     (dict(dy=torch.randn(3, 64).half()), TypeError, "dy must have dtype"),
-    (dict(values=torch.zeros(3, 2, 5, dtype=torch.bfloat16)), ValueError, "values must have shape"),
-    (dict(u_slots=None), TypeError, "u_slots"),
-    (dict(du_slots=torch.zeros(3, 2, 4, dtype=torch.bfloat16)), TypeError, "du_slots"),
-    (dict(gated=False), ValueError, "u_slots must be None"),
+    (dict(coefficients=None), ValueError, "coefficients is None"),
+    (dict(coefficients=torch.zeros(2, 24)), ValueError, "coefficients must have shape"),
+    (dict(coefficients=torch.zeros(3, 24, dtype=torch.bfloat16)), TypeError, "coefficients must have dtype"),
+    (dict(gated=False), ValueError, "coefficients must have shape"),
+    (dict(gated=False, coefficients=torch.zeros(2, 24)), ValueError, "grad_gate_out must be None"),
     (dict(offsets=torch.zeros(101, dtype=torch.int64)), TypeError, "offsets must have dtype"),
     (dict(entries=torch.zeros(23, dtype=torch.int32)), ValueError, "entries must have shape"),
     (dict(grad_up_out=torch.zeros(100, 64, dtype=torch.bfloat16)), TypeError, "grad_up_out"),
@@ -378,8 +393,35 @@ def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
 ])
 def test_unit_weight_grads_input_errors(change, error, match):
     args = dict(_grad_args(), **change)
+    unit_major = UnitMajor(args.pop("offsets"), args.pop("entries"), args.pop("coefficients"))
     with pytest.raises(error, match=match):
-        unit_weight_grads(**args)
+        unit_weight_grads(unit_major=unit_major, **args)
+
+
+def test_unit_weight_grads_takes_only_a_unit_major():
+    args = _grad_args()
+    plain = (args.pop("offsets"), args.pop("entries"), args.pop("coefficients"))
+    with pytest.raises(TypeError, match="unit_major must be a UnitMajor"):
+        unit_weight_grads(unit_major=plain, **args)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(values=torch.zeros(3, 2, 4)), TypeError, "coefficients.values must be a bf16 or fp16"),
+    (dict(values=torch.zeros(3, 2, 5, dtype=torch.float16)), ValueError, "values must have shape"),
+    (dict(dg_slots=torch.zeros(3, 2, 4, dtype=torch.float16)), TypeError, "dg_slots must have dtype"),
+    (dict(u_slots=None), ValueError, "both be given"),
+    (dict(du_slots=torch.zeros(3, 4, 2).transpose(1, 2)), ValueError, "du_slots must be contiguous"),
+])
+def test_slots_by_unit_coefficient_errors(change, error, match):
+    fields = dict(values=torch.zeros(3, 2, 4, dtype=torch.bfloat16), dg_slots=torch.zeros(3, 2, 4),
+                  u_slots=torch.zeros(3, 2, 4), du_slots=torch.zeros(3, 2, 4))
+    fields.update(change)
+    with pytest.raises(error, match=match):
+        slots_by_unit(torch.zeros(3, 2, 4, dtype=torch.int16), torch.zeros(3, 2, dtype=torch.int32),
+                      tile=64, h=100, slots=4, deterministic=False, coefficients=SlotCoefficients(**fields))
+    with pytest.raises(TypeError, match="coefficients must be a SlotCoefficients"):
+        slots_by_unit(torch.zeros(3, 2, 4, dtype=torch.int16), torch.zeros(3, 2, dtype=torch.int32),
+                      tile=64, h=100, slots=4, deterministic=False, coefficients=tuple(fields.values()))
 
 
 def test_config_validation_and_default():
@@ -415,7 +457,8 @@ def test_sm90_compile_specs_cover_launcher_variants():
     specs = sm90_compile_specs(with_options=True)
     names = {fn.__name__ for fn, *_ in specs}
     assert names == {"_unit_histogram_kernel", "_unit_scatter_kernel", "_unit_weight_grads_kernel"}
-    assert {c["SERIAL"] for fn, _, c, _ in specs if "SERIAL" in c} == {True, False}
+    assert {(c["SERIAL"], c["COEFFICIENTS"]) for fn, _, c, _ in specs if "SERIAL" in c} == {
+        (serial, n) for serial in (True, False) for n in (0, 1, 2)}
     grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"])
              for fn, s, c, _ in specs if fn.__name__ == "_unit_weight_grads_kernel"}
     assert len(grads) == 16
@@ -471,11 +514,11 @@ def test_training_path_matches_autograd(gated):
     l1_grad = torch.tensor([lam / m], device=DEVICE)
     twell_train_backward(dev(dy), *fields, u_out, dev(gate), dev(up), dev(down_t), l1_grad,
                          tile=tile, gated=gated, dx_out=dx, du_out=du, dg_out=dg)
-    offsets, entries = slots_by_unit(fields[1], fields[2], tile=tile, h=h, slots=slots,
-                                     deterministic=True)
+    unit_major = slots_by_unit(fields[1], fields[2], tile=tile, h=h, slots=slots, deterministic=True,
+                               coefficients=SlotCoefficients(fields[0], dg, u_out, du))
     grads = [torch.zeros(h, d, device=DEVICE) if gated else None,
              torch.zeros(h, d, device=DEVICE), torch.zeros(h, d, device=DEVICE)]
-    unit_weight_grads(dev(x), dev(dy), fields[0], u_out, du, dg, offsets, entries,
+    unit_weight_grads(dev(x), dev(dy), unit_major,
                       n_tiles=n_tiles, slots=slots, gated=gated, grad_gate_out=grads[0],
                       grad_up_out=grads[1], grad_down_t_out=grads[2])
 

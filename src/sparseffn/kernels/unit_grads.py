@@ -22,7 +22,15 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
        entries  [M * n_tiles * slots] index dtype; entries[offsets[j]:offsets[j+1]] are the flat
                                      slot indices (m * n_tiles + t) * slots + k of unit j; entries
                                      past E are unspecified
+       coefficients [n, M * n_tiles * slots] fp32 (when asked for): the weight-gradient
+                                     coefficients of entry e in column e: row 0 dg, row 1 h (p u
+                                     gated, p non-gated), row 2 du (gated only)
    index dtype: int32 when M * n_tiles * slots < 2**31, else int64.
+   The scatter reads each slot's coefficients where it reads its column (token-major: contiguous)
+   and writes them at the slot's entry position. The weight-gradient kernel then reads them
+   contiguously per unit. Read there at the flat slot index instead, every entry of every D slice
+   cost up to four scattered 4-byte reads from [M, n_tiles, slots] arrays that do not fit in L2
+   (46 MB each at M = 16384), which also evicted the x / dy slices the gathers reuse.
    fast (deterministic=False): a Triton histogram (one program per row, atomics into [H]) ->
        torch.cumsum -> a Triton scatter in which every valid slot takes its position from a
        per-unit atomic cursor. Each row is one program, so the order inside a unit is whatever
@@ -45,7 +53,7 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
 2. `unit_weight_grads`: per unit j and D slice, a reduction over the unit's entries on tensor
    cores. One step takes BLOCK_E entries e of the unit, gathers the token rows X = x[m_e, slice] and
    DY = dy[m_e, slice] ([BLOCK_E, BLOCK_D] in x's dtype, straight into shared memory: see
-   "Pipeline") and the entries' fp32 coefficients, and adds
+   "Pipeline") and the entries' fp32 coefficients (contiguous, entry order), and adds
        acc_x  [16, BLOCK_D] += A_x  [16, BLOCK_E] @ X     rows 0-2: dg terms, rows 3-5: du terms
        acc_dy [16, BLOCK_D] += A_dy [16, BLOCK_E] @ DY    rows 0-2: h terms (non-gated: row 0 = p)
    (other rows of A are 0). At the unit's last step the rows are summed in fp32 (grad_gate = rows
@@ -86,26 +94,23 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    fetched with cp.async two steps ahead, the row gathers X, DY (16-byte vectors when ALIGNED) and
    the coefficients one step later into a ring of shared-memory buffers (num_stages 7 -> 3 buffers:
    2 steps, 64 KB at BLOCK_E 32, BLOCK_D 256, in flight per program while the MMAs of the current
-   step run), so the gather latency is overlapped without holding tiles in registers. p is read as
-   the aligned 32-bit word holding it (cp.async moves >= 4 bytes; a 2-byte load would stay
-   synchronous and stall every step on an L2 round trip) and its half selected by the slot's parity;
-   values must be 4-byte aligned (the launcher copies a misaligned view). Bytes moved: 2 rows of
-   BLOCK_D per entry and slice, gathered from L2 (dead lanes of a partial step move nothing): the
-   kernel is L2-gather bound, ~4 GB per call at M = 16384, D = 2048, 475k entries.
+   step run), so the gather latency is overlapped without holding tiles in registers. Bytes moved:
+   2 rows of BLOCK_D per entry and slice, gathered from L2 (dead lanes of a partial step move
+   nothing), and 12 (gated) / 8 bytes of coefficients per entry and slice, read contiguously: ~4 GB
+   per call at M = 16384, D = 2048, 475k entries.
    D % 8 != 0 or misaligned x / dy: element loads (cp.async needs 4 bytes), not pipelined, smaller
    tiles (a correctness path; real models have D % 8 == 0).
 
 Layouts:
     columns   [M, n_tiles, slots]  int16 tile-local, contiguous;  counts [M, n_tiles] int32, contiguous
     x, dy     [M, D]               bf16 / fp16 (one dtype), unit stride along D, any row stride
-    values    [M, n_tiles, slots]  x's dtype, contiguous (read as 32-bit words: a view that is not
-                                   4-byte aligned is copied)
+    values    [M, n_tiles, slots]  x's dtype, contiguous       (SlotCoefficients, read by the scatter)
     u_slots, du_slots, dg_slots
               [M, n_tiles, slots]  fp32, contiguous (gated: all three; non-gated: dg_slots only)
     grad_*_out [H, D]              fp32, unit stride along D (any row stride)
 
 Constraints: any M >= 0, D >= 1, H >= 1, 1 <= slots <= tile <= 32768, n_tiles = cdiv(H, tile).
-Entries are assumed to come from `slots_by_unit` on the same packed activation.
+The weight-gradient kernel takes `slots_by_unit`'s result, built with the coefficients.
 
 Interpreter (TRITON_INTERPRET=1, CPU tensors): dot operands are cast to fp32 (DOT_IN_FP32), since
 its low-precision `tl.dot` is wrong; the three-term split still runs (exact with the interpreter's
@@ -117,6 +122,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -128,7 +134,9 @@ from sparseffn.kernels._runtime import (
 from sparseffn.kernels.twell_train import _check, _check_gated
 
 __all__ = [
+    "SlotCoefficients",
     "UnitGradsConfig",
+    "UnitMajor",
     "default_unit_grads_config",
     "sm90_compile_specs",
     "slots_by_unit",
@@ -199,15 +207,18 @@ def _unit_histogram_kernel(
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _unit_scatter_kernel(
     columns_ptr, counts_ptr, cursor_ptr, entries_ptr,
+    values_ptr, u_ptr, du_ptr, dg_ptr, dg_out_ptr, h_out_ptr, du_out_ptr,
     M, H, n_tiles, tile, slots, rows_per_program,
     SERIAL: tl.constexpr,         # True: program b owns cursor row b, rows in order (deterministic)
+    COEFFICIENTS: tl.constexpr,   # 0: entries only; 1: + dg, h = p (non-gated); 2: + dg, h = p u, du
     BLOCK_T: tl.constexpr,        # tiles per step (power of two)
     BLOCK_S: tl.constexpr,        # slots per step (power of two)
 ):
     """entries[cursor[j]++] = flat slot index, for every valid slot (unit j) of the ordinary rows
     pid * rows_per_program ... SERIAL: the program's own cursor row, plain loads and stores, one
     row after the other (a row holds each unit at most once; the barrier orders rows). Otherwise
-    one shared cursor row and atomics."""
+    one shared cursor row and atomics. COEFFICIENTS: the slot's weight-gradient coefficients, read
+    token-major (contiguous), are written at the same entry position."""
     pid = tl.program_id(0)
     m_first = pid * rows_per_program
     if SERIAL:
@@ -231,6 +242,14 @@ def _unit_scatter_kernel(
                     else:
                         pos = tl.atomic_add(cursor_row + unit, 1, mask=valid, sem="relaxed")
                     tl.store(entries_ptr + pos, flat.to(entries_ptr.dtype.element_ty), mask=valid)
+                    if COEFFICIENTS > 0:
+                        tl.store(dg_out_ptr + pos, tl.load(dg_ptr + flat, mask=valid), mask=valid)
+                        p = tl.load(values_ptr + flat, mask=valid).to(tl.float32)
+                        if COEFFICIENTS == 2:
+                            tl.store(h_out_ptr + pos, p * tl.load(u_ptr + flat, mask=valid), mask=valid)
+                            tl.store(du_out_ptr + pos, tl.load(du_ptr + flat, mask=valid), mask=valid)
+                        else:
+                            tl.store(h_out_ptr + pos, p, mask=valid)
         if SERIAL:
             tl.debug_barrier()  # this row's cursor stores before the next row's loads
 
@@ -277,11 +296,11 @@ def _three_term_rows(rows, first: tl.constexpr, c, other, LOW: tl.constexpr):
 
 @triton.jit
 def _unit_weight_grads_kernel(
-    x_ptr, dy_ptr, values_ptr, u_ptr, du_ptr, dg_ptr, offsets_ptr, entries_ptr, order_ptr,
+    x_ptr, dy_ptr, dg_ptr, h_ptr, du_ptr, offsets_ptr, entries_ptr, order_ptr,
     grad_gate_ptr, grad_up_ptr, grad_down_ptr,
     D, H, n_groups, row_slots,
     stride_xm, stride_dym, stride_gg, stride_gu, stride_gd,
-    GATED: tl.constexpr,          # three gradients from (dg, du, p u); False: two from (dg, p)
+    GATED: tl.constexpr,          # three gradients from (dg, du, h = p u); False: two from (dg, h = p)
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides of x, dy
     EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D on the gathers
     BLOCK_E: tl.constexpr,        # entries (token rows) per step, >= 16 (the MMA's K)
@@ -316,8 +335,6 @@ def _unit_weight_grads_kernel(
         mask_d = tl.max_constancy(mask_d, 8)
     lanes = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     rows = tl.arange(0, 16)[:, None]  # [16, 1] rows of the A operands / accumulators
-    # p is read as the aligned 32-bit word that holds it (cp.async moves >= 4 bytes; docstring)
-    words_ptr = values_ptr.to(tl.pointer_type(tl.int32))
     acc_x = tl.zeros([16, BLOCK_D], dtype=tl.float32)   # [16, BLOCK_D] fp32 rows: dg terms, du terms
     acc_dy = tl.zeros([16, BLOCK_D], dtype=tl.float32)  # [16, BLOCK_D] fp32 rows: h terms
     # running power-of-two scales of the current unit's coefficients (fp16; 1 for bf16); the
@@ -347,14 +364,11 @@ def _unit_weight_grads_kernel(
         # [BLOCK_E, BLOCK_D] gathered token rows in x's dtype (dead lanes move nothing and give 0)
         xv = tl.load(x_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
         dyv = tl.load(dy_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
-        dg = tl.load(dg_ptr + flat, mask=live, other=0.0)  # [BLOCK_E] fp32
-        word = tl.load(words_ptr + (flat >> 1), mask=live, other=0)  # [BLOCK_E] int32
-        half = ((word >> ((flat & 1) * 16).to(tl.int32)) & 0xFFFF).to(tl.int16)  # little-endian
-        p = half.to(LOW, bitcast=True)  # [BLOCK_E] x's dtype
+        # [BLOCK_E] fp32 coefficients, stored in entry order: contiguous per unit
+        dg = tl.load(dg_ptr + e0 + lanes, mask=live, other=0.0)
+        h = tl.load(h_ptr + e0 + lanes, mask=live, other=0.0)
         if GATED:
-            u = tl.load(u_ptr + flat, mask=live, other=0.0)  # [BLOCK_E] fp32
-            du = tl.load(du_ptr + flat, mask=live, other=0.0)
-            h = p.to(tl.float32) * u
+            du = tl.load(du_ptr + e0 + lanes, mask=live, other=0.0)
             if SCALE:
                 dg, keep_dg, s_dg = _rescale(dg, s_dg)
                 du, keep_du, s_du = _rescale(du, s_du)
@@ -369,7 +383,7 @@ def _unit_weight_grads_kernel(
                 dg, keep_dg, s_dg = _rescale(dg, s_dg)
                 acc_x = acc_x * keep_dg
             a_x = _three_term_rows(rows, 0, dg, 0.0, LOW)
-            a_dy = tl.where(rows == 0, p[None, :], 0.0)  # h = p: exact in one row
+            a_dy = tl.where(rows == 0, h[None, :], 0.0)  # h = p, of x's dtype: exact in one row
         acc_x = mma(a_x.to(LOW), xv, acc_x, DOT_IN_FP32)  # [16, BLOCK_D] fp32
         acc_dy = mma(a_dy.to(LOW), dyv, acc_dy, DOT_IN_FP32)
         if unit_done:
@@ -415,6 +429,49 @@ def _det_rows_per_block(m: int) -> int:
     return max(_MIN_DET_ROWS, cdiv(m, _MAX_DET_BLOCKS))
 
 
+class SlotCoefficients(NamedTuple):
+    """Per-slot inputs of the weight gradients, token-major [M, n_tiles, slots] (twell_train.py):
+    values (p, x's dtype) and dg_slots (fp32) always; u_slots and du_slots (fp32) when gated, None
+    otherwise."""
+
+    values: torch.Tensor
+    dg_slots: torch.Tensor
+    u_slots: torch.Tensor | None = None
+    du_slots: torch.Tensor | None = None
+
+
+class UnitMajor(NamedTuple):
+    """The valid slots of the ordinary rows grouped by unit (module docstring, step 1).
+
+    offsets       [H + 1]             index dtype; offsets[H] = E, the number of entries (on device)
+    entries       [capacity]          index dtype; flat slot indices, unit j's at offsets[j]:offsets[j+1]
+    coefficients  [n, capacity] fp32  entry order (None when not asked for): row 0 dg, row 1 h (p u
+                                      gated, p non-gated), row 2 du (gated only)
+    capacity = M * n_tiles * slots (E is unknown on the host); entries past E are unspecified."""
+
+    offsets: torch.Tensor
+    entries: torch.Tensor
+    coefficients: torch.Tensor | None = None
+
+
+def _check_coefficients(c: object, m: int, n_tiles: int, slots: int, device: torch.device) -> int:
+    """Number of coefficient rows (3 gated, 2 non-gated) after checking `c` (SlotCoefficients)."""
+    if not isinstance(c, SlotCoefficients):
+        raise TypeError(f"coefficients must be a SlotCoefficients or None, got {type(c).__name__}")
+    shape = (m, n_tiles, slots)
+    if not isinstance(c.values, torch.Tensor) or c.values.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"coefficients.values must be a bf16 or fp16 tensor, got {c.values!r:.80}")
+    _check(c.values, "coefficients.values", shape, c.values.dtype, device, contiguous=True)
+    _check(c.dg_slots, "coefficients.dg_slots", shape, torch.float32, device, contiguous=True)
+    if (c.u_slots is None) != (c.du_slots is None):
+        raise ValueError("coefficients.u_slots and du_slots must both be given (gated) or both be None")
+    if c.u_slots is None:
+        return 2
+    _check(c.u_slots, "coefficients.u_slots", shape, torch.float32, device, contiguous=True)
+    _check(c.du_slots, "coefficients.du_slots", shape, torch.float32, device, contiguous=True)
+    return 3
+
+
 def slots_by_unit(
     columns: torch.Tensor,
     counts: torch.Tensor,
@@ -423,12 +480,14 @@ def slots_by_unit(
     h: int,
     slots: int,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offsets [h + 1], entries [M * n_tiles * slots]): the valid slots of the ordinary rows of a
-    TwELL activation grouped by unit (CSR, see the module docstring). deterministic=True orders
-    each unit's entries by flat slot index (bitwise reproducible); False leaves the order to the
-    atomics. Both on columns' device, int32 (int64 when M * n_tiles * slots >= 2**31); no host
-    synchronisation."""
+    coefficients: SlotCoefficients | None = None,
+) -> UnitMajor:
+    """The valid slots of the ordinary rows of a TwELL activation grouped by unit (CSR, see the
+    module docstring), and, when `coefficients` is given, the weight-gradient coefficients of each
+    entry moved into entry order in the same pass (read token-major, contiguous: the weight-gradient
+    kernel then reads them contiguously per unit). deterministic=True orders each unit's entries by
+    flat slot index (bitwise reproducible); False leaves the order to the atomics. All on columns'
+    device, indices int32 (int64 when M * n_tiles * slots >= 2**31); no host synchronisation."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     for name, value in (("tile", tile), ("h", h), ("slots", slots)):
@@ -445,12 +504,14 @@ def slots_by_unit(
     dev = columns.device
     _check(columns, "columns", (m, n_tiles, slots), torch.int16, dev, contiguous=True)
     _check(counts, "counts", (m, n_tiles), torch.int32, dev, contiguous=True)
+    n_coef = 0 if coefficients is None else _check_coefficients(coefficients, m, n_tiles, slots, dev)
     n = m * n_tiles * slots
     index = _index_dtype(n)
     offsets = torch.zeros(h + 1, dtype=index, device=dev)
     entries = torch.empty(n, dtype=index, device=dev)
+    coef = torch.empty(n_coef, n, dtype=torch.float32, device=dev) if n_coef else None
     if m == 0:
-        return offsets, entries
+        return UnitMajor(offsets, entries, coef)
     rows_per_block = _det_rows_per_block(m) if deterministic else m
     n_blocks = cdiv(m, rows_per_block)
     hist = torch.zeros(n_blocks, h, dtype=index, device=dev)  # [n_blocks, H] per-block counts
@@ -466,9 +527,17 @@ def slots_by_unit(
     else:
         cursor = offsets[:-1].clone()
         grid, rows_per_program = (m,), 1
-    _unit_scatter_kernel[grid](columns, counts, cursor, entries, m, h, n_tiles, tile, slots,
-                               rows_per_program, SERIAL=deterministic, **meta)
-    return offsets, entries
+    if coef is None:
+        moved = (cursor,) * 7  # unused pointers
+    else:  # (values, u, du, dg) -> (dg, h, du) rows; non-gated: dg stands in for the unused u, du
+        c = coefficients
+        gated = n_coef == 3
+        moved = (c.values, c.u_slots if gated else c.dg_slots, c.du_slots if gated else c.dg_slots,
+                 c.dg_slots, coef[0], coef[1], coef[2] if gated else coef[1])
+    _unit_scatter_kernel[grid](columns, counts, cursor, entries, *moved, m, h, n_tiles, tile, slots,
+                               rows_per_program, SERIAL=deterministic, COEFFICIENTS=max(n_coef - 1, 0),
+                               **meta)
+    return UnitMajor(offsets, entries, coef)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -529,12 +598,7 @@ def _unit_grads_options(config: UnitGradsConfig) -> dict[str, object]:
 def unit_weight_grads(
     x: torch.Tensor,
     dy: torch.Tensor,
-    values: torch.Tensor,
-    u_slots: torch.Tensor | None,
-    du_slots: torch.Tensor | None,
-    dg_slots: torch.Tensor,
-    offsets: torch.Tensor,
-    entries: torch.Tensor,
+    unit_major: UnitMajor,
     *,
     n_tiles: int,
     slots: int,
@@ -544,10 +608,10 @@ def unit_weight_grads(
     grad_down_t_out: torch.Tensor,
     config: UnitGradsConfig | None = None,
 ) -> None:
-    """Overwrite the fp32 [H, D] weight gradients from the unit-major CSR of `slots_by_unit` (see
-    the module docstring for the math). Non-gated: `u_slots`, `du_slots` and `grad_gate_out` must
-    be None; dg_slots holds d(first projection) and grad_up_out receives the first weight's
-    gradient. `config` overrides `default_unit_grads_config(D)`. No host synchronisation."""
+    """Overwrite the fp32 [H, D] weight gradients from `slots_by_unit`'s result, built with the
+    coefficients (see the module docstring for the math). Non-gated: `grad_gate_out` must be None
+    and grad_up_out receives the first weight's gradient. `config` overrides
+    `default_unit_grads_config(D)`. No host synchronisation."""
     gated = _check_gated(gated)
     m, d = check_matrix(x, "x")
     dev = x.device
@@ -555,24 +619,23 @@ def unit_weight_grads(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     _check(dy, "dy", (m, d), x.dtype, dev, unit_stride=True)
-    _check(values, "values", (m, n_tiles, slots), x.dtype, dev, contiguous=True)
-    _check(dg_slots, "dg_slots", (m, n_tiles, slots), torch.float32, dev, contiguous=True)
-    if gated:
-        _check(u_slots, "u_slots", (m, n_tiles, slots), torch.float32, dev, contiguous=True)
-        _check(du_slots, "du_slots", (m, n_tiles, slots), torch.float32, dev, contiguous=True)
-    else:
-        for name, t in (("u_slots", u_slots), ("du_slots", du_slots),
-                        ("grad_gate_out", grad_gate_out)):
-            if t is not None:
-                raise ValueError(f"{name} must be None when gated=False, got a {type(t).__name__}")
+    if not isinstance(unit_major, UnitMajor):
+        raise TypeError(f"unit_major must be a UnitMajor (from slots_by_unit), got {type(unit_major).__name__}")
+    offsets, entries, coef = unit_major
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dim() != 1 or offsets.shape[0] < 2:
         raise ValueError(f"offsets must have shape [H + 1] with H >= 1, got {list(offsets.shape)}")
     h = offsets.shape[0] - 1
-    index = _index_dtype(m * n_tiles * slots)
+    capacity = m * n_tiles * slots
+    index = _index_dtype(capacity)
     _check(offsets, "offsets", (h + 1,), index, dev, contiguous=True)
-    _check(entries, "entries", (m * n_tiles * slots,), index, dev, contiguous=True)
+    _check(entries, "entries", (capacity,), index, dev, contiguous=True)
+    if coef is None:
+        raise ValueError("unit_major.coefficients is None: build it with slots_by_unit(..., coefficients=...)")
+    _check(coef, "coefficients", (3 if gated else 2, capacity), torch.float32, dev, contiguous=True)
+    if not gated and grad_gate_out is not None:
+        raise ValueError(f"grad_gate_out must be None when gated=False, got a {type(grad_gate_out).__name__}")
     grads = [("grad_up_out", grad_up_out), ("grad_down_t_out", grad_down_t_out)]
     if gated:
         grads.insert(0, ("grad_gate_out", grad_gate_out))
@@ -584,8 +647,6 @@ def unit_weight_grads(
         raise TypeError(f"config must be a UnitGradsConfig or None, got {type(config).__name__}")
     if d > 1 and x.stride(1) != 1:
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
-    if values.data_ptr() % 4:
-        values = values.clone()  # p is read as aligned 32-bit words (a fresh allocation is)
     aligned = (d % 8 == 0 and config.block_d >= 8
                and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                        for t in (x, dy)))
@@ -594,8 +655,7 @@ def unit_weight_grads(
     n_groups = cdiv(h, config.units_per_program)
     grid = (n_groups, cdiv(d, config.block_d))
     _unit_weight_grads_kernel[grid](
-        x, dy, values, u_slots if gated else dg_slots, du_slots if gated else dg_slots, dg_slots,
-        offsets, entries, order,
+        x, dy, coef[0], coef[1], coef[2] if gated else coef[0], offsets, entries, order,
         grad_gate_out if gated else grad_up_out, grad_up_out, grad_down_t_out,
         d, h, n_groups, n_tiles * slots,
         x.stride(0), dy.stride(0), (grad_gate_out if gated else grad_up_out).stride(0),
@@ -612,7 +672,9 @@ def unit_weight_grads(
 
 def sm90_compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for the slot histogram and both scatters
-    (int32 and int64 indices; tile 256 / slots 32 and tile 64 / slots 4 blocks), and the weight-
+    (int32 and int64 indices; tile 256 / slots 32 and tile 64 / slots 4 blocks; without
+    coefficients, with the non-gated and with the gated ones: bf16 values with int32 indices, fp16
+    with int64), and the weight-
     gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64 entries, D = 2048 (aligned,
     the default config: BLOCK_D 256, 7 stages, 128-register cap) and D = 100 (unaligned, masked
     along D), with the launcher's options."""
@@ -630,18 +692,22 @@ def sm90_compile_specs(with_options: bool = False):
         add(_unit_histogram_kernel,
             {**common, "hist_ptr": f"*{ty}", **sizes, "rows_per_block": "i32"},
             {"BLOCK_T": block_t, "BLOCK_S": block_s}, {"num_warps": _SLOT_WARPS})
-        for serial in (False, True):
+        values = "*bf16" if ty == "i32" else "*fp16"
+        for serial, coefficients in itertools.product((False, True), (0, 1, 2)):
+            moved = {"values_ptr": values if coefficients else f"*{ty}"}
+            moved.update({name: "*fp32" if coefficients else f"*{ty}" for name in (
+                "u_ptr", "du_ptr", "dg_ptr", "dg_out_ptr", "h_out_ptr", "du_out_ptr")})
             add(_unit_scatter_kernel,
-                {**common, "cursor_ptr": f"*{ty}", "entries_ptr": f"*{ty}", **sizes,
+                {**common, "cursor_ptr": f"*{ty}", "entries_ptr": f"*{ty}", **moved, **sizes,
                  "rows_per_program": "i32"},
-                {"SERIAL": serial, "BLOCK_T": block_t, "BLOCK_S": block_s},
+                {"SERIAL": serial, "COEFFICIENTS": coefficients, "BLOCK_T": block_t, "BLOCK_S": block_s},
                 {"num_warps": _SLOT_WARPS})
     for ty, gated, (d, aligned), index in itertools.product(
             TL_DTYPES.values(), (True, False), ((2048, True), (100, False)), ("i32", "i64")):
         config = default_unit_grads_config(d)
         signature = {
-            "x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "values_ptr": f"*{ty}", "u_ptr": "*fp32",
-            "du_ptr": "*fp32", "dg_ptr": "*fp32", "offsets_ptr": f"*{index}",
+            "x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "dg_ptr": "*fp32", "h_ptr": "*fp32",
+            "du_ptr": "*fp32", "offsets_ptr": f"*{index}",
             "entries_ptr": f"*{index}", "order_ptr": "*i64",
             "grad_gate_ptr": "*fp32", "grad_up_ptr": "*fp32", "grad_down_ptr": "*fp32",
             "D": "i32", "H": "i32", "n_groups": "i32", "row_slots": "i32",

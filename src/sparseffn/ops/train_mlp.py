@@ -19,8 +19,9 @@ Forward (no host synchronisation):
     3. kernels/dense_rows_mlp.py   flagged rows: y and Σ|h| densely, exact
 Saved for backward: the TwELL of p, u per slot, row flags — no dense [M, H] tensor. Backward:
     4. kernels/twell_train.py      ordinary rows: dh on the support (+ L1 term), du, dg per slot, dx
-    5. kernels/unit_grads.py       the slots grouped by unit (CSR, on device), then per unit
-                                   dWg[j], dWu[j], dWd^T[j] gathered from x and dy rows (fp32)
+    5. kernels/unit_grads.py       the slots grouped by unit (CSR, on device, with their coefficients
+                                   moved into entry order), then per unit dWg[j], dWu[j], dWd^T[j]
+                                   gathered from x and dy rows (fp32)
     6. kernels/dense_rows_mlp_backward.py   flagged rows: dx, and their weight-gradient terms added
 Weight gradients accumulate in fp32 and are rounded to the weights' dtype once.
 
@@ -40,7 +41,7 @@ from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
 from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
-from sparseffn.kernels.unit_grads import slots_by_unit, unit_weight_grads
+from sparseffn.kernels.unit_grads import SlotCoefficients, slots_by_unit, unit_weight_grads
 from sparseffn.ops.dispatch import eager_call
 
 
@@ -139,18 +140,21 @@ def _train_backward(
     dg_slots = _empty_slots(x, n_tiles, slots)
     twell_train_backward(dy, values, columns, counts, u_slots if gated else None, gate_weight, up_weight, down_t,
                          l1_grad, tile=tile, gated=gated, dx_out=dx, du_out=du_slots, dg_out=dg_slots)
-    offsets, entries = slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic)
+    coefficients = SlotCoefficients(values, dg_slots, u_slots if gated else None, du_slots)
+    unit_major = slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic,
+                               coefficients=coefficients)
+    del coefficients, du_slots, dg_slots  # moved into unit_major's entry order
     grad_gate = torch.empty(h, d, dtype=torch.float32, device=x.device) if gated else None
     grad_up = torch.empty(h, d, dtype=torch.float32, device=x.device)
     grad_down_t = torch.empty(h, d, dtype=torch.float32, device=x.device)
-    unit_weight_grads(x, dy, values, u_slots if gated else None, du_slots, dg_slots, offsets, entries,
-                      n_tiles=n_tiles, slots=slots, gated=gated, grad_gate_out=grad_gate, grad_up_out=grad_up,
-                      grad_down_t_out=grad_down_t)
+    unit_weight_grads(x, dy, unit_major, n_tiles=n_tiles, slots=slots, gated=gated, grad_gate_out=grad_gate,
+                      grad_up_out=grad_up, grad_down_t_out=grad_down_t)
+    del unit_major
     dense_rows_mlp_backward(x, dy, row_flags, gate_weight, up_weight, down_t, threshold, l1_grad, dx_out=dx,
                             grad_gate_acc=grad_gate, grad_up_acc=grad_up, grad_down_t_acc=grad_down_t)
     # Round each fp32 accumulator and free it before the next is rounded: the peak holds three fp32
     # accumulators and one rounded gradient, not all six.
-    del down_t, du_slots, dg_slots, offsets, entries
+    del down_t
     d_gate = grad_gate.to(gate_weight.dtype) if gated else x.new_empty(0)
     del grad_gate
     d_up = grad_up.to(up_weight.dtype)
