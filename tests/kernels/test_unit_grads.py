@@ -57,8 +57,9 @@ def _packed(m, h, tile, slots, dtype, seed, dead=(3, 17), hot=()):
     return p, values, columns, counts, overflow
 
 
-def _reference_csr(columns, counts, overflow, tile, h):
-    """(offsets int64 [H + 1], entries int64 [E] ordered by (unit, flat slot index))."""
+def _reference_csr(columns, counts, overflow, tile, h, with_slots=False):
+    """(offsets int64 [H + 1], entries int64 [E]: tokens ordered by (unit, token)[, the flat slot
+    index of each entry])."""
     n_tiles, slots = columns.shape[1:]
     k = torch.arange(slots)
     mask = (k < counts.clamp(max=slots)[..., None]) & ~overflow[:, None, None]
@@ -68,7 +69,7 @@ def _reference_csr(columns, counts, overflow, tile, h):
     order = torch.sort(unit * (columns.numel() + 1) + flat).indices
     offsets = torch.zeros(h + 1, dtype=torch.int64)
     offsets[1:] = torch.bincount(unit, minlength=h).cumsum(0)
-    return offsets, flat[order]
+    return (offsets, row[order], flat[order]) if with_slots else (offsets, row[order])
 
 
 def _run_csr(columns, counts, tile, h, slots, deterministic):
@@ -83,7 +84,7 @@ def _assert_csr(offsets, entries, ref_offsets, ref_entries, deterministic):
     n = int(ref_offsets[-1])
     got = entries[:n].long()
     if deterministic:
-        assert torch.equal(got, ref_entries), "entries of a unit not in flat slot order"
+        assert torch.equal(got, ref_entries), "entries of a unit not in token order"
     else:
         for j in range(len(ref_offsets) - 1):
             a, b = int(ref_offsets[j]), int(ref_offsets[j + 1])
@@ -352,11 +353,17 @@ def test_slots_by_unit_moves_coefficients_into_entry_order(dtype, gated, determi
     m, d, h, tile, slots = 33, 16, 100, 32, 4
     prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=6)
     offsets, entries, coefficients = (t.cpu() for t in _unit_major(prob, gated, h, tile, deterministic))
-    ref = _reference_csr(prob["columns"], prob["counts"], prob["overflow"], tile, h)
-    _assert_csr(offsets, entries, *ref, deterministic)
+    ref_offsets, ref_entries, ref_flat = _reference_csr(prob["columns"], prob["counts"], prob["overflow"],
+                                                        tile, h, with_slots=True)
+    _assert_csr(offsets, entries, ref_offsets, ref_entries, deterministic)
     n = int(offsets[-1])
     assert coefficients.shape == (3 if gated else 2, prob["values"].numel()) and n > 0
-    flat = entries[:n].long()
+    # the slot of each entry: (unit, token) names it
+    units = torch.repeat_interleave(torch.arange(h), offsets[1:] - offsets[:-1])
+    slot_of = torch.full((prob["x"].shape[0], h), -1, dtype=torch.int64)
+    slot_of[ref_entries, torch.repeat_interleave(torch.arange(h), ref_offsets[1:] - ref_offsets[:-1])] = ref_flat
+    flat = slot_of[entries[:n].long(), units]
+    assert (flat >= 0).all()
     s = {k: v.reshape(-1)[flat] for k, v in prob["slots"].items()}
     p = prob["values"].reshape(-1)[flat].float()
     want = [s["dg"], p * s["u"], s["du"]] if gated else [s["dg"], p]

@@ -19,9 +19,9 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
 
 1. `slots_by_unit`: a CSR over units of the valid slots of ordinary rows.
        offsets  [H + 1]              index dtype; offsets[H] = number of entries E (on the device)
-       entries  [M * n_tiles * slots] index dtype; entries[offsets[j]:offsets[j+1]] are the flat
-                                     slot indices (m * n_tiles + t) * slots + k of unit j; entries
-                                     past E are unspecified
+       entries  [M * n_tiles * slots] index dtype; entries[offsets[j]:offsets[j+1]] are the tokens
+                                     (rows m) of the slots of unit j (the weight-gradient kernel
+                                     gathers x[m], dy[m]); entries past E are unspecified
        coefficients [n, M * n_tiles * slots] fp32 (when asked for): the weight-gradient
                                      coefficients of entry e in column e: row 0 dg, row 1 h (p u
                                      gated, p non-gated), row 2 du (gated only)
@@ -42,7 +42,7 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
        turns it into each block's starting cursor per unit; then one program per block walks its
        rows in order with plain loads/stores of its own cursors and a barrier between rows. Each
        row holds a unit at most once, so within a unit the entries come out in ascending token
-       order, which is ascending flat slot index: the result does not depend on scheduling. Cost
+       order (ascending flat slot index): the result does not depend on scheduling. Cost
        over the fast path: a [n_blocks, H] index scratch (<= 1024 * H * 4 bytes: 23 MB at H =
        5632), a cumsum over it, and a scatter whose programs are serial over their rows (~1-2 µs
        of dependent load latency per row, so ~ rows_per_block µs: ~100 µs at M = 65536, untimed);
@@ -214,7 +214,7 @@ def _unit_scatter_kernel(
     BLOCK_T: tl.constexpr,        # tiles per step (power of two)
     BLOCK_S: tl.constexpr,        # slots per step (power of two)
 ):
-    """entries[cursor[j]++] = flat slot index, for every valid slot (unit j) of the ordinary rows
+    """entries[cursor[j]++] = row m, for every valid slot (unit j) of the ordinary rows m =
     pid * rows_per_program ... SERIAL: the program's own cursor row, plain loads and stores, one
     row after the other (a row holds each unit at most once; the barrier orders rows). Otherwise
     one shared cursor row and atomics. COEFFICIENTS: the slot's weight-gradient coefficients, read
@@ -241,7 +241,8 @@ def _unit_scatter_kernel(
                         tl.store(cursor_row + unit, pos + 1, mask=valid)
                     else:
                         pos = tl.atomic_add(cursor_row + unit, 1, mask=valid, sem="relaxed")
-                    tl.store(entries_ptr + pos, flat.to(entries_ptr.dtype.element_ty), mask=valid)
+                    tl.store(entries_ptr + pos, tl.full(pos.shape, m64, entries_ptr.dtype.element_ty),
+                             mask=valid)
                     if COEFFICIENTS > 0:
                         tl.store(dg_out_ptr + pos, tl.load(dg_ptr + flat, mask=valid), mask=valid)
                         p = tl.load(values_ptr + flat, mask=valid).to(tl.float32)
@@ -298,7 +299,7 @@ def _three_term_rows(rows, first: tl.constexpr, c, other, LOW: tl.constexpr):
 def _unit_weight_grads_kernel(
     x_ptr, dy_ptr, dg_ptr, h_ptr, du_ptr, offsets_ptr, entries_ptr, order_ptr,
     grad_gate_ptr, grad_up_ptr, grad_down_ptr,
-    D, H, n_groups, row_slots,
+    D, H, n_groups,
     stride_xm, stride_dym, stride_gg, stride_gu, stride_gd,
     GATED: tl.constexpr,          # three gradients from (dg, du, h = p u); False: two from (dg, h = p)
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides of x, dy
@@ -350,8 +351,7 @@ def _unit_weight_grads_kernel(
         end = tl.sum(tl.where(at, end_of, 0), 0)
         unit_done = tl.sum(tl.where(at, last_of, 0), 0) == i + 1  # the unit's last step
         live = e0 + lanes < end  # [BLOCK_E]
-        flat = tl.load(entries_ptr + e0 + lanes, mask=live, other=0)  # [BLOCK_E] flat slot indices
-        m = (flat // row_slots).to(tl.int64)  # [BLOCK_E] token of each entry
+        m = tl.load(entries_ptr + e0 + lanes, mask=live, other=0).to(tl.int64)  # [BLOCK_E] tokens
         if EVEN_D:
             rmask = live[:, None]  # [BLOCK_E, 1]
         else:
@@ -444,7 +444,7 @@ class UnitMajor(NamedTuple):
     """The valid slots of the ordinary rows grouped by unit (module docstring, step 1).
 
     offsets       [H + 1]             index dtype; offsets[H] = E, the number of entries (on device)
-    entries       [capacity]          index dtype; flat slot indices, unit j's at offsets[j]:offsets[j+1]
+    entries       [capacity]          index dtype; tokens (rows), unit j's at offsets[j]:offsets[j+1]
     coefficients  [n, capacity] fp32  entry order (None when not asked for): row 0 dg, row 1 h (p u
                                       gated, p non-gated), row 2 du (gated only)
     capacity = M * n_tiles * slots (E is unknown on the host); entries past E are unspecified."""
@@ -486,7 +486,7 @@ def slots_by_unit(
     module docstring), and, when `coefficients` is given, the weight-gradient coefficients of each
     entry moved into entry order in the same pass (read token-major, contiguous: the weight-gradient
     kernel then reads them contiguously per unit). deterministic=True orders each unit's entries by
-    flat slot index (bitwise reproducible); False leaves the order to the atomics. All on columns'
+    token (bitwise reproducible); False leaves the order to the atomics. All on columns'
     device, indices int32 (int64 when M * n_tiles * slots >= 2**31); no host synchronisation."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
@@ -657,7 +657,7 @@ def unit_weight_grads(
     _unit_weight_grads_kernel[grid](
         x, dy, coef[0], coef[1], coef[2] if gated else coef[0], offsets, entries, order,
         grad_gate_out if gated else grad_up_out, grad_up_out, grad_down_t_out,
-        d, h, n_groups, n_tiles * slots,
+        d, h, n_groups,
         x.stride(0), dy.stride(0), (grad_gate_out if gated else grad_up_out).stride(0),
         grad_up_out.stride(0), grad_down_t_out.stride(0),
         **_unit_grads_constexprs(config, d, gated=gated, aligned=aligned,
@@ -710,7 +710,7 @@ def sm90_compile_specs(with_options: bool = False):
             "du_ptr": "*fp32", "offsets_ptr": f"*{index}",
             "entries_ptr": f"*{index}", "order_ptr": "*i64",
             "grad_gate_ptr": "*fp32", "grad_up_ptr": "*fp32", "grad_down_ptr": "*fp32",
-            "D": "i32", "H": "i32", "n_groups": "i32", "row_slots": "i32",
+            "D": "i32", "H": "i32", "n_groups": "i32",
             "stride_xm": "i32", "stride_dym": "i32", "stride_gg": "i32", "stride_gu": "i32",
             "stride_gd": "i32",
         }

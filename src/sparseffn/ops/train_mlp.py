@@ -23,7 +23,7 @@ Saved for backward: the TwELL of p, u per slot, row flags — no dense [M, H] te
                                    moved into entry order), then per unit dWg[j], dWu[j], dWd^T[j]
                                    gathered from x and dy rows (fp32)
     6. kernels/dense_rows_mlp_backward.py   flagged rows: dx, and their weight-gradient terms added
-Weight gradients accumulate in fp32 and are rounded to the weights' dtype once.
+Weight gradients accumulate in fp32 and are rounded to the weights' dtype once (kernels/round_grads.py).
 
 Both halves are `torch.library` custom ops (`sparseffn::sparse_mlp_train_fwd` / `_bwd`) with fake
 implementations, and the forward has a registered autograd formula, so torch.compile, export and other
@@ -40,6 +40,7 @@ import torch
 from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
 from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
 from sparseffn.kernels.gate_twell import gate_twell
+from sparseffn.kernels.round_grads import round_rows
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.unit_grads import SlotCoefficients, slots_by_unit, unit_weight_grads
 from sparseffn.ops.dispatch import eager_call
@@ -155,11 +156,11 @@ def _train_backward(
     # Round each fp32 accumulator and free it before the next is rounded: the peak holds three fp32
     # accumulators and one rounded gradient, not all six.
     del down_t
-    d_gate = grad_gate.to(gate_weight.dtype) if gated else x.new_empty(0)
+    d_gate = round_rows(grad_gate, gate_weight.dtype) if gated else x.new_empty(0)
     del grad_gate
-    d_up = grad_up.to(up_weight.dtype)
+    d_up = round_rows(grad_up, up_weight.dtype)
     del grad_up
-    d_down = grad_down_t.t().to(down_weight.dtype, memory_format=torch.contiguous_format)  # one pass: cast + transpose
+    d_down = round_rows(grad_down_t, down_weight.dtype, transpose=True)  # one pass: round + transpose
     return dx, d_gate, d_up, d_down
 
 
