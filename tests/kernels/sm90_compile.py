@@ -31,7 +31,7 @@ REQUIRED = {
     "unit_grads._unit_histogram_kernel",
     "unit_grads._unit_scatter_kernel",
     "unit_grads._unit_weight_grads_kernel",
-    "round_grads._round_rows_kernel",
+    "convert._convert_kernel",
     "dense_rows_mlp_backward._dense_rows_mlp_backward_dx_kernel",
     "dense_rows_mlp_backward._dense_rows_mlp_backward_dw_kernel",
     "rms_norm._rms_norm_forward_kernel", "rms_norm._rms_norm_backward_kernel", "rope._rope_kernel",

@@ -273,6 +273,25 @@ def test_unit_weight_grads_match_reference(shape, gated, deterministic):
             assert (out[3] == 0).all(), "a unit without entries must be overwritten with 0"
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_unit_weight_grads_with_different_row_strides(gated):
+    """x a row-strided view, dy contiguous: each gather takes its own row offsets (the shared
+    int32 offset of equal strides would read dy's rows at x's stride); bitwise the shared path's
+    result on contiguous copies."""
+    m, d, h, tile, slots = 40, 64, 160, 64, 16
+    prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, gated, seed=12)
+    unit_major = _unit_major(prob, gated, h, tile, True)
+    outs = [torch.full((h, d), float("nan"), device=DEVICE) for _ in range(3)]
+    unit_weight_grads(_strided(prob["x"]).to(DEVICE), prob["dy"].to(DEVICE), unit_major,
+                      n_tiles=prob["values"].shape[1], slots=slots, gated=gated,
+                      grad_gate_out=outs[0] if gated else None, grad_up_out=outs[1], grad_down_t_out=outs[2])
+    got = [o.cpu() for o in (outs if gated else outs[1:])]
+    _assert_grads(got, prob, gated)
+    want = [o for o in _run_grads(prob, gated, unit_major) if o is not None]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_deterministic_weight_grads_are_bitwise_reproducible():
     """deterministic=True, run twice from the packing on: bitwise equal gradients (and equal to
     the fast path's within fp32 rounding)."""
@@ -466,7 +485,7 @@ def test_sm90_compile_specs_cover_launcher_variants():
     assert names == {"_unit_histogram_kernel", "_unit_scatter_kernel", "_unit_weight_grads_kernel"}
     assert {(c["SERIAL"], c["COEFFICIENTS"]) for fn, _, c, _ in specs if "SERIAL" in c} == {
         (serial, n) for serial in (True, False) for n in (0, 1, 2)}
-    grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"])
+    grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"], c["SHARED_ROWS"])
              for fn, s, c, _ in specs if fn.__name__ == "_unit_weight_grads_kernel"}
     assert len(grads) == 16
     for fn, s, c, options in specs:  # the launcher's pipelining and register cap are compiled too

@@ -303,6 +303,8 @@ def _unit_weight_grads_kernel(
     stride_xm, stride_dym, stride_gg, stride_gu, stride_gd,
     GATED: tl.constexpr,          # three gradients from (dg, du, h = p u); False: two from (dg, h = p)
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides of x, dy
+    SHARED_ROWS: tl.constexpr,    # x and dy have one row stride and M * stride < 2**31: one int32
+                                  # row offset per entry serves both gathers
     EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D on the gathers
     BLOCK_E: tl.constexpr,        # entries (token rows) per step, >= 16 (the MMA's K)
     BLOCK_D: tl.constexpr,        # gradient columns per program (the D slice), >= 16
@@ -351,13 +353,18 @@ def _unit_weight_grads_kernel(
         end = tl.sum(tl.where(at, end_of, 0), 0)
         unit_done = tl.sum(tl.where(at, last_of, 0), 0) == i + 1  # the unit's last step
         live = e0 + lanes < end  # [BLOCK_E]
-        m = tl.load(entries_ptr + e0 + lanes, mask=live, other=0).to(tl.int64)  # [BLOCK_E] tokens
+        m = tl.load(entries_ptr + e0 + lanes, mask=live, other=0)  # [BLOCK_E] tokens
         if EVEN_D:
             rmask = live[:, None]  # [BLOCK_E, 1]
         else:
             rmask = live[:, None] & mask_d[None, :]  # [BLOCK_E, BLOCK_D]
-        x_rows = x_ptr + m * stride_xm  # [BLOCK_E]
-        dy_rows = dy_ptr + m * stride_dym
+        if SHARED_ROWS:
+            row = m.to(tl.int32) * stride_xm  # [BLOCK_E] int32
+            x_rows = x_ptr + row
+            dy_rows = dy_ptr + row
+        else:
+            x_rows = x_ptr + m.to(tl.int64) * stride_xm  # [BLOCK_E]
+            dy_rows = dy_ptr + m.to(tl.int64) * stride_dym
         if ALIGNED:
             x_rows = tl.multiple_of(x_rows, 16)
             dy_rows = tl.multiple_of(dy_rows, 16)
@@ -581,9 +588,9 @@ def default_unit_grads_config(d: int) -> UnitGradsConfig:
     return UnitGradsConfig(block_e=32, block_d=block_d, num_warps=8 if block_d >= 256 else 4)
 
 
-def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, aligned: bool,
+def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, aligned: bool, shared_rows: bool,
                            dot_in_fp32: bool) -> dict[str, object]:
-    return dict(GATED=gated, ALIGNED=aligned, EVEN_D=d % config.block_d == 0,
+    return dict(GATED=gated, ALIGNED=aligned, SHARED_ROWS=shared_rows, EVEN_D=d % config.block_d == 0,
                 BLOCK_E=config.block_e, BLOCK_D=config.block_d,
                 UNITS=config.units_per_program, DOT_IN_FP32=dot_in_fp32)
 
@@ -650,6 +657,7 @@ def unit_weight_grads(
     aligned = (d % 8 == 0 and config.block_d >= 8
                and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                        for t in (x, dy)))
+    shared_rows = x.stride(0) == dy.stride(0) and m * x.stride(0) < 2**31
     # longest-processing-time order: the unit with the most entries first (stable: reproducible)
     order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
     n_groups = cdiv(h, config.units_per_program)
@@ -660,7 +668,7 @@ def unit_weight_grads(
         d, h, n_groups,
         x.stride(0), dy.stride(0), (grad_gate_out if gated else grad_up_out).stride(0),
         grad_up_out.stride(0), grad_down_t_out.stride(0),
-        **_unit_grads_constexprs(config, d, gated=gated, aligned=aligned,
+        **_unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=shared_rows,
                                  dot_in_fp32=interpreting()),
         **_unit_grads_options(config),
     )
@@ -676,8 +684,8 @@ def sm90_compile_specs(with_options: bool = False):
     coefficients, with the non-gated and with the gated ones: bf16 values with int32 indices, fp16
     with int64), and the weight-
     gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64 entries, D = 2048 (aligned,
-    the default config: BLOCK_D 256, 7 stages, 128-register cap) and D = 100 (unaligned, masked
-    along D), with the launcher's options."""
+    one shared int32 row offset, the default config: BLOCK_D 256, 7 stages, 128-register cap) and
+    D = 100 (unaligned, masked along D, separate int64 row offsets), with the launcher's options."""
     specs = []
 
     def add(fn, signature, constexprs, options):
@@ -715,6 +723,7 @@ def sm90_compile_specs(with_options: bool = False):
             "stride_gd": "i32",
         }
         add(_unit_weight_grads_kernel, signature,
-            _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, dot_in_fp32=False),
+            _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=aligned,
+                                   dot_in_fp32=False),
             _unit_grads_options(config))
     return specs

@@ -23,7 +23,7 @@ Saved for backward: the TwELL of p, u per slot, row flags — no dense [M, H] te
                                    moved into entry order), then per unit dWg[j], dWu[j], dWd^T[j]
                                    gathered from x and dy rows (fp32)
     6. kernels/dense_rows_mlp_backward.py   flagged rows: dx, and their weight-gradient terms added
-Weight gradients accumulate in fp32 and are rounded to the weights' dtype once (kernels/round_grads.py).
+Weight gradients accumulate in fp32 and are rounded to the weights' dtype once (kernels/convert.py).
 
 Both halves are `torch.library` custom ops (`sparseffn::sparse_mlp_train_fwd` / `_bwd`) with fake
 implementations, and the forward has a registered autograd formula, so torch.compile, export and other
@@ -40,7 +40,7 @@ import torch
 from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
 from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
 from sparseffn.kernels.gate_twell import gate_twell
-from sparseffn.kernels.round_grads import round_rows
+from sparseffn.kernels.convert import convert
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.unit_grads import SlotCoefficients, slots_by_unit, unit_weight_grads
 from sparseffn.ops.dispatch import eager_call
@@ -77,7 +77,7 @@ def _train_forward(
     first = gate_weight if gated else up_weight
     values, columns, counts = gate_twell(x, first, threshold, tile=tile, slots=slots)
     row_flags = torch.empty(m, dtype=torch.bool, device=x.device)
-    down_t = down_weight.t().contiguous()
+    down_t = convert(down_weight, down_weight.dtype, transpose=True)
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     u_slots = _empty_slots(x, values.shape[1], slots) if gated else x.new_empty(0, dtype=torch.float32)
     row_l1 = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -135,7 +135,7 @@ def _train_backward(
     n_tiles = values.shape[1]
     gate_weight, up_weight = _aligned(gate_weight), _aligned(up_weight)
     dy = dy.contiguous()
-    down_t = down_weight.t().contiguous()  # again, not saved: a weight-sized copy per layer would outlive forward
+    down_t = convert(down_weight, down_weight.dtype, transpose=True)  # again, not saved: a weight-sized copy per layer would outlive forward
     dx = torch.empty_like(x)
     du_slots = _empty_slots(x, n_tiles, slots) if gated else None
     dg_slots = _empty_slots(x, n_tiles, slots)
@@ -156,11 +156,11 @@ def _train_backward(
     # Round each fp32 accumulator and free it before the next is rounded: the peak holds three fp32
     # accumulators and one rounded gradient, not all six.
     del down_t
-    d_gate = round_rows(grad_gate, gate_weight.dtype) if gated else x.new_empty(0)
+    d_gate = convert(grad_gate, gate_weight.dtype) if gated else x.new_empty(0)
     del grad_gate
-    d_up = round_rows(grad_up, up_weight.dtype)
+    d_up = convert(grad_up, up_weight.dtype)
     del grad_up
-    d_down = round_rows(grad_down_t, down_weight.dtype, transpose=True)  # one pass: round + transpose
+    d_down = convert(grad_down_t, down_weight.dtype, transpose=True)  # one pass: round + transpose
     return dx, d_gate, d_up, d_down
 
 
