@@ -558,10 +558,10 @@ class UnitGradsConfig:
 
     block_e: int = 32            # entries (gathered token rows) per step
     block_d: int = 256           # gradient columns per program (the D slice)
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 7          # software pipeline (7 -> 3 shared-memory buffers of x / dy rows)
     units_per_program: int = 8   # units per program (UNITS)
-    max_regs: int | None = 128   # register cap per thread (ptxas .maxnreg); None: no cap
+    max_regs: int | None = None  # register cap per thread (ptxas .maxnreg); None: no cap
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_e", "block_d", "num_warps", "num_stages", "units_per_program"),
@@ -571,21 +571,23 @@ class UnitGradsConfig:
 
 @functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_unit_grads_config(d: int) -> UnitGradsConfig:
-    """D % 8 == 0: 32 entries per step; a 256-column slice on 8 warps (x + dy slices of 1 KB per
-    token: 16 MB at M = 16384, in the H200's L2); 7 stages = 3 buffers of [32, 256] x and dy rows
-    (96 KB shared memory); 8 units per program; registers capped at 128 so that two programs fit
-    an SM (2 x 256 threads x 128 = the 64 K register file, 2 x 101 KB of the 228 KB shared memory):
-    2 x 2 steps x 32 KB = 128 KB of gathers in flight per SM. Smaller D: one slice of
-    next_power_of_2(D) (>= 16) on 4 warps. D % 8 != 0 (element loads: nothing to pipeline, one
-    address register per element): 16 x 64 steps, 4 warps, 1 stage, no cap. Not timed on a GPU
-    yet. ptxas (sm_90a, D = 2048): 163-164 registers uncapped (1 program per SM); at the cap 128,
-    no spills for bf16 gated / non-gated and fp16 non-gated, 12 bytes for fp16 gated with int32
-    entries (none with int64); ~102 KB shared memory. D = 100: 101-128 registers, no spills."""
+    """D % 8 == 0: 32 entries per step; a 256-column slice (x + dy slices of 1 KB per token: 16 MB
+    at M = 16384, in the H200's L2) on 4 warps; 7 stages = 3 buffers of [32, 256] x and dy rows
+    (96 KB shared memory); 8 units per program; no register cap (ptxas, sm_90a, D = 2048: 196-204
+    registers, no spills; ~101 KB shared memory: two programs per SM). The kernel is issue-bound
+    (ncu at M = 16384: 7.2 cycles per issued instruction and 4 warps per scheduler, L2 throughput
+    33%), and much of a step's work (the step -> unit reductions, the coefficients' three-term
+    split, the A operands) is repeated by every warp, so fewer warps did better on the H200
+    (benchmarks/sweep_unit_grads.py at M = 16384, D = 2048; results/h200/unit_grads_sweep.txt):
+    4 warps uncapped 0.97 ms; 8 warps capped at 128 registers 1.08 ms, uncapped 1.31 ms; 4 warps
+    capped at 168 1.02 ms; 16 / 4 units per program 1.10 / 1.12 ms; 4 / 10 stages 1.05 / 1.50 ms
+    (8 warps). Smaller D: one slice of next_power_of_2(D) (>= 16). D % 8 != 0 (element loads:
+    nothing to pipeline, one address register per element): 16 x 64 steps, 1 stage (a correctness
+    path, not timed)."""
     if d % 8:
         return UnitGradsConfig(block_e=16, block_d=min(64, max(16, next_power_of_2(d))),
                                num_warps=4, num_stages=1, max_regs=None)
-    block_d = min(256, max(16, next_power_of_2(d)))
-    return UnitGradsConfig(block_e=32, block_d=block_d, num_warps=8 if block_d >= 256 else 4)
+    return UnitGradsConfig(block_e=32, block_d=min(256, max(16, next_power_of_2(d))), num_warps=4, max_regs=None)
 
 
 def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, aligned: bool, shared_rows: bool,
@@ -684,7 +686,7 @@ def sm90_compile_specs(with_options: bool = False):
     coefficients, with the non-gated and with the gated ones: bf16 values with int32 indices, fp16
     with int64), and the weight-
     gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64 entries, D = 2048 (aligned,
-    one shared int32 row offset, the default config: BLOCK_D 256, 7 stages, 128-register cap) and
+    one shared int32 row offset, the default config: BLOCK_D 256, 4 warps, 7 stages) and
     D = 100 (unaligned, masked along D, separate int64 row offsets), with the launcher's options."""
     specs = []
 

@@ -1,0 +1,57 @@
+"""Time `unit_weight_grads` under several launch configs on the inputs of one real training step.
+
+Not part of the package: `python3 benchmarks/sweep_unit_grads.py [M] [GIT_SHA]` on the GPU machine.
+The inputs (x, dy, the unit-major CSR with its coefficients) are captured from one sparse training
+step of the synthetic D = 2048 / H = 5632 MLP at mean nnz 29; each config is checked against the
+first one (max relative difference of the three gradients) and timed with triton's do_bench.
+"""
+
+import sys
+
+import torch
+import triton
+
+import sparseffn.ops.train_mlp as train_mlp
+from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.kernels.unit_grads import UnitGradsConfig, unit_weight_grads
+from sparseffn.ops.sparse_mlp import sparse_mlp
+
+m = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
+sha = sys.argv[2] if len(sys.argv) > 2 else "unknown"
+mlp = synthetic_mlp(m, 2048, 5632, 29, device="cuda")
+params = [t.detach().clone().requires_grad_() for t in (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)]
+dy = torch.randn(m, 2048, device="cuda", dtype=mlp.x.dtype)
+captured = {}
+
+
+def capture(*args, **kwargs):
+    captured["args"], captured["kwargs"] = args, kwargs
+    return unit_weight_grads(*args, **kwargs)
+
+
+train_mlp.unit_weight_grads = capture
+y, l1 = sparse_mlp(*params, mode="sparse", return_l1=True)
+torch.autograd.grad([y, l1], params, [dy, torch.ones((), device="cuda")])
+args, kwargs = captured["args"], captured["kwargs"]
+outs = [kwargs["grad_gate_out"], kwargs["grad_up_out"], kwargs["grad_down_t_out"]]
+
+C = UnitGradsConfig
+configs = [
+    C(num_warps=8, max_regs=128), C(num_warps=4, max_regs=None), C(num_warps=4, max_regs=168),
+    C(num_warps=8, max_regs=128, units_per_program=16), C(num_warps=8, max_regs=128, units_per_program=4),
+    C(num_warps=8, max_regs=128, num_stages=4), C(num_warps=8, max_regs=128, num_stages=10),
+    C(num_warps=8, max_regs=128, block_e=16, num_stages=10), C(num_warps=8, block_e=64, num_stages=4, max_regs=None),
+    C(num_warps=4, block_d=128, max_regs=128), C(num_warps=4, block_d=128, max_regs=None),
+    C(num_warps=8, max_regs=None),
+]
+print(f"{torch.cuda.get_device_name()}, git {sha}, M = {m}, D = 2048, H = 5632, nnz 29; do_bench median")
+base = None
+for config in configs:
+    def run(config=config):
+        unit_weight_grads(*args, **{**kwargs, "config": config})
+    run()
+    torch.cuda.synchronize()
+    result = [o.clone() for o in outs]
+    base = base or result
+    diff = max(((r - b).abs().max() / b.abs().max()).item() for r, b in zip(result, base))
+    print(f"{1e3 * triton.testing.do_bench(run, warmup=5, rep=60):8.1f} us  diff {diff:.1e}  {config}", flush=True)
