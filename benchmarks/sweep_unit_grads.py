@@ -1,9 +1,11 @@
-"""Time `unit_weight_grads` under several launch configs on the inputs of one real training step.
+"""Time `unit_weight_grads` under several launch configs, and `slots_by_unit` at several warp counts,
+on the inputs of one real training step.
 
 Not part of the package: `python3 benchmarks/sweep_unit_grads.py [M] [GIT_SHA]` on the GPU machine.
-The inputs (x, dy, the unit-major CSR with its coefficients) are captured from one sparse training
-step of the synthetic D = 2048 / H = 5632 MLP at mean nnz 29; each config is checked against the
-first one (max relative difference of the three gradients) and timed with triton's do_bench.
+The inputs (x, dy, the unit-major CSR with its coefficients; columns, counts and the per-slot
+coefficients) are captured from one sparse training step of the synthetic D = 2048 / H = 5632 MLP at
+mean nnz 29; each config is checked against the first one (max relative difference of the three
+gradients; equal offsets) and timed with triton's do_bench (L2 flushed between runs).
 """
 
 import sys
@@ -13,7 +15,8 @@ import triton
 
 import sparseffn.ops.train_mlp as train_mlp
 from sparseffn.bench.synthetic import synthetic_mlp
-from sparseffn.kernels.unit_grads import UnitGradsConfig, unit_weight_grads
+from sparseffn.kernels import unit_grads
+from sparseffn.kernels.unit_grads import UnitGradsConfig, slots_by_unit, unit_weight_grads
 from sparseffn.ops.sparse_mlp import sparse_mlp
 
 m = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
@@ -29,13 +32,21 @@ def capture(*args, **kwargs):
     return unit_weight_grads(*args, **kwargs)
 
 
-train_mlp.unit_weight_grads = capture
+def capture_slots(*args, **kwargs):
+    captured["slots"] = args, kwargs
+    return slots_by_unit(*args, **kwargs)
+
+
+train_mlp.unit_weight_grads, train_mlp.slots_by_unit = capture, capture_slots
 y, l1 = sparse_mlp(*params, mode="sparse", return_l1=True)
 torch.autograd.grad([y, l1], params, [dy, torch.ones((), device="cuda")])
 args, kwargs = captured["args"], captured["kwargs"]
 outs = [kwargs["grad_gate_out"], kwargs["grad_up_out"], kwargs["grad_down_t_out"]]
 
-C = UnitGradsConfig
+def C(**fields):  # every field but the default D slice spelled out (defaults change)
+    return UnitGradsConfig(**{"block_e": 32, "num_stages": 7, "units_per_program": 8, **fields})
+
+
 configs = [
     C(num_warps=8, max_regs=128), C(num_warps=4, max_regs=None), C(num_warps=4, max_regs=168),
     C(num_warps=8, max_regs=128, units_per_program=16), C(num_warps=8, max_regs=128, units_per_program=4),
@@ -43,6 +54,10 @@ configs = [
     C(num_warps=8, max_regs=128, block_e=16, num_stages=10), C(num_warps=8, block_e=64, num_stages=4, max_regs=None),
     C(num_warps=4, block_d=128, max_regs=128), C(num_warps=4, block_d=128, max_regs=None),
     C(num_warps=8, max_regs=None),
+    # 4 warps, uncapped
+    *(C(num_warps=4, max_regs=None, num_stages=s) for s in (4, 5, 10)),
+    *(C(num_warps=4, max_regs=None, units_per_program=u) for u in (4, 16)),
+    C(num_warps=4, max_regs=None, block_e=64, num_stages=4),
 ]
 print(f"{torch.cuda.get_device_name()}, git {sha}, M = {m}, D = 2048, H = 5632, nnz 29; do_bench median")
 base = None
@@ -55,3 +70,11 @@ for config in configs:
     base = base or result
     diff = max(((r - b).abs().max() / b.abs().max()).item() for r, b in zip(result, base))
     print(f"{1e3 * triton.testing.do_bench(run, warmup=5, rep=60):8.1f} us  diff {diff:.1e}  {config}", flush=True)
+
+slot_args, slot_kwargs = captured["slots"]
+want = slots_by_unit(*slot_args, **slot_kwargs).offsets
+for warps in (4, 2, 1):
+    unit_grads._SLOT_WARPS = warps
+    same = torch.equal(slots_by_unit(*slot_args, **slot_kwargs).offsets, want)
+    ms = triton.testing.do_bench(lambda: slots_by_unit(*slot_args, **slot_kwargs), warmup=5, rep=60)
+    print(f"slots_by_unit on {warps} warps: {1e3 * ms:7.1f} us (the whole call), offsets equal {same}", flush=True)

@@ -466,7 +466,7 @@ def test_config_validation_and_default():
     with pytest.raises(ValueError, match="max_regs"):
         UnitGradsConfig(max_regs=300)
     assert default_unit_grads_config(2048) == UnitGradsConfig(
-        block_e=32, block_d=256, num_warps=4, num_stages=7, units_per_program=8, max_regs=None)
+        block_e=32, block_d=256, num_warps=4, num_stages=5, units_per_program=8, max_regs=None)
     assert default_unit_grads_config(100) == UnitGradsConfig(
         block_e=16, block_d=64, num_warps=4, num_stages=1, max_regs=None)
     assert default_unit_grads_config(40).block_d == 64 and default_unit_grads_config(40).num_warps == 4

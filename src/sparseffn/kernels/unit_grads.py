@@ -92,9 +92,11 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    unit of a token reads them.
    Pipeline. The flat loop is software-pipelined by Triton (num_stages): the entry indices are
    fetched with cp.async two steps ahead, the row gathers X, DY (16-byte vectors when ALIGNED) and
-   the coefficients one step later into a ring of shared-memory buffers (num_stages 7 -> 3 buffers:
-   2 steps, 64 KB at BLOCK_E 32, BLOCK_D 256, in flight per program while the MMAs of the current
-   step run), so the gather latency is overlapped without holding tiles in registers. Bytes moved:
+   the coefficients one step later into a ring of shared-memory buffers (num_stages 5 -> 2 buffers:
+   one step, 32 KB at BLOCK_E 32, BLOCK_D 256, in flight per program while the MMAs of the current
+   step run; 7 -> 3 buffers, two steps), so the gather latency is overlapped without holding tiles
+   in registers. The depth hardly matters on the H200 (the kernel is issue-bound, see
+   `default_unit_grads_config`: 4 / 5 / 7 stages 0.955 / 0.952 / 0.974 ms at M = 16384). Bytes moved:
    2 rows of BLOCK_D per entry and slice, gathered from L2 (dead lanes of a partial step move
    nothing), and 12 (gated) / 8 bytes of coefficients per entry and slice, read contiguously: ~4 GB
    per call at M = 16384, D = 2048, 475k entries.
@@ -146,7 +148,8 @@ __all__ = [
 _MAX_DET_BLOCKS = 1024  # deterministic slots_by_unit: row blocks at most ([n_blocks, H] scratch)
 _MIN_DET_ROWS = 16      # ... and rows per block at least
 _SLOT_LANES = 2048      # [BLOCK_T, BLOCK_S] slots per step of the slot kernels
-_SLOT_WARPS = 4
+_SLOT_WARPS = 2        # one row per program, ~29 valid slots: small programs, more rows in flight per SM
+                       # (H200, M = 16384, cold L2: slots_by_unit 0.215 ms on 2 warps, 0.316 ms on 4)
 _S_FLOOR: tl.constexpr = tl.constexpr(7.888609052210118e-31)  # 2^-100: fp16 scales start here
 
 
@@ -559,7 +562,7 @@ class UnitGradsConfig:
     block_e: int = 32            # entries (gathered token rows) per step
     block_d: int = 256           # gradient columns per program (the D slice)
     num_warps: int = 4
-    num_stages: int = 7          # software pipeline (7 -> 3 shared-memory buffers of x / dy rows)
+    num_stages: int = 5          # software pipeline (5 -> 2 shared-memory buffers of x / dy rows)
     units_per_program: int = 8   # units per program (UNITS)
     max_regs: int | None = None  # register cap per thread (ptxas .maxnreg); None: no cap
 
@@ -572,16 +575,17 @@ class UnitGradsConfig:
 @functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_unit_grads_config(d: int) -> UnitGradsConfig:
     """D % 8 == 0: 32 entries per step; a 256-column slice (x + dy slices of 1 KB per token: 16 MB
-    at M = 16384, in the H200's L2) on 4 warps; 7 stages = 3 buffers of [32, 256] x and dy rows
-    (96 KB shared memory); 8 units per program; no register cap (ptxas, sm_90a, D = 2048: 196-204
-    registers, no spills; ~101 KB shared memory: two programs per SM). The kernel is issue-bound
+    at M = 16384, in the H200's L2) on 4 warps; 5 stages = 2 buffers of [32, 256] x and dy rows
+    (64 KB shared memory); 8 units per program; no register cap (ptxas, sm_90a, D = 2048: ~200
+    registers, no spills; ~68 KB shared memory: two programs per SM). The kernel is issue-bound
     (ncu at M = 16384: 7.2 cycles per issued instruction and 4 warps per scheduler, L2 throughput
     33%), and much of a step's work (the step -> unit reductions, the coefficients' three-term
     split, the A operands) is repeated by every warp, so fewer warps did better on the H200
     (benchmarks/sweep_unit_grads.py at M = 16384, D = 2048; results/h200/unit_grads_sweep.txt):
     4 warps uncapped 0.97 ms; 8 warps capped at 128 registers 1.08 ms, uncapped 1.31 ms; 4 warps
     capped at 168 1.02 ms; 16 / 4 units per program 1.10 / 1.12 ms; 4 / 10 stages 1.05 / 1.50 ms
-    (8 warps). Smaller D: one slice of next_power_of_2(D) (>= 16). D % 8 != 0 (element loads:
+    (8 warps); at 4 warps, 4 / 5 / 7 / 10 stages 0.955 / 0.952 / 0.974 / 1.42 ms, 4 / 16 units per
+    program 0.99 / 0.97 ms, 64 entries per step on 4 stages 0.952 ms. Smaller D: one slice of next_power_of_2(D) (>= 16). D % 8 != 0 (element loads:
     nothing to pipeline, one address register per element): 16 x 64 steps, 1 stage (a correctness
     path, not timed)."""
     if d % 8:
@@ -686,7 +690,7 @@ def sm90_compile_specs(with_options: bool = False):
     coefficients, with the non-gated and with the gated ones: bf16 values with int32 indices, fp16
     with int64), and the weight-
     gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64 entries, D = 2048 (aligned,
-    one shared int32 row offset, the default config: BLOCK_D 256, 4 warps, 7 stages) and
+    one shared int32 row offset, the default config: BLOCK_D 256, 4 warps, 5 stages) and
     D = 100 (unaligned, masked along D, separate int64 row offsets), with the launcher's options."""
     specs = []
 
