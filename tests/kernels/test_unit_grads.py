@@ -28,7 +28,7 @@ from sparseffn.kernels.unit_grads import (
     default_unit_grads_config,
     sm90_compile_specs,
     SlotCoefficients,
-    UnitMajor,
+    SlotsByUnit,
     slots_by_unit,
     unit_weight_grads,
 )
@@ -203,7 +203,7 @@ def _grad_problem(m, d, h, tile, slots, dtype, gated, seed, hot=(), spread=0):
                 slots=per_slot, dense=dense)
 
 
-def _unit_major(prob, gated, h, tile, deterministic):
+def _by_unit(prob, gated, h, tile, deterministic):
     """slots_by_unit of the problem's packing, with its coefficients, on DEVICE."""
     n_tiles, slots = prob["values"].shape[1:]
     s = {k: v.to(DEVICE) for k, v in prob["slots"].items()}
@@ -213,16 +213,16 @@ def _unit_major(prob, gated, h, tile, deterministic):
                          slots=slots, deterministic=deterministic, coefficients=coefficients)
 
 
-def _run_grads(prob, gated, unit_major, strided=False, config=None):
+def _run_grads(prob, gated, by_unit, strided=False, config=None):
     m, d = prob["x"].shape
     n_tiles, slots = prob["values"].shape[1:]
-    h = unit_major.offsets.shape[0] - 1
+    h = by_unit.offsets.shape[0] - 1
     outs = [torch.full((h, d), float("nan"), device=DEVICE) for _ in range(3)]
     if not gated:
         outs[0] = None
     x, dy = (_strided(prob["x"]), _strided(prob["dy"])) if strided else (prob["x"], prob["dy"])
     unit_weight_grads(
-        x.to(DEVICE), dy.to(DEVICE), unit_major, n_tiles=n_tiles, slots=slots,
+        x.to(DEVICE), dy.to(DEVICE), by_unit, n_tiles=n_tiles, slots=slots,
         gated=gated, grad_gate_out=outs[0], grad_up_out=outs[1], grad_down_t_out=outs[2],
         config=config)
     return [None if o is None else o.cpu() for o in outs]
@@ -263,10 +263,10 @@ def _assert_grads(outs, prob, gated):
 def test_unit_weight_grads_match_reference(shape, gated, deterministic):
     m, d, h, tile, slots, dtype, strided, config = shape
     prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=m + d + h)
-    unit_major = _unit_major(prob, gated, h, tile, deterministic)
-    offsets = unit_major.offsets.cpu()
+    by_unit = _by_unit(prob, gated, h, tile, deterministic)
+    offsets = by_unit.offsets.cpu()
     assert (offsets[1:] == offsets[:-1])[3].item(), "unit 3 should have no entries"
-    outs = _run_grads(prob, gated, unit_major, strided, config)
+    outs = _run_grads(prob, gated, by_unit, strided, config)
     _assert_grads(outs, prob, gated)
     for out in outs:
         if out is not None:
@@ -280,14 +280,14 @@ def test_unit_weight_grads_with_different_row_strides(gated):
     result on contiguous copies."""
     m, d, h, tile, slots = 40, 64, 160, 64, 16
     prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, gated, seed=12)
-    unit_major = _unit_major(prob, gated, h, tile, True)
+    by_unit = _by_unit(prob, gated, h, tile, True)
     outs = [torch.full((h, d), float("nan"), device=DEVICE) for _ in range(3)]
-    unit_weight_grads(_strided(prob["x"]).to(DEVICE), prob["dy"].to(DEVICE), unit_major,
+    unit_weight_grads(_strided(prob["x"]).to(DEVICE), prob["dy"].to(DEVICE), by_unit,
                       n_tiles=prob["values"].shape[1], slots=slots, gated=gated,
                       grad_gate_out=outs[0] if gated else None, grad_up_out=outs[1], grad_down_t_out=outs[2])
     got = [o.cpu() for o in (outs if gated else outs[1:])]
     _assert_grads(got, prob, gated)
-    want = [o for o in _run_grads(prob, gated, unit_major) if o is not None]
+    want = [o for o in _run_grads(prob, gated, by_unit) if o is not None]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -299,25 +299,25 @@ def test_deterministic_weight_grads_are_bitwise_reproducible():
     prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, True, seed=21)
     runs = []
     for _ in range(2):
-        runs.append(_run_grads(prob, True, _unit_major(prob, True, h, tile, True)))
+        runs.append(_run_grads(prob, True, _by_unit(prob, True, h, tile, True)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    for a, b in zip(runs[0], _run_grads(prob, True, _unit_major(prob, True, h, tile, False))):
+    for a, b in zip(runs[0], _run_grads(prob, True, _by_unit(prob, True, h, tile, False))):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_grad_tolerance_rejects_a_missing_entry():
     m, d, h, tile, slots = 12, 64, 100, 64, 16
     prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, True, seed=4)
-    unit_major = _unit_major(prob, True, h, tile, True)
-    _assert_grads(_run_grads(prob, True, unit_major), prob, True)
-    offsets = unit_major.offsets.cpu()
+    by_unit = _by_unit(prob, True, h, tile, True)
+    _assert_grads(_run_grads(prob, True, by_unit), prob, True)
+    offsets = by_unit.offsets.cpu()
     j = int(torch.argmax((offsets[1:] - offsets[:-1]).float()))
     e = int(offsets[j])
-    entries, coefficients = unit_major.entries.clone(), unit_major.coefficients.clone()
+    entries, coefficients = by_unit.entries.clone(), by_unit.coefficients.clone()
     entries[e], coefficients[:, e] = entries[e + 1], coefficients[:, e + 1]  # an entry counted twice
     with pytest.raises(AssertionError):
-        _assert_grads(_run_grads(prob, True, UnitMajor(unit_major.offsets, entries, coefficients)), prob, True)
+        _assert_grads(_run_grads(prob, True, SlotsByUnit(by_unit.offsets, entries, coefficients)), prob, True)
 
 
 # several steps per unit (hot units), units of one program of every length, D off the slice width
@@ -338,11 +338,11 @@ def test_unit_weight_grads_hot_units_wide_range(dtype, gated, config):
     scaling would overflow and flush them. Same tolerances as everywhere."""
     m, d, h, tile, slots = 72, 48, 64, 32, 8
     prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=5, hot=(0, 1, 2, 40), spread=30)
-    unit_major = _unit_major(prob, gated, h, tile, True)
-    offsets = unit_major.offsets.cpu()
+    by_unit = _by_unit(prob, gated, h, tile, True)
+    offsets = by_unit.offsets.cpu()
     n = offsets[1:] - offsets[:-1]
     assert int(n.max()) > 2 * config.block_e and int((n == 0).sum()) >= 2
-    outs = _run_grads(prob, gated, unit_major, config=config)
+    outs = _run_grads(prob, gated, by_unit, config=config)
     _assert_grads(outs, prob, gated)
 
 
@@ -353,11 +353,11 @@ def test_single_entry_units_are_exact_to_fp32_rounding(dtype):
     (<= 3 * 2^-24 relative). A two-term hi + lo split (~2^-17 .. 2^-16 relative) fails this."""
     m, d, h, tile, slots = 24, 64, 100, 64, 16
     prob = _grad_problem(m, d, h, tile, slots, dtype, True, seed=8, spread=12)
-    unit_major = _unit_major(prob, True, h, tile, True)
-    offsets = unit_major.offsets.cpu()
+    by_unit = _by_unit(prob, True, h, tile, True)
+    offsets = by_unit.offsets.cpu()
     single = (offsets[1:] - offsets[:-1]) == 1
     assert int(single.sum()) >= 5
-    outs = _run_grads(prob, True, unit_major)
+    outs = _run_grads(prob, True, by_unit)
     for out, (name, ref, _, _) in zip(outs, _grad_references(prob, True)):
         err = (out.double() - ref)[single].abs()
         assert (err <= 2.0**-22 * ref[single].abs() + 1e-45).all(), f"{name}: {err.max():.3g}"
@@ -371,7 +371,7 @@ def test_slots_by_unit_moves_coefficients_into_entry_order(dtype, gated, determi
     for bit; the CSR itself is the one built without them."""
     m, d, h, tile, slots = 33, 16, 100, 32, 4
     prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=6)
-    offsets, entries, coefficients = (t.cpu() for t in _unit_major(prob, gated, h, tile, deterministic))
+    offsets, entries, coefficients = (t.cpu() for t in _by_unit(prob, gated, h, tile, deterministic))
     ref_offsets, ref_entries, ref_flat = _reference_csr(prob["columns"], prob["counts"], prob["overflow"],
                                                         tile, h, with_slots=True)
     _assert_csr(offsets, entries, ref_offsets, ref_entries, deterministic)
@@ -419,16 +419,16 @@ def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
 ])
 def test_unit_weight_grads_input_errors(change, error, match):
     args = dict(_grad_args(), **change)
-    unit_major = UnitMajor(args.pop("offsets"), args.pop("entries"), args.pop("coefficients"))
+    by_unit = SlotsByUnit(args.pop("offsets"), args.pop("entries"), args.pop("coefficients"))
     with pytest.raises(error, match=match):
-        unit_weight_grads(unit_major=unit_major, **args)
+        unit_weight_grads(by_unit=by_unit, **args)
 
 
-def test_unit_weight_grads_takes_only_a_unit_major():
+def test_unit_weight_grads_takes_only_a_by_unit():
     args = _grad_args()
     plain = (args.pop("offsets"), args.pop("entries"), args.pop("coefficients"))
-    with pytest.raises(TypeError, match="unit_major must be a UnitMajor"):
-        unit_weight_grads(unit_major=plain, **args)
+    with pytest.raises(TypeError, match="by_unit must be a SlotsByUnit"):
+        unit_weight_grads(by_unit=plain, **args)
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -540,11 +540,11 @@ def test_training_path_matches_autograd(gated):
     l1_grad = torch.tensor([lam / m], device=DEVICE)
     twell_train_backward(dev(dy), *fields, u_out, dev(gate), dev(up), dev(down_t), l1_grad,
                          tile=tile, gated=gated, dx_out=dx, du_out=du, dg_out=dg)
-    unit_major = slots_by_unit(fields[1], fields[2], tile=tile, h=h, slots=slots, deterministic=True,
+    by_unit = slots_by_unit(fields[1], fields[2], tile=tile, h=h, slots=slots, deterministic=True,
                                coefficients=SlotCoefficients(fields[0], dg, u_out, du))
     grads = [torch.zeros(h, d, device=DEVICE) if gated else None,
              torch.zeros(h, d, device=DEVICE), torch.zeros(h, d, device=DEVICE)]
-    unit_weight_grads(dev(x), dev(dy), unit_major,
+    unit_weight_grads(dev(x), dev(dy), by_unit,
                       n_tiles=n_tiles, slots=slots, gated=gated, grad_gate_out=grads[0],
                       grad_up_out=grads[1], grad_down_t_out=grads[2])
 

@@ -138,7 +138,7 @@ from sparseffn.kernels.twell_train import _check, _check_gated
 __all__ = [
     "SlotCoefficients",
     "UnitGradsConfig",
-    "UnitMajor",
+    "SlotsByUnit",
     "default_unit_grads_config",
     "sm90_compile_specs",
     "slots_by_unit",
@@ -450,7 +450,7 @@ class SlotCoefficients(NamedTuple):
     du_slots: torch.Tensor | None = None
 
 
-class UnitMajor(NamedTuple):
+class SlotsByUnit(NamedTuple):
     """The valid slots of the ordinary rows grouped by unit (module docstring, step 1).
 
     offsets       [H + 1]             index dtype; offsets[H] = E, the number of entries (on device)
@@ -491,7 +491,7 @@ def slots_by_unit(
     slots: int,
     deterministic: bool,
     coefficients: SlotCoefficients | None = None,
-) -> UnitMajor:
+) -> SlotsByUnit:
     """The valid slots of the ordinary rows of a TwELL activation grouped by unit (CSR, see the
     module docstring), and, when `coefficients` is given, the weight-gradient coefficients of each
     entry moved into entry order in the same pass (read token-major, contiguous: the weight-gradient
@@ -521,7 +521,7 @@ def slots_by_unit(
     entries = torch.empty(n, dtype=index, device=dev)
     coef = torch.empty(n_coef, n, dtype=torch.float32, device=dev) if n_coef else None
     if m == 0:
-        return UnitMajor(offsets, entries, coef)
+        return SlotsByUnit(offsets, entries, coef)
     rows_per_block = _det_rows_per_block(m) if deterministic else m
     n_blocks = cdiv(m, rows_per_block)
     hist = torch.zeros(n_blocks, h, dtype=index, device=dev)  # [n_blocks, H] per-block counts
@@ -547,7 +547,7 @@ def slots_by_unit(
     _unit_scatter_kernel[grid](columns, counts, cursor, entries, *moved, m, h, n_tiles, tile, slots,
                                rows_per_program, SERIAL=deterministic, COEFFICIENTS=max(n_coef - 1, 0),
                                **meta)
-    return UnitMajor(offsets, entries, coef)
+    return SlotsByUnit(offsets, entries, coef)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -611,7 +611,7 @@ def _unit_grads_options(config: UnitGradsConfig) -> dict[str, object]:
 def unit_weight_grads(
     x: torch.Tensor,
     dy: torch.Tensor,
-    unit_major: UnitMajor,
+    by_unit: SlotsByUnit,
     *,
     n_tiles: int,
     slots: int,
@@ -632,9 +632,9 @@ def unit_weight_grads(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     _check(dy, "dy", (m, d), x.dtype, dev, unit_stride=True)
-    if not isinstance(unit_major, UnitMajor):
-        raise TypeError(f"unit_major must be a UnitMajor (from slots_by_unit), got {type(unit_major).__name__}")
-    offsets, entries, coef = unit_major
+    if not isinstance(by_unit, SlotsByUnit):
+        raise TypeError(f"by_unit must be a SlotsByUnit (from slots_by_unit), got {type(by_unit).__name__}")
+    offsets, entries, coef = by_unit
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dim() != 1 or offsets.shape[0] < 2:
@@ -645,7 +645,7 @@ def unit_weight_grads(
     _check(offsets, "offsets", (h + 1,), index, dev, contiguous=True)
     _check(entries, "entries", (capacity,), index, dev, contiguous=True)
     if coef is None:
-        raise ValueError("unit_major.coefficients is None: build it with slots_by_unit(..., coefficients=...)")
+        raise ValueError("by_unit.coefficients is None: build it with slots_by_unit(..., coefficients=...)")
     _check(coef, "coefficients", (3 if gated else 2, capacity), torch.float32, dev, contiguous=True)
     if not gated and grad_gate_out is not None:
         raise ValueError(f"grad_gate_out must be None when gated=False, got a {type(grad_gate_out).__name__}")

@@ -142,15 +142,15 @@ def _train_backward(
     twell_train_backward(dy, values, columns, counts, u_slots if gated else None, gate_weight, up_weight, down_t,
                          l1_grad, tile=tile, gated=gated, dx_out=dx, du_out=du_slots, dg_out=dg_slots)
     coefficients = SlotCoefficients(values, dg_slots, u_slots if gated else None, du_slots)
-    unit_major = slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic,
+    by_unit = slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic,
                                coefficients=coefficients)
-    del coefficients, du_slots, dg_slots  # moved into unit_major's entry order
+    del coefficients, du_slots, dg_slots  # moved into by_unit's entry order
     grad_gate = torch.empty(h, d, dtype=torch.float32, device=x.device) if gated else None
     grad_up = torch.empty(h, d, dtype=torch.float32, device=x.device)
     grad_down_t = torch.empty(h, d, dtype=torch.float32, device=x.device)
-    unit_weight_grads(x, dy, unit_major, n_tiles=n_tiles, slots=slots, gated=gated, grad_gate_out=grad_gate,
+    unit_weight_grads(x, dy, by_unit, n_tiles=n_tiles, slots=slots, gated=gated, grad_gate_out=grad_gate,
                       grad_up_out=grad_up, grad_down_t_out=grad_down_t)
-    del unit_major
+    del by_unit
     dense_rows_mlp_backward(x, dy, row_flags, gate_weight, up_weight, down_t, threshold, l1_grad, dx_out=dx,
                             grad_gate_acc=grad_gate, grad_up_acc=grad_up, grad_down_t_acc=grad_down_t)
     # Round each fp32 accumulator and free it before the next is rounded: the peak holds three fp32
