@@ -292,6 +292,37 @@ def test_unit_weight_grads_with_different_row_strides(gated):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_unmasked_gathers_match_masked_ones(gated):
+    """D = 64 in 64-column slices gathers without masks (dead lanes read token 0's rows, with zero
+    coefficients); a 128-column slice masks them: the same sums (to fp32 rounding: the interpreter's
+    matmul may order its products by shape), and token 0's huge row leaks into no unit."""
+    m, d, h, tile, slots = 40, 64, 160, 64, 16
+    prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, gated, seed=14)
+    prob["x"][0] = 1e30  # large but finite: zero coefficients still cancel it exactly
+    by_unit = _by_unit(prob, gated, h, tile, True)
+    unmasked = _run_grads(prob, gated, by_unit, config=UnitGradsConfig(block_d=64))
+    masked = _run_grads(prob, gated, by_unit, config=UnitGradsConfig(block_d=128))
+    _assert_grads(unmasked, prob, gated)
+    for a, b in zip(unmasked, masked):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
+
+
+def test_unit_weight_grads_without_tokens_writes_zeros():
+    h, d, n_tiles, slots = 100, 64, 2, 4
+    x = torch.empty(0, d, dtype=torch.bfloat16, device=DEVICE)
+    by_unit = slots_by_unit(torch.empty(0, n_tiles, slots, dtype=torch.int16, device=DEVICE),
+                            torch.empty(0, n_tiles, dtype=torch.int32, device=DEVICE), tile=64, h=h,
+                            slots=slots, deterministic=False,
+                            coefficients=SlotCoefficients(*(torch.empty(0, n_tiles, slots, dtype=t, device=DEVICE)
+                                                            for t in (torch.bfloat16, torch.float32, torch.float32,
+                                                                      torch.float32))))
+    outs = [torch.full((h, d), float("nan"), device=DEVICE) for _ in range(3)]
+    unit_weight_grads(x, x.clone(), by_unit, n_tiles=n_tiles, slots=slots, gated=True, grad_gate_out=outs[0],
+                      grad_up_out=outs[1], grad_down_t_out=outs[2])
+    assert all((o == 0).all() for o in outs)
+
+
 def test_deterministic_weight_grads_are_bitwise_reproducible():
     """deterministic=True, run twice from the packing on: bitwise equal gradients (and equal to
     the fast path's within fp32 rounding)."""

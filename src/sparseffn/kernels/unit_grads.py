@@ -77,7 +77,10 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    only below 2^-39 * max|c| (c2 in fp16 subnormals), far under an fp32 rounding of the sum.
    bf16 needs no scale. Non-gated h = p is already in x's dtype: one row, exact. Non-finite
    coefficients give non-finite results (inf turns into NaN through c - c0; the old FMA loop gave
-   inf or NaN), as do inf / NaN in x or dy.
+   inf or NaN), as do inf / NaN in x or dy. When D % BLOCK_D == 0 the dead lanes of a unit's
+   partial last step gather token 0's rows unmasked (their coefficients are 0, so finite rows add
+   exact zeros: bitwise the masked result); a non-finite value in x[0] or dy[0] then reaches those
+   units too, as dense torch's GEMMs (0 * inf = NaN) spread it to every unit.
    Programs. Units run hottest first (a stable device argsort of the H counts: longest-processing-
    time order). The grid is (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes the sorted
    positions g, 2G-1-g, 2G+g, 4G-1-g, ... (a snake over rounds of G, so every program gets one unit
@@ -97,9 +100,12 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    step run; 7 -> 3 buffers, two steps), so the gather latency is overlapped without holding tiles
    in registers. The depth hardly matters on the H200 (the kernel is issue-bound, see
    `default_unit_grads_config`: 4 / 5 / 7 stages 0.955 / 0.952 / 0.974 ms at M = 16384). Bytes moved:
-   2 rows of BLOCK_D per entry and slice, gathered from L2 (dead lanes of a partial step move
-   nothing), and 12 (gated) / 8 bytes of coefficients per entry and slice, read contiguously: ~4 GB
-   per call at M = 16384, D = 2048, 475k entries.
+   2 rows of BLOCK_D per entry and slice, gathered from L2, and 12 (gated) / 8 bytes of
+   coefficients per entry and slice, read contiguously: ~4 GB per call at M = 16384, D = 2048, 475k
+   entries. With D % BLOCK_D == 0 the gathers are unmasked: the dead lanes of a partial step read
+   token 0's rows (L2-resident, ~14% more gathered bytes at the paper's density), which drops the
+   per-lane predicates (and 32 registers) from every step: the kernel is issue-bound, not
+   bandwidth-bound (ptxas, bf16 gated: 365 -> 297 instructions per warp and step).
    D % 8 != 0 or misaligned x / dy: element loads (cp.async needs 4 bytes), not pipelined, smaller
    tiles (a correctness path; real models have D % 8 == 0).
 
@@ -357,10 +363,6 @@ def _unit_weight_grads_kernel(
         unit_done = tl.sum(tl.where(at, last_of, 0), 0) == i + 1  # the unit's last step
         live = e0 + lanes < end  # [BLOCK_E]
         m = tl.load(entries_ptr + e0 + lanes, mask=live, other=0)  # [BLOCK_E] tokens
-        if EVEN_D:
-            rmask = live[:, None]  # [BLOCK_E, 1]
-        else:
-            rmask = live[:, None] & mask_d[None, :]  # [BLOCK_E, BLOCK_D]
         if SHARED_ROWS:
             row = m.to(tl.int32) * stride_xm  # [BLOCK_E] int32
             x_rows = x_ptr + row
@@ -371,9 +373,16 @@ def _unit_weight_grads_kernel(
         if ALIGNED:
             x_rows = tl.multiple_of(x_rows, 16)
             dy_rows = tl.multiple_of(dy_rows, 16)
-        # [BLOCK_E, BLOCK_D] gathered token rows in x's dtype (dead lanes move nothing and give 0)
-        xv = tl.load(x_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
-        dyv = tl.load(dy_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
+        # [BLOCK_E, BLOCK_D] gathered token rows in x's dtype. EVEN_D: no mask at all; a dead lane
+        # (m = 0 from the masked entry load) gathers row 0, which its zero coefficients cancel
+        # (module docstring, "Pipeline")
+        if EVEN_D:
+            xv = tl.load(x_rows[:, None] + offs_d[None, :])
+            dyv = tl.load(dy_rows[:, None] + offs_d[None, :])
+        else:
+            rmask = live[:, None] & mask_d[None, :]  # [BLOCK_E, BLOCK_D]
+            xv = tl.load(x_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
+            dyv = tl.load(dy_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
         # [BLOCK_E] fp32 coefficients, stored in entry order: contiguous per unit
         dg = tl.load(dg_ptr + e0 + lanes, mask=live, other=0.0)
         h = tl.load(h_ptr + e0 + lanes, mask=live, other=0.0)
@@ -576,8 +585,9 @@ class UnitGradsConfig:
 def default_unit_grads_config(d: int) -> UnitGradsConfig:
     """D % 8 == 0: 32 entries per step; a 256-column slice (x + dy slices of 1 KB per token: 16 MB
     at M = 16384, in the H200's L2) on 4 warps; 5 stages = 2 buffers of [32, 256] x and dy rows
-    (64 KB shared memory); 8 units per program; no register cap (ptxas, sm_90a, D = 2048: ~200
-    registers, no spills; ~68 KB shared memory: two programs per SM). The kernel is issue-bound
+    (64 KB shared memory); 8 units per program; no register cap (ptxas, sm_90a, D = 2048: 156-168
+    registers for bf16, 158-202 for fp16, no spills; ~68 KB shared memory: two programs per SM; D =
+    100: 102-134). The kernel is issue-bound
     (ncu at M = 16384: 7.2 cycles per issued instruction and 4 warps per scheduler, L2 throughput
     33%), and much of a step's work (the step -> unit reductions, the coefficients' three-term
     split, the A operands) is repeated by every warp, so fewer warps did better on the H200
@@ -663,6 +673,10 @@ def unit_weight_grads(
     aligned = (d % 8 == 0 and config.block_d >= 8
                and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                        for t in (x, dy)))
+    if m == 0:  # no token rows to gather (the kernel's dead lanes read row 0)
+        for _, t in grads:
+            t.zero_()
+        return
     shared_rows = x.stride(0) == dy.stride(0) and m * x.stride(0) < 2**31
     # longest-processing-time order: the unit with the most entries first (stable: reproducible)
     order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
