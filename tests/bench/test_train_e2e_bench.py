@@ -25,6 +25,12 @@ def test_train_bench_checks_gradients_and_writes_csv(tmp_path):
         assert float(row["grad_rel_err"]) < 0.05 and float(row["median_ms"]) > 0
     assert int(written[-1]["overflow_rows"]) > 0  # the dense case goes through the dense-rows backward
     assert train_table(written).count("| 64×256 |") == 2
+    assert "git abc." in train_table(written) and "| git |" not in train_table(written)
+    # rows of two runs (e.g. a rerun of one density): each row names its commit
+    mixed = train_table([dict(r, git_sha="def") if r["target_nnz"] == written[-1]["target_nnz"] else r
+                         for r in written])
+    assert "git abc, def (each row: last column)" in mixed and "| git |" in mixed
+    assert mixed.count(" abc |") == 1 and mixed.count(" def |") == 1
     pytest.importorskip("matplotlib")
     assert plot_train(written, tmp_path / "train.png").stat().st_size > 0
 

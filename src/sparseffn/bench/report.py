@@ -99,15 +99,18 @@ def train_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
     first = rows[0]
+    shas = list(dict.fromkeys(r["git_sha"] for r in rows))  # rows of several runs: each row says its own
+    mixed = len(shas) > 1
     header = (
-        f"{first['gpu']}, {first['dtype']}, torch {first['torch']}, triton {first['triton']}, git {first['git_sha']}. "
+        f"{first['gpu']}, {first['dtype']}, torch {first['torch']}, triton {first['triton']}, "
+        f"git {', '.join(shas)}{' (each row: last column)' if mixed else ''}. "
         "One step = forward + backward of the MLP block with the L1 penalty (gradients of x and the three "
         "weights). Speed-up = dense autograd time / time (median of CUDA-event timings, L2 flushed, same run, "
         "same inputs); peak = max memory allocated during the step above what was allocated before it. "
         "Error = max over the four gradients of ‖g − g_fp32‖ / ‖g_fp32‖.\n\n"
         "| D×H | mean nnz (max) | M | overflow rows | dense ms | compiled | sparse | dense peak MiB "
-        "| sparse peak / dense | sparse grad err | dense grad err |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|"
+        f"| sparse peak / dense | sparse grad err | dense grad err |{' git |' if mixed else ''}\n"
+        f"|---|---|---|---|---|---|---|---|---|---|---|{'---|' if mixed else ''}"
     )
     lines = [header]
     for (d, h, _, m), prov in _cases(rows).items():
@@ -120,7 +123,7 @@ def train_table(rows: list[dict]) -> str:
             f"| {float(dense['median_ms']):.3f} | {_times(compiled, 'speedup_vs_dense')} "
             f"| {_times(sparse, 'speedup_vs_dense')} | {float(dense['peak_mib']):.0f} "
             f"| {_times(sparse, 'peak_vs_dense')} | {sparse['grad_rel_err'] if sparse else '–'} "
-            f"| {row['dense_grad_rel_err']} |"
+            f"| {row['dense_grad_rel_err']} |" + (f" {row['git_sha']} |" if mixed else "")
         )
     return "\n".join(lines)
 
@@ -153,7 +156,7 @@ def plot_train(rows: list[dict], path: Path) -> Path:
             if ax.lines[1:]:
                 ax.legend(fontsize=7)
     gpu = rows[0]["gpu"] if rows else ""
-    fig.suptitle(f"sparseffn MLP training step, {gpu}, git {rows[0]['git_sha'] if rows else ''}")
+    fig.suptitle(f"sparseffn MLP training step, {gpu}, git {', '.join(dict.fromkeys(r['git_sha'] for r in rows))}")
     return save_figure(fig, path)
 
 
