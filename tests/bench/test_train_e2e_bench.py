@@ -50,7 +50,9 @@ def test_e2e_bench_runs_at_tiny_size_and_calibrates(tmp_path):
     forward = [r for r in written if r["phase"] == "forward"]
     for r in forward:
         assert abs(float(r["mlp_nnz"]) - 12) <= 1.2  # calibrated on the measured sequences: within 10%
-        assert float(r["tokens_per_ms"]) > 0 and 0 < float(r["mlp_share"]) < 1
+        # > 0 only: with one CPU rep each, the MLPs timed alone can take longer than the whole forward
+        # (a CI run measured a share of 1.91), so a bound would test the machine's noise
+        assert float(r["tokens_per_ms"]) > 0 and float(r["mlp_share"]) > 0
     for r in forward[1::2]:
         assert float(r["logits_rel_err"]) < 1e-5  # CPU: both providers run the same dense path
     table = e2e_table(written)
