@@ -17,7 +17,8 @@ Math, per ordinary (non-overflow) row m of x [M, D], over the valid slots (t, k)
 Products, u, h, dh, du, dg and the accumulations of y and dx are fp32; y and dx are rounded to the
 activation dtype once, at the store. Per-slot results (u in the forward; du, dg in the backward)
 are stored fp32 at the slot's own position (m, t, k) of a [M, n_tiles, slots] tensor, so later
-kernels read them by slot (the unit-major weight-gradient kernels of unit_grads.py included).
+kernels read them by slot (unit_grads.py's CSR scatter reads them token-major and moves them into
+its entry order for the weight-gradient kernel).
 Overflow rows (some `counts[m, t] > slots`, docs/format.md rule 3) are skipped: none of their
 output rows or slots is written (the dense-rows kernels own them). Unspecified slots are never read.
 
