@@ -583,21 +583,21 @@ class UnitGradsConfig:
 
 @functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
 def default_unit_grads_config(d: int) -> UnitGradsConfig:
-    """D % 8 == 0: 32 entries per step; a 256-column slice (x + dy slices of 1 KB per token: 16 MB
-    at M = 16384, in the H200's L2) on 4 warps; 5 stages = 2 buffers of [32, 256] x and dy rows
-    (64 KB shared memory); 8 units per program; no register cap (ptxas, sm_90a, D = 2048: 156-168
-    registers for bf16, 158-202 for fp16, no spills; ~68 KB shared memory: two programs per SM; D =
-    100: 102-134). The kernel is issue-bound
-    (ncu at M = 16384: 7.2 cycles per issued instruction and 4 warps per scheduler, L2 throughput
-    33%), and much of a step's work (the step -> unit reductions, the coefficients' three-term
-    split, the A operands) is repeated by every warp, so fewer warps did better on the H200
+    """D % 8 == 0: 32 entries per step; a 256-column slice (x + dy slices of 1 KB per token: 16
+    MB at M = 16384, in the H200's L2) on 4 warps; 5 stages = 2 buffers of [32, 256] x and dy
+    rows (64 KB shared memory); 8 units per program; no register cap (ptxas, sm_90a, D = 2048:
+    156-168 registers for bf16, 158-202 for fp16, no spills; ~68 KB shared memory: two programs
+    per SM; D = 100: 102-134). The kernel is issue-bound (ncu at M = 16384, then on 8 warps: 7.2
+    cycles per issued instruction with 4 warps per scheduler, L2 throughput 33%), and much of a
+    step's work (the step -> unit reductions, the coefficients' three-term split, the A
+    operands) is repeated by every warp, so fewer warps did better on the H200
     (benchmarks/sweep_unit_grads.py at M = 16384, D = 2048; results/h200/unit_grads_sweep.txt):
     4 warps uncapped 0.97 ms; 8 warps capped at 128 registers 1.08 ms, uncapped 1.31 ms; 4 warps
     capped at 168 1.02 ms; 16 / 4 units per program 1.10 / 1.12 ms; 4 / 10 stages 1.05 / 1.50 ms
-    (8 warps); at 4 warps, 4 / 5 / 7 / 10 stages 0.955 / 0.952 / 0.974 / 1.42 ms, 4 / 16 units per
-    program 0.99 / 0.97 ms, 64 entries per step on 4 stages 0.952 ms. Smaller D: one slice of next_power_of_2(D) (>= 16). D % 8 != 0 (element loads:
-    nothing to pipeline, one address register per element): 16 x 64 steps, 1 stage (a correctness
-    path, not timed)."""
+    (8 warps); at 4 warps, 4 / 5 / 7 / 10 stages 0.955 / 0.952 / 0.974 / 1.42 ms, 4 / 16 units
+    per program 0.99 / 0.97 ms, 64 entries per step on 4 stages 0.952 ms. Smaller D: one slice
+    of next_power_of_2(D) (>= 16). D % 8 != 0 (element loads: nothing to pipeline, one address
+    register per element): 16 x 64 steps, 1 stage (a correctness path, not timed)."""
     if d % 8:
         return UnitGradsConfig(block_e=16, block_d=min(64, max(16, next_power_of_2(d))),
                                num_warps=4, num_stages=1, max_regs=None)
