@@ -572,7 +572,7 @@ def test_training_path_matches_autograd(gated):
     twell_train_backward(dev(dy), *fields, u_out, dev(gate), dev(up), dev(down_t), l1_grad,
                          tile=tile, gated=gated, dx_out=dx, du_out=du, dg_out=dg)
     by_unit = slots_by_unit(fields[1], fields[2], tile=tile, h=h, slots=slots, deterministic=True,
-                               coefficients=SlotCoefficients(fields[0], dg, u_out, du))
+                            coefficients=SlotCoefficients(fields[0], dg, u_out, du))
     grads = [torch.zeros(h, d, device=DEVICE) if gated else None,
              torch.zeros(h, d, device=DEVICE), torch.zeros(h, d, device=DEVICE)]
     unit_weight_grads(dev(x), dev(dy), by_unit,

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import torch
 
+from sparseffn.kernels.convert import convert
 from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
 from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
 from sparseffn.kernels.gate_twell import gate_twell
-from sparseffn.kernels.convert import convert
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.unit_grads import SlotCoefficients, slots_by_unit, unit_weight_grads
 from sparseffn.ops.dispatch import eager_call
@@ -143,7 +143,7 @@ def _train_backward(
                          l1_grad, tile=tile, gated=gated, dx_out=dx, du_out=du_slots, dg_out=dg_slots)
     coefficients = SlotCoefficients(values, dg_slots, u_slots if gated else None, du_slots)
     by_unit = slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic,
-                               coefficients=coefficients)
+                            coefficients=coefficients)
     del coefficients, du_slots, dg_slots  # moved into by_unit's entry order
     grad_gate = torch.empty(h, d, dtype=torch.float32, device=x.device) if gated else None
     grad_up = torch.empty(h, d, dtype=torch.float32, device=x.device)
