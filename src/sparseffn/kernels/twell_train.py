@@ -84,9 +84,8 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2
-from sparseffn.kernels.row_split import (gather_pieces, launch_args, listed_row, prepare_launch, split_signature,
-                                        splits)
-from sparseffn.kernels.twell_up_down import _load_counts
+from sparseffn.kernels.row_split import gather_pieces, launch_args, prepare_launch, split_signature, splits
+from sparseffn.kernels.twell_up_down import _load_counts, _piece_head, _row_nnz
 
 __all__ = [
     "TwellTrainConfig",
@@ -102,19 +101,6 @@ _MAX_BLOCK_D = 8192
 
 # ----------------------------------------------------------------------------------------------------
 # kernels
-
-
-@triton.jit
-def _row_scan(counts_row, cnt0, n_tiles, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
-    """(largest count, number of valid slots if ordinary) of a row whose first counts segment
-    [BLOCK_T] is cnt0; further segments are loaded when n_tiles > BLOCK_T."""
-    worst = tl.max(cnt0, 0)
-    nnz = tl.sum(cnt0, 0)
-    for t0 in range(BLOCK_T, n_tiles, BLOCK_T):
-        seg = _load_counts(counts_row, t0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
-        worst = tl.maximum(worst, tl.max(seg, 0))
-        nnz += tl.sum(seg, 0)
-    return worst, nnz
 
 
 @triton.jit
@@ -340,24 +326,11 @@ def _ordinary_row(counts_ptr, split_flags_ptr, m64, n_tiles, slots, SPLIT: tl.co
     (the dense-rows path owns the row) or, with SPLIT, a listed row (its pieces write it)."""
     counts_row = counts_ptr + m64 * n_tiles
     cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)  # [BLOCK_T] int32
-    worst, nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)
+    worst, nnz = _row_nnz(counts_row, cnt0, True, n_tiles, BLOCK_T, EVICT)
     ordinary = worst <= slots
     if SPLIT:
         ordinary = ordinary & (tl.load(split_flags_ptr + m64) == 0)
     return ordinary, counts_row, cnt0, nnz
-
-
-@triton.jit
-def _piece_head(pid, counts_ptr, split_ids_ptr, split_state_ptr, split_cap, max_pieces, n_tiles,
-                PIECE: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
-    """(work, i, piece, m, counts row, first counts segment, nnz, first slot) of piece program pid
-    (row_split.py); `work` says the list has the row and the row has slots in this piece."""
-    listed, i, piece, m64 = listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces)
-    counts_row = counts_ptr + m64 * n_tiles  # row 0 when not listed: read, never used
-    cnt0 = _load_counts(counts_row, 0, n_tiles, listed, BLOCK_T, EVICT)
-    nnz = _row_scan(counts_row, cnt0, n_tiles, BLOCK_T, EVICT)[1]
-    b0 = piece * PIECE
-    return listed & (b0 < nnz), i, piece, m64, counts_row, cnt0, nnz, b0
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -68,8 +68,7 @@ and writes the row. The price: a few small buffers, one memset and the classific
 Reuse across tokens (not implemented; on the synthetic activations of DESIGN.md §4 reading each
 unit once per group of tokens would save 3% of the row reads at 8 tokens, 34% at 128): tokens of
 a program are processed one after the other, so a hot unit shared by them is re-read (from L1 at
-best). The exact
-reuse variant would, per tile, take the union of the BLOCK_M tokens' columns (callers sort/group
+best). The exact reuse variant would, per tile, take the union of the BLOCK_M tokens' columns (callers sort/group
 tokens so unions stay small), load each union unit's [2, D] row once into a [BLOCK_U, D] chunk, and
 compute U = X[BLOCK_M, D] @ Wu_chunk^T and Y += (P ⊙ U)[BLOCK_M, BLOCK_U] @ Wd_chunk with tl.dot,
 P being the scattered [BLOCK_M, BLOCK_U] slice of the activation (zeros where a token does not use
@@ -282,12 +281,23 @@ def _row_nnz(counts_row, cnt0, valid, n_tiles, BLOCK_T: tl.constexpr, EVICT: tl.
     worst = tl.max(cnt0, 0)
     nnz = tl.sum(cnt0, 0)
     for t0 in range(BLOCK_T, n_tiles, BLOCK_T):  # further counts segments (n_tiles > BLOCK_T)
-        tiles = t0 + tl.arange(0, BLOCK_T)
-        seg = tl.load(counts_row + tiles, mask=(tiles < n_tiles) & valid, other=0,
-                      eviction_policy="evict_first" if EVICT else "")
+        seg = _load_counts(counts_row, t0, n_tiles, valid, BLOCK_T, EVICT)  # [BLOCK_T] int32
         worst = tl.maximum(worst, tl.max(seg, 0))
         nnz += tl.sum(seg, 0)
     return worst, nnz
+
+
+@triton.jit
+def _piece_head(pid, counts_ptr, split_ids_ptr, split_state_ptr, split_cap, max_pieces, n_tiles,
+                PIECE: tl.constexpr, BLOCK_T: tl.constexpr, EVICT: tl.constexpr):
+    """(work, i, piece, m, counts row, first counts segment, nnz, first slot) of piece program pid
+    (row_split.py); `work` says the list has the row and the row has slots in this piece."""
+    listed, i, piece, m64 = listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces)
+    counts_row = counts_ptr + m64 * n_tiles  # row 0 when not listed: read, never used
+    cnt0 = _load_counts(counts_row, 0, n_tiles, listed, BLOCK_T, EVICT)
+    nnz = _row_nnz(counts_row, cnt0, listed, n_tiles, BLOCK_T, EVICT)[1]
+    b0 = piece * PIECE
+    return listed & (b0 < nnz), i, piece, m64, counts_row, cnt0, nnz, b0
 
 
 @triton.jit
@@ -317,36 +327,32 @@ def _split_piece(pid, x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, ou
                  BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr):
     """Piece program pid of the split rows (row_split.py): the piece's valid slots, its fp32 partial
     of y[m], and y[m] itself from the row's last piece to arrive, rounded once."""
-    listed, i, piece, m64 = listed_row(pid, split_ids_ptr, split_state_ptr, split_cap, max_pieces)
-    if listed:
-        counts_row = counts_ptr + m64 * n_tiles
-        cnt0 = _load_counts(counts_row, 0, n_tiles, True, BLOCK_T, EVICT)
-        nnz = _row_nnz(counts_row, cnt0, True, n_tiles, BLOCK_T, EVICT)[1]
-        b0 = piece * PIECE
-        if b0 < nnz:
-            x_row = x_ptr + m64 * stride_xm
+    work, i, piece, m64, counts_row, cnt0, nnz, b0 = _piece_head(
+        pid, counts_ptr, split_ids_ptr, split_state_ptr, split_cap, max_pieces, n_tiles, PIECE, BLOCK_T, EVICT)
+    if work:
+        x_row = x_ptr + m64 * stride_xm
+        if ALIGNED:
+            x_row = tl.multiple_of(x_row, 16)
+        if GATED:
+            xv = tl.load(x_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        else:
+            xv = tl.zeros([BLOCK_D], dtype=tl.float32)  # unused
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for b in range(b0, tl.minimum(nnz, b0 + PIECE), BLOCK_N):
+            t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b, nnz, True,
+                                       n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
+            pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
+            acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
+                                    weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
+                                    GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N,
+                                    BLOCK_D, PREFETCH, EVICT)
+        last, y, no_scalar = gather_pieces(partials_ptr, partials_ptr, i, piece, tl.cdiv(nnz, PIECE), max_pieces,
+                                           acc, 0.0, offs_d, mask_d, D, split_state_ptr, False)
+        if last:
+            out_row = out_ptr + m64 * stride_om
             if ALIGNED:
-                x_row = tl.multiple_of(x_row, 16)
-            if GATED:
-                xv = tl.load(x_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-            else:
-                xv = tl.zeros([BLOCK_D], dtype=tl.float32)  # unused
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for b in range(b0, tl.minimum(nnz, b0 + PIECE), BLOCK_N):
-                t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b, nnz, True,
-                                           n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
-                pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
-                acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
-                                        weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
-                                        GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N,
-                                        BLOCK_D, PREFETCH, EVICT)
-            last, y, no_scalar = gather_pieces(partials_ptr, partials_ptr, i, piece, tl.cdiv(nnz, PIECE), max_pieces,
-                                               acc, 0.0, offs_d, mask_d, D, split_state_ptr, False)
-            if last:
-                out_row = out_ptr + m64 * stride_om
-                if ALIGNED:
-                    out_row = tl.multiple_of(out_row, 16)
-                tl.store(out_row + offs_d, y.to(out_ptr.dtype.element_ty), mask=mask_d)
+                out_row = tl.multiple_of(out_row, 16)
+            tl.store(out_row + offs_d, y.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
@@ -531,7 +537,7 @@ def default_config(d: int) -> UpDownConfig:
     the compiler's register count.
 
     Measured (H200, bf16, D = 2048, H = 5632, 29 active units per token with a tail to ~370,
-    git ef09de9, .carry sweep): this config takes 0.147 / 0.489 / 1.932 ms at M = 4096 / 16384 /
+    git ef09de9, an ad-hoc sweep of these configs): this config takes 0.147 / 0.489 / 1.932 ms at M = 4096 / 16384 /
     65536, against 0.234 / 0.593 / 2.008 ms for the earlier default (no split, 96 registers) and
     0.211 / 0.558 / 1.926 ms for no split at 128 registers. The split kernel spills under the
     96-register cap: 0.180 / 0.611 / 2.433 ms there."""

@@ -137,7 +137,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import (
-    TL_DTYPES, cdiv, check_config_fields, check_matrix, interpreting, mma, next_power_of_2,
+    DTYPES, TL_DTYPES, cdiv, check_config_fields, check_matrix, interpreting, mma, next_power_of_2,
 )
 from sparseffn.kernels.twell_train import _check, _check_gated
 
@@ -478,7 +478,7 @@ def _check_coefficients(c: object, m: int, n_tiles: int, slots: int, device: tor
     if not isinstance(c, SlotCoefficients):
         raise TypeError(f"coefficients must be a SlotCoefficients or None, got {type(c).__name__}")
     shape = (m, n_tiles, slots)
-    if not isinstance(c.values, torch.Tensor) or c.values.dtype not in (torch.bfloat16, torch.float16):
+    if not isinstance(c.values, torch.Tensor) or c.values.dtype not in DTYPES:
         raise TypeError(f"coefficients.values must be a bf16 or fp16 tensor, got {c.values!r:.80}")
     _check(c.values, "coefficients.values", shape, c.values.dtype, device, contiguous=True)
     _check(c.dg_slots, "coefficients.dg_slots", shape, torch.float32, device, contiguous=True)

@@ -28,15 +28,16 @@ Weight gradients accumulate in fp32 and are rounded to the weights' dtype once (
 Both halves are `torch.library` custom ops (`sparseffn::sparse_mlp_train_fwd` / `_bwd`) with fake
 implementations, and the forward has a registered autograd formula, so torch.compile, export and other
 tracers see one opaque differentiable op. Eager calls run the same two implementations through a
-`torch.autograd.Function` instead, without the custom-op dispatch (ops/dispatch.py). Either way activation checkpointing (the recompute runs the same path)
-and DDP/FSDP (weights are ordinary tensors read only inside forward and backward) see ordinary
-differentiable calls.
+`torch.autograd.Function` instead, without the custom-op dispatch (ops/dispatch.py). Either way
+activation checkpointing (the recompute runs the same path) and DDP/FSDP (weights are ordinary tensors
+read only inside forward and backward) see ordinary differentiable calls.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sparseffn.kernels._runtime import cdiv
 from sparseffn.kernels.convert import convert
 from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
 from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
@@ -95,7 +96,7 @@ sparse_mlp_train_fwd = torch.library.custom_op("sparseffn::sparse_mlp_train_fwd"
 @sparse_mlp_train_fwd.register_fake
 def _(x, gate_weight, up_weight, down_weight, threshold, tile, slots):
     m, d = x.shape
-    n_tiles = -(-up_weight.shape[0] // tile)
+    n_tiles = cdiv(up_weight.shape[0], tile)
     u_rows = m if gate_weight is not None else 0
     return (
         x.new_empty(m, d),
@@ -135,7 +136,8 @@ def _train_backward(
     n_tiles = values.shape[1]
     gate_weight, up_weight = _aligned(gate_weight), _aligned(up_weight)
     dy = dy.contiguous()
-    down_t = convert(down_weight, down_weight.dtype, transpose=True)  # again, not saved: a weight-sized copy per layer would outlive forward
+    # again, not saved: a weight-sized copy per layer would outlive forward
+    down_t = convert(down_weight, down_weight.dtype, transpose=True)
     dx = torch.empty_like(x)
     du_slots = _empty_slots(x, n_tiles, slots) if gated else None
     dg_slots = _empty_slots(x, n_tiles, slots)
