@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, cdiv
+from sparseffn.kernels.launch import Launcher
 
 __all__ = ["convert", "sm90_compile_specs"]
 
@@ -53,6 +54,9 @@ def _convert_kernel(
         tl.store(dst_ptr + r64 * C + c64, v, mask=mask)
 
 
+_convert_launch = Launcher(_convert_kernel)
+
+
 def convert(src: torch.Tensor, dtype: torch.dtype, *, transpose: bool = False) -> torch.Tensor:
     """A new contiguous tensor of `dtype` (bf16 / fp16): src [R, C] (fp32, bf16 or fp16) rounded to
     nearest even, [R, C] or, with transpose=True, [C, R]."""
@@ -69,7 +73,7 @@ def convert(src: torch.Tensor, dtype: torch.dtype, *, transpose: bool = False) -
         src = src.contiguous()
     dst = torch.empty((c, r) if transpose else (r, c), dtype=dtype, device=src.device)
     if r and c:
-        _convert_kernel[(cdiv(r, _BLOCK), cdiv(c, _BLOCK))](
+        _convert_launch[(cdiv(r, _BLOCK), cdiv(c, _BLOCK))](
             src, dst, r, c, src.stride(0), TRANSPOSE=transpose, BLOCK_R=_BLOCK, BLOCK_C=_BLOCK,
             num_warps=_WARPS)
     return dst

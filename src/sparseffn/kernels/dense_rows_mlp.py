@@ -99,6 +99,7 @@ import triton.language as tl
 from sparseffn.kernels._runtime import (
     DTYPES, TL_DTYPES, cdiv, check_config_fields, interpreting, mma, next_power_of_2, num_sms,
 )
+from sparseffn.kernels.launch import Launcher
 
 __all__ = ["DenseRowsConfig", "default_config", "dense_rows_mlp", "sm90_compile_specs"]
 
@@ -125,6 +126,9 @@ def _compact_rows_kernel(flags_ptr, ids_ptr, count_ptr, M, stride_f, BLOCK: tl.c
         tl.store(ids_ptr + slot, rows, mask=keep != 0)
         total += tl.sum(keep, 0)
     tl.store(count_ptr, total)
+
+
+_compact_rows_launch = Launcher(_compact_rows_kernel)
 
 
 @triton.jit
@@ -273,6 +277,9 @@ def _dense_rows_mlp_kernel(
                   x_ptr, ids_ptr, first_ptr, up_ptr, down_ptr, threshold_ptr, out_ptr, row_l1_ptr,
                   D, H, stride_xm, stride_fh, stride_uh, stride_dh, stride_om, stride_l1,
                   GATED, HAS_THRESHOLD, WRITE_L1, ALIGNED, BLOCK_R, BLOCK_H, BLOCK_K, BLOCK_DY, DOT_IN_FP32)
+
+
+_dense_rows_mlp_launch = Launcher(_dense_rows_mlp_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -453,7 +460,7 @@ def dense_rows_mlp(
 
     ids = torch.empty(m, dtype=torch.int32, device=x.device)
     count = torch.empty(1, dtype=torch.int32, device=x.device)
-    _compact_rows_kernel[(1,)](row_flags, ids, count, m, row_flags.stride(0),
+    _compact_rows_launch[(1,)](row_flags, ids, count, m, row_flags.stride(0),
                                BLOCK=_COMPACT_BLOCK, num_warps=_COMPACT_WARPS)
 
     if d > 1 and x.stride(1) != 1:
@@ -481,7 +488,7 @@ def dense_rows_mlp(
     else:
         programs = _INTERPRETER_PROGRAMS
     grid = (min(worst, programs * config.programs_per_sm),)
-    _dense_rows_mlp_kernel[grid](
+    _dense_rows_mlp_launch[grid](
         x, ids, count, first, up_weight if gated else None, down_weight_t, threshold, out, row_l1,
         d, h,
         x.stride(0), first.stride(0), up_weight.stride(0), down_weight_t.stride(0), out.stride(0),

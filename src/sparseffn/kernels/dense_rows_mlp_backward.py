@@ -120,10 +120,11 @@ from sparseffn.kernels.dense_rows_mlp import (
     _COMPACT_WARPS,
     _INTERPRETER_PROGRAMS,
     _aligned_rows,
-    _compact_rows_kernel,
+    _compact_rows_launch,
     check_rows_and_weights,
     cuda_supported,
 )
+from sparseffn.kernels.launch import Launcher
 
 __all__ = [
     "DenseRowsBackwardConfig",
@@ -356,6 +357,9 @@ def _dense_rows_mlp_backward_dx_kernel(
                  GATED, HAS_THRESHOLD, HAS_L1, ALIGNED, BLOCK_R, BLOCK_H, BLOCK_K, BLOCK_DX, DOT_IN_FP32)
 
 
+_dense_rows_mlp_backward_dx_launch = Launcher(_dense_rows_mlp_backward_dx_kernel)
+
+
 @triton.jit
 def _accumulate(
     g_rows, h_ok, a_rows, row_ok, v, s_lo, s_hi, D,
@@ -496,6 +500,9 @@ def _dense_rows_mlp_backward_dw_kernel(
                  grad_first_ptr, grad_up_ptr, grad_down_ptr,
                  D, H, stride_xm, stride_ym, stride_fh, stride_uh, stride_dh, stride_gf, stride_gu, stride_gd,
                  GATED, HAS_THRESHOLD, HAS_L1, ALIGNED, BLOCK_R, BLOCK_H, BLOCK_K, BLOCK_DW, DOT_IN_FP32)
+
+
+_dense_rows_mlp_backward_dw_launch = Launcher(_dense_rows_mlp_backward_dw_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -669,7 +676,7 @@ def dense_rows_mlp_backward(
 
     ids = torch.empty(m, dtype=torch.int32, device=x.device)
     count = torch.empty(1, dtype=torch.int32, device=x.device)
-    _compact_rows_kernel[(1,)](row_flags, ids, count, m, row_flags.stride(0),
+    _compact_rows_launch[(1,)](row_flags, ids, count, m, row_flags.stride(0),
                                BLOCK=_COMPACT_BLOCK, num_warps=_COMPACT_WARPS)
 
     if d > 1 and x.stride(1) != 1:
@@ -708,7 +715,7 @@ def dense_rows_mlp_backward(
 
     # dx: tiles (row block, dx slice)
     worst = cdiv(m, config.block_r) * cdiv(d, config.block_dx)  # tiles if all flagged
-    _dense_rows_mlp_backward_dx_kernel[(min(worst, programs),)](
+    _dense_rows_mlp_backward_dx_launch[(min(worst, programs),)](
         x, dy, ids, count, first, up, down_weight_t, threshold, l1_grad, dx_out,
         d, h,
         x.stride(0), dy.stride(0), first.stride(0), up_weight.stride(0), down_weight_t.stride(0), dx_out.stride(0),
@@ -724,7 +731,7 @@ def dense_rows_mlp_backward(
         groups = max(1, min(groups, n_slices))
         slices_per_tile = cdiv(n_slices, groups)
         tiles = n_chunks * cdiv(n_slices, slices_per_tile)
-        _dense_rows_mlp_backward_dw_kernel[(min(tiles, programs),)](
+        _dense_rows_mlp_backward_dw_launch[(min(tiles, programs),)](
             x, dy, ids, count, first, up, down_weight_t, threshold, l1_grad,
             grad_first, grad_up_acc if gated else None, grad_down_t_acc,
             d, h, slices_per_tile,

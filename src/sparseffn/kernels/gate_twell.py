@@ -79,6 +79,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, interpreting, num_sms
+from sparseffn.kernels.launch import Launcher
 
 SUPPORTED_TILES = (32, 64, 128, 256)
 MODES = ("pack", "counts", "dense")
@@ -346,6 +347,9 @@ def _gate_twell_kernel(
                   SLOTS, MODE, SCAN_EPILOGUE, ASM_STORES)
 
 
+_gate_twell_launch = Launcher(_gate_twell_kernel)
+
+
 # ----------------------------------------------------------------------------------------------------
 # configuration
 
@@ -514,7 +518,7 @@ def gate_twell(
     else:
         x_arg, w_arg = x, weight
     interpret = interpreting()
-    _gate_twell_kernel[grid](
+    _gate_twell_launch[grid](
         x_arg,
         w_arg,
         threshold,

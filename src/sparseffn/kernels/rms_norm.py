@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import cdiv, interpreting, next_power_of_2, num_sms
+from sparseffn.kernels.launch import Launcher
 
 # dtypes x, weight and dy may have, and their names in Triton signatures
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -90,6 +91,9 @@ def _rms_norm_forward_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_in)
 
 
+_rms_norm_forward_launch = Launcher(_rms_norm_forward_kernel)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _rms_norm_backward_kernel(
     dy_ptr,
@@ -131,6 +135,9 @@ def _rms_norm_backward_kernel(
         tl.store(dx_ptr + rows64[:, None] * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
     dw = tl.sum(dw_acc, axis=0)  # [BLOCK_D] fp32
     tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, dw, mask=col_in)
+
+
+_rms_norm_backward_launch = Launcher(_rms_norm_backward_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -224,7 +231,7 @@ def rms_norm_forward(
     if m == 0:
         return y, rstd
     grid = (cdiv(m, config.block_m),)
-    _rms_norm_forward_kernel[grid](
+    _rms_norm_forward_launch[grid](
         x, weight, y, rstd,
         m, d,
         x.stride(0), y.stride(0),
@@ -270,7 +277,7 @@ def rms_norm_backward(
     blocks = cdiv(m, config.block_m)
     programs = min(blocks, (num_sms(x.device) if cuda else 2) * config.programs_per_sm)
     dw_partial = torch.empty((programs, d), dtype=torch.float32, device=x.device)
-    _rms_norm_backward_kernel[(programs,)](
+    _rms_norm_backward_launch[(programs,)](
         dy, x, weight, rstd, dx, dw_partial,
         m, d,
         dy.stride(0), x.stride(0), dx.stride(0),

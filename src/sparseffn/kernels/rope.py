@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import cdiv, interpreting, next_power_of_2
+from sparseffn.kernels.launch import Launcher
 
 ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TL_ROPE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -120,6 +121,9 @@ def _rope_kernel(
                   c1, c2, s1, s2, token_in, Hq, stride_qh, stride_qoh, HALF, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr, k_out_ptr, b * stride_kb + s * stride_ks, b * stride_kob + s * stride_kos,
                   c1, c2, s1, s2, token_in, Hk, stride_kh, stride_koh, HALF, BLOCK_HK, BLOCK_HALF)
+
+
+_rope_launch = Launcher(_rope_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -208,7 +212,7 @@ def _launch(q, k, cos, sin, q_out, k_out, config, backward):
         return
     config = config or default_config(hq, hk, d, cuda=q.is_cuda)
     grid = (b * cdiv(s, config.block_s),)
-    _rope_kernel[grid](
+    _rope_launch[grid](
         q, k, cos, sin, q_out, k_out,
         b, s, hq, hk,
         q.stride(0), q.stride(1), q.stride(2),

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import cdiv, next_power_of_2
+from sparseffn.kernels.launch import Launcher
 
 __all__ = ["PARTIALS_BUDGET_BYTES", "RowSplit", "classify_rows", "gather_pieces", "launch_args", "list_capacity",
            "listed_row", "prepare_launch", "sm90_compile_specs", "split_signature", "splits"]
@@ -74,6 +75,9 @@ def _classify_rows_kernel(counts_ptr, overflow_ptr, split_flags_ptr, split_ids_p
         taken = long_row & (place < split_cap)
         tl.store(split_ids_ptr + place, rows, mask=taken)
         tl.store(split_flags_ptr + rows, taken.to(tl.uint8), mask=live)
+
+
+_classify_rows_launch = Launcher(_classify_rows_kernel)
 
 
 @triton.jit
@@ -158,7 +162,7 @@ def classify_rows(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max
         ids = torch.empty(cap, dtype=torch.int32, device=counts.device)
         state = torch.zeros(cap + 1, dtype=torch.int32, device=counts.device)
         result = RowSplit(flags, ids, state, cap, max_pieces)
-    _classify_rows_kernel[(cdiv(m, _CLASSIFY_ROWS),)](
+    _classify_rows_launch[(cdiv(m, _CLASSIFY_ROWS),)](
         counts, overflow, flags, ids, state, m, n_tiles, slots, cap if split else 0,
         SPLIT=split, PIECE=piece, BLOCK_R=_CLASSIFY_ROWS,
         BLOCK_T=min(next_power_of_2(n_tiles), max_block_t), num_warps=4)

@@ -84,6 +84,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2
+from sparseffn.kernels.launch import Launcher
 from sparseffn.kernels.row_split import gather_pieces, launch_args, prepare_launch, split_signature, splits
 from sparseffn.kernels.twell_up_down import _load_counts, _piece_head, _row_nnz
 
@@ -389,6 +390,9 @@ def _twell_train_forward_kernel(
                 tl.store(l1_ptr + m64, l1, mask=first_slice)
 
 
+_twell_train_forward_launch = Launcher(_twell_train_forward_kernel)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _twell_train_backward_kernel(
     dy_ptr, values_ptr, columns_ptr, counts_ptr, u_ptr, gate_ptr, up_ptr, down_ptr, l1_grad_ptr,
@@ -444,6 +448,9 @@ def _twell_train_backward_kernel(
                                       first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
                                       BLOCK_T, EVICT)
                 _store_token_row(dx_ptr + m64 * stride_dxm, acc, offs_d, mask_d, EVEN_D, EVICT)
+
+
+_twell_train_backward_launch = Launcher(_twell_train_backward_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -667,7 +674,7 @@ def twell_train_forward(
     (*split_ptrs, cap, max_pieces), piece_programs = launch_args(_split(config, counts, d, slots, overflow_out), d,
                                                                  scalars=True)
     grid = (piece_programs + cdiv(m, config.block_m), cdiv(d, config.block_d))
-    _twell_train_forward_kernel[grid](
+    _twell_train_forward_launch[grid](
         x, values, columns, counts, up_weight if gated else down_weight_t, down_weight_t, out,
         u_out if gated else row_l1_out, row_l1_out, *split_ptrs,
         m, d, n_tiles, tile, slots, cap, max_pieces,
@@ -731,7 +738,7 @@ def twell_train_backward(
     aligned = _aligned(d, config.block_d, rows)
     (*split_ptrs, cap, max_pieces), piece_programs = launch_args(_split(config, counts, d, slots), d)
     grid = (piece_programs + cdiv(m, config.block_m), cdiv(d, config.block_d))
-    _twell_train_backward_kernel[grid](
+    _twell_train_backward_launch[grid](
         dy, values, columns, counts, u_slots if gated else dg_out,
         gate_weight if gated else up_weight, up_weight, down_weight_t, l1_grad,
         dx_out, du_out if gated else dg_out, dg_out, *split_ptrs,

@@ -91,6 +91,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2, num_sms
+from sparseffn.kernels.launch import Launcher
 from sparseffn.kernels.row_split import (gather_pieces, launch_args, listed_row, prepare_launch, split_signature,
                                         splits)
 
@@ -400,6 +401,9 @@ def _twell_up_down_kernel(
                       M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
                       down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_M, PERSISTENT, BLOCK_U,
                       BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, LOOKAHEAD, EVICT, SPLIT)
+
+
+_twell_up_down_launch = Launcher(_twell_up_down_kernel)
 
 
 @triton.jit
@@ -735,7 +739,7 @@ def twell_up_down(
         row_programs = cdiv(m, config.block_m)
     (*split_ptrs, cap, max_pieces), piece_programs = launch_args(rows, d)
     grid = (piece_programs + row_programs, cdiv(d, config.block_d))
-    _twell_up_down_kernel[grid](
+    _twell_up_down_launch[grid](
         x, values, columns, counts, packed_weight, out, *split_ptrs,
         m, d, n_tiles, tile, slots, cap, max_pieces,
         x.stride(0), packed_weight.stride(0), out.stride(0),

@@ -139,6 +139,7 @@ import triton.language as tl
 from sparseffn.kernels._runtime import (
     DTYPES, TL_DTYPES, cdiv, check_config_fields, check_matrix, interpreting, mma, next_power_of_2,
 )
+from sparseffn.kernels.launch import Launcher
 from sparseffn.kernels.twell_train import _check, _check_gated
 
 __all__ = [
@@ -213,6 +214,9 @@ def _unit_histogram_kernel(
                 tl.atomic_add(hist_row + unit, 1, mask=valid, sem="relaxed")
 
 
+_unit_histogram_launch = Launcher(_unit_histogram_kernel)
+
+
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _unit_scatter_kernel(
     columns_ptr, counts_ptr, cursor_ptr, entries_ptr,
@@ -262,6 +266,9 @@ def _unit_scatter_kernel(
                             tl.store(h_out_ptr + pos, p, mask=valid)
         if SERIAL:
             tl.debug_barrier()  # this row's cursor stores before the next row's loads
+
+
+_unit_scatter_launch = Launcher(_unit_scatter_kernel)
 
 
 @triton.jit
@@ -427,6 +434,9 @@ def _unit_weight_grads_kernel(
                 s_h = _S_FLOOR
 
 
+_unit_weight_grads_launch = Launcher(_unit_weight_grads_kernel)
+
+
 # ----------------------------------------------------------------------------------------------------
 # slots_by_unit
 
@@ -536,7 +546,7 @@ def slots_by_unit(
     hist = torch.zeros(n_blocks, h, dtype=index, device=dev)  # [n_blocks, H] per-block counts
     block_t, block_s = _slot_blocks(n_tiles, slots)
     meta = dict(BLOCK_T=block_t, BLOCK_S=block_s, num_warps=_SLOT_WARPS)
-    _unit_histogram_kernel[(m,)](columns, counts, hist, m, h, n_tiles, tile, slots,
+    _unit_histogram_launch[(m,)](columns, counts, hist, m, h, n_tiles, tile, slots,
                                  rows_per_block, **meta)
     torch.cumsum(hist.sum(0, dtype=index), 0, dtype=index, out=offsets[1:])
     if deterministic:
@@ -553,7 +563,7 @@ def slots_by_unit(
         gated = n_coef == 3
         moved = (c.values, c.u_slots if gated else c.dg_slots, c.du_slots if gated else c.dg_slots,
                  c.dg_slots, coef[0], coef[1], coef[2] if gated else coef[1])
-    _unit_scatter_kernel[grid](columns, counts, cursor, entries, *moved, m, h, n_tiles, tile, slots,
+    _unit_scatter_launch[grid](columns, counts, cursor, entries, *moved, m, h, n_tiles, tile, slots,
                                rows_per_program, SERIAL=deterministic, COEFFICIENTS=max(n_coef - 1, 0),
                                **meta)
     return SlotsByUnit(offsets, entries, coef)
@@ -682,7 +692,7 @@ def unit_weight_grads(
     order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
     n_groups = cdiv(h, config.units_per_program)
     grid = (n_groups, cdiv(d, config.block_d))
-    _unit_weight_grads_kernel[grid](
+    _unit_weight_grads_launch[grid](
         x, dy, coef[0], coef[1], coef[2] if gated else coef[0], offsets, entries, order,
         grad_gate_out if gated else grad_up_out, grad_up_out, grad_down_t_out,
         d, h, n_groups,
