@@ -145,7 +145,8 @@ def test_cpu_tensor_gets_tritons_error_not_a_raw_launch():
 
 
 @cuda_only
-def test_launch_hook_takes_tritons_path():
+@pytest.mark.parametrize("how", ["chain", "assigned"])
+def test_launch_hook_takes_tritons_path(how):
     from triton import knobs
 
     launcher = Launcher(_scale_kernel)
@@ -153,11 +154,17 @@ def test_launch_hook_takes_tritons_path():
     dst = torch.empty(16, device="cuda")
     src = torch.ones(16, device="cuda")
     launcher[(1,)](src, dst, 16, 1.0, HAS_SRC=True, BLOCK=16)
-    knobs.runtime.launch_enter_hook = seen.append
+    assert len(launcher.cache) == 1  # Triton's default hook chain is empty: cached
+    default = knobs.runtime.launch_enter_hook
+    if how == "chain":
+        default.add(seen.append)
+    else:
+        knobs.runtime.launch_enter_hook = seen.append
     try:
         launcher[(1,)](src, dst, 16, 1.0, HAS_SRC=True, BLOCK=16)
     finally:
-        knobs.runtime.launch_enter_hook = None
+        default.remove(seen.append)
+        knobs.runtime.launch_enter_hook = default
     assert len(seen) == 1
 
 

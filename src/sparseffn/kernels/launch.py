@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 from triton import knobs
+from triton.knobs import HookChain
 from triton.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -58,6 +59,13 @@ def _arg_key(arg: object) -> object:
     return _UNCACHEABLE
 
 
+def _hooked() -> bool:
+    """Whether a Triton launch hook is set (a function, or a non-empty HookChain: Triton 3.6's
+    default is an empty one)."""
+    return any(hook is not None and not (isinstance(hook, HookChain) and not hook.calls)
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
 def _raw(arg: object) -> object:
     """The C launcher's form of an argument: a tensor's device address, anything else as is."""
     return arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
@@ -75,7 +83,7 @@ class Launcher:
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def launch(self, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        if interpreting() or knobs.runtime.launch_enter_hook is not None or self.kernel.pre_run_hooks:
+        if interpreting() or _hooked() or self.kernel.pre_run_hooks:
             self.kernel[grid](*args, **meta)
             return
         device = torch.cuda.current_device()
