@@ -3,13 +3,15 @@
 Not part of the package (`python3 benchmarks/profile_host.py > $OUT/host.txt`). At M = 1 the GPU
 work is a few µs, so the time to enqueue a call is what the host spends on it: Python, torch
 dispatch, Triton's launcher. Each row is the mean over 300 back-to-back calls (µs); the last part
-is a cProfile of sparse_mlp (inference), then of one training step at M = 4096.
+is a cProfile of sparse_mlp (inference), then of one training step at M = 4096. First, an A/B of
+kernels/launch.py's direct launches against Triton's own launch path.
 """
 
 from __future__ import annotations
 
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 
@@ -21,6 +23,7 @@ import triton.language as tl
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.kernels.dense_rows_mlp import dense_rows_mlp
 from sparseffn.kernels.gate_twell import gate_twell
+from sparseffn.kernels.launch import Launcher
 from sparseffn.kernels.twell_up_down import twell_up_down
 from sparseffn.ops.sparse_mlp import _twell_mlp_op, sparse_mlp
 from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp, twell_mlp
@@ -99,7 +102,63 @@ def training_step() -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(20)
 
 
+def launcher_ab(rounds: int = 8) -> None:
+    """kernels/launch.py's direct path against Triton's own launch path for every Launcher, in one
+    process, alternated `rounds` times (the lent hosts drift by 10-20% within minutes): medians."""
+    direct = Launcher.launch
+
+    def through_triton(self, grid, args, meta):
+        self.kernel[grid](*args, **meta)
+
+    def setup(m):
+        mlp = synthetic_mlp(m, 2048, 5632, 29, device="cuda", seed=0)
+        params = [t.detach().clone().requires_grad_() for t in (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)]
+        dy, one = torch.randn_like(mlp.x), torch.ones((), device="cuda")
+        w = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+
+        def step():
+            y, l1 = sparse_mlp(*params, mode="sparse", return_l1=True)
+            return torch.autograd.grad([y, l1], params, [dy, one])
+
+        def infer():
+            return sparse_mlp(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, mode="sparse", prepared=w)
+
+        return step, infer
+
+    def wall_ms(fn, n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - start) / n
+
+    small_step, small_infer = setup(16)
+    big_step, big_infer = setup(4096)
+    rows = {"M=16 inference, host µs": lambda: host_us(small_infer, 300),
+            "M=16 training step, host µs": lambda: host_us(small_step, 100),
+            "M=4096 inference, wall ms": lambda: wall_ms(big_infer, 100),
+            "M=4096 training step, wall ms": lambda: wall_ms(big_step, 40)}
+    paths = {"triton": through_triton, "direct": direct}
+    times = {(path, row): [] for path in paths for row in rows}
+    try:
+        for r in range(rounds + 1):  # round 0 warms both paths up
+            for path, launch in paths.items():
+                Launcher.launch = launch
+                for row, fn in rows.items():
+                    if r:
+                        times[path, row].append(fn())
+                    else:
+                        fn()
+    finally:
+        Launcher.launch = direct
+    print(f"Launcher A/B, medians of {rounds} alternations:")
+    for row in rows:
+        print(f"  {row:30s} " + "  ".join(f"{p} {statistics.median(times[p, row]):9.3f}" for p in paths))
+
+
 def main() -> int:
+    launcher_ab()
     inference_pieces()
     training_step()
     return 0

@@ -1,10 +1,15 @@
 """Launching a Triton kernel with less host work than `kernel[grid](...)`.
 
-Why. Triton 3.6's launch path costs ~25-33 µs of host time per launch on the H200 hosts for a kernel
-of ~20 arguments (measured: binder 9.5 µs, the C launcher 11.4 µs — mostly a cuPointerGetAttribute per
-tensor —, cache key, launch metadata and knobs the rest), against ~1-5 µs of GPU time for the
-small kernels of a sparse MLP step. A training step makes ~18 launches, an inference call ~5, so at
-a few thousand tokens the host, not the GPU, sets the pace.
+Why. At a few thousand tokens a sparse MLP step is bound by host work, not GPU work: a training
+step makes 18 Triton launches and ~50 torch calls, an inference call 5 launches. Triton 3.6's
+launch path cost 20-33 µs per launch of a 20-argument kernel on the lent H200 hosts; timed piece by
+piece there: its argument binder 9.5 µs, the C launcher 11.4 µs (with tensors, whose pointers it
+fetches and checks one by one), cache key, launch metadata and the rest ~7 µs.
+Measured on an H200 host, one process, Triton's path and this one alternated 8 times (medians; the
+method of `benchmarks/profile_host.py`'s A/B): host time of an inference call at
+M = 16, 506 -> 353 µs; of a training step at M = 16, 2478 -> 2226 µs; wall time of a training step
+at M = 4096, 2.58 -> 2.39 ms. A no-op 20-argument kernel gained little (28.5 -> 27.1 µs): the Python
+key below costs about what Triton's native binder does; the rest of Triton's path is what is saved.
 
 How. `Launcher(kernel)[grid](*args, **meta)` launches exactly what `kernel[grid](*args, **meta)`
 would. The first launch of each argument key goes through Triton (which compiles, caches and
