@@ -39,9 +39,11 @@ def _candidates() -> dict[int, list]:
     ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31),
             -(2**31) - 1, -(2**31) - 16, 2**63 - 16, 2**63, 2**63 + 16, 2**64 - 16]
     others = [True, False, 1.0, 0.5, 16.0, None]
-    descs = [TensorDescriptor(half, [64, 64], [64, 1], [16, 32]), TensorDescriptor(half[8:], [63, 64], [64, 1], [16, 32]),
-             TensorDescriptor(half, [32, 128], [128, 1], [16, 32]), TensorDescriptor(half, [64, 64], [64, 1], [32, 32]),
-             TensorDescriptor(base, [64, 64], [64, 1], [16, 32]),
+    descs = [TensorDescriptor(half, [64, 64], [64, 1], [16, 32]),
+             TensorDescriptor(half[8:], [63, 64], [64, 1], [16, 32]),   # another base, shape
+             TensorDescriptor(half, [32, 128], [128, 1], [16, 32]),     # another stride
+             TensorDescriptor(half, [64, 64], [64, 1], [32, 32]),       # another block
+             TensorDescriptor(base, [64, 64], [64, 1], [16, 32]),       # another dtype
              TensorDescriptor(half, [64, 64], [64, 1], [16, 32], padding="nan")]
     pool = tensors + ints + others
     return {0: pool, 1: pool, 2: pool, 3: pool, 4: pool, 5: descs + [None]}
@@ -77,14 +79,15 @@ def test_key_separates_what_triton_separates():
 
 
 @triton.jit
-def _scale_kernel(src_ptr, dst_ptr, n, factor, HAS_SRC: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_kernel(src_ptr, dst_ptr, n, factor,
+                  HAS_SRC: tl.constexpr, BLOCK: tl.constexpr, OFFSET: tl.constexpr = 0.0):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if HAS_SRC:
         v = tl.load(src_ptr + offs, mask=mask, other=0.0)
     else:
         v = tl.full([BLOCK], 1.0, tl.float32)
-    tl.store(dst_ptr + offs, v * factor, mask=mask)
+    tl.store(dst_ptr + offs, v * factor + OFFSET, mask=mask)
 
 
 _scale = Launcher(_scale_kernel)
@@ -108,6 +111,24 @@ def test_launches_match_triton_for_every_kind_of_argument():
             want = (src if has_src else torch.ones(n, device=DEVICE)) * factor
             assert torch.equal(got[:n], want), (n, offset, has_src, factor)
             assert (got[n:] == -7.0).all()
+
+
+def test_defaulted_and_given_constexprs():
+    """A trailing constexpr left at its default, then given: both launches right, twice each."""
+    src = torch.arange(32, dtype=torch.float32, device=DEVICE)
+    for _ in range(2):
+        for offset in (None, 5.0):
+            dst = torch.empty(32, device=DEVICE)
+            extra = {} if offset is None else {"OFFSET": offset}
+            _scale[(1,)](src, dst, 32, 2.0, HAS_SRC=True, BLOCK=32, **extra)
+            assert torch.equal(dst, src * 2 + (offset or 0.0))
+
+
+def test_callable_grid_goes_through_triton():
+    src = torch.arange(100, dtype=torch.float32, device=DEVICE)
+    dst = torch.empty(100, device=DEVICE)
+    _scale[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](src, dst, 100, 3.0, HAS_SRC=True, BLOCK=32)
+    assert torch.equal(dst, src * 3)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path")

@@ -616,18 +616,17 @@ def _check_inputs(x, dy, row_flags, gate_weight, up_weight, down_weight_t, thres
         _check_acc(grad_gate_acc, "grad_gate_acc", h, d, x.device)
     _check_acc(grad_up_acc, "grad_up_acc", h, d, x.device)
     _check_acc(grad_down_t_acc, "grad_down_t_acc", h, d, x.device)
-    # written tensors must not share memory with anything the kernels read (or with each other)
-    written = {"dx_out": dx_out, "grad_gate_acc": grad_gate_acc, "grad_up_acc": grad_up_acc,
-               "grad_down_t_acc": grad_down_t_acc}
-    others = {"x": x, "dy": dy, "gate_weight": gate_weight, "up_weight": up_weight, "down_weight_t": down_weight_t,
-              "threshold": threshold, "l1_grad": l1_grad, "row_flags": row_flags, **written}
-    for wname, w in written.items():
-        if w is None or w.numel() == 0:
+    # written tensors must not share memory with anything the kernels read (or with each other);
+    # each storage address is read once (untyped_storage() builds a Python object per call)
+    named = {"x": x, "dy": dy, "gate_weight": gate_weight, "up_weight": up_weight, "down_weight_t": down_weight_t,
+             "threshold": threshold, "l1_grad": l1_grad, "row_flags": row_flags, "dx_out": dx_out,
+             "grad_gate_acc": grad_gate_acc, "grad_up_acc": grad_up_acc, "grad_down_t_acc": grad_down_t_acc}
+    storage = {name: t.untyped_storage().data_ptr() for name, t in named.items() if t is not None and t.numel()}
+    for wname in ("dx_out", "grad_gate_acc", "grad_up_acc", "grad_down_t_acc"):
+        if wname not in storage:
             continue
-        for oname, o in others.items():
-            if oname == wname or o is None or o.numel() == 0:
-                continue
-            if w.untyped_storage().data_ptr() == o.untyped_storage().data_ptr():
+        for oname, ptr in storage.items():
+            if oname != wname and ptr == storage[wname]:
                 raise ValueError(f"{wname} must not share memory with {oname} (the kernels read one while "
                                  "writing the other)")
     if config is not None and not isinstance(config, DenseRowsBackwardConfig):

@@ -33,18 +33,19 @@ whose values must be hashable.
 
 The cache is per Launcher (one per kernel), holds one entry per argument key: it stays put when
 only sizes change (M, a stride), grows with dtypes, alignments and constexprs, as Triton's does.
-Under TRITON_INTERPRET=1 every launch goes to Triton's interpreter.
+A kernel decorated under TRITON_INTERPRET=1 (Triton's interpreter) is always launched through Triton.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from triton import knobs
 from triton.knobs import HookChain
+from triton.runtime.jit import JITFunction
 from triton.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
-
-from sparseffn.kernels._runtime import interpreting
 
 _I32 = (-(2**31), 2**31 - 1)
 _UNCACHEABLE = object()  # an argument key of a launch that always takes Triton's path
@@ -82,13 +83,18 @@ class Launcher:
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
+        # Triton chose at decoration time (TRITON_INTERPRET then) between a compiled kernel and the
+        # interpreter's stand-in, which has no compiled kernels to keep
+        self.interpreted = not isinstance(kernel, JITFunction)
         self.cache: dict[tuple, tuple] = {}
 
     def __getitem__(self, grid: tuple[int, ...]):
+        if callable(grid):  # a grid computed from the meta-parameters: Triton's path
+            return self.kernel[grid]
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def launch(self, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
-        if interpreting() or _hooked() or self.kernel.pre_run_hooks:
+        if self.interpreted or _hooked() or self.kernel.pre_run_hooks:
             self.kernel[grid](*args, **meta)
             return
         device = torch.cuda.current_device()
@@ -102,7 +108,7 @@ class Launcher:
         run, function, packed_metadata, trailing = entry
         for (name, _), (value, globals_dict) in self.kernel.used_global_vals.items():
             if globals_dict.get(name, _UNCACHEABLE) != value:  # as Triton checks on every launch
-                raise RuntimeError(f"global {name} of {self.kernel.__name__} changed since it was compiled")
+                raise RuntimeError(f"global {name} of {self.kernel.fn.__name__} changed since it was compiled")
         run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
             torch._C._cuda_getCurrentRawStream(device), function, packed_metadata, None, None, None,
             *map(_raw, args), *trailing)
@@ -123,7 +129,7 @@ class Launcher:
                 return
             if param.name in meta:
                 trailing.append(meta[param.name])
-            elif param.default is not param.empty:
+            elif param.default is not inspect.Parameter.empty:
                 trailing.append(param.default)
             else:
                 return
