@@ -65,6 +65,8 @@ def inference_pieces() -> None:
         "twell_mlp (op body)": lambda: twell_mlp(x, w),
         "sparseffn::twell_mlp op": lambda: _twell_mlp_op(x, gate, up, down, w.up_down, None, 256, 32),
         "sparse_mlp(mode=sparse)": lambda: sparse_mlp(x, gate, up, down, mode="sparse", prepared=w),
+        "sparse_mlp(mode=auto): dense": lambda: sparse_mlp(x, gate, up, down, mode="auto", prepared=w,
+                                                           expected_nnz=29.0),
     }
     print("host µs per call at M=1:")
     for name, fn in rows.items():

@@ -25,6 +25,7 @@ def test_train_bench_checks_gradients_and_writes_csv(tmp_path):
         assert float(row["grad_rel_err"]) < 0.05 and float(row["median_ms"]) > 0
     assert int(written[-1]["overflow_rows"]) > 0  # the dense case goes through the dense-rows backward
     assert train_table(written).count("| 64×256 |") == 2
+    assert "| graphed sparse | graph / graph |" in train_table(written)  # "–" without the graph providers
     assert "git abc." in train_table(written) and "| git |" not in train_table(written)
     # rows of two runs (e.g. a rerun of one density): each row names its commit
     mixed = train_table([dict(r, git_sha="def") if r["target_nnz"] == written[-1]["target_nnz"] else r
@@ -33,6 +34,12 @@ def test_train_bench_checks_gradients_and_writes_csv(tmp_path):
     assert mixed.count(" abc |") == 1 and mixed.count(" def |") == 1
     pytest.importorskip("matplotlib")
     assert plot_train(written, tmp_path / "train.png").stat().st_size > 0
+
+
+def test_train_bench_graph_providers_need_cuda(tmp_path):
+    cfg = TrainBenchConfig(shapes="64x256", tokens="19", nnz="6", providers="dense,sparse_graph", out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="sparse_graph.*need a CUDA device"):
+        run_train_bench(cfg, torch.device("cpu"), log=lambda _: None)
 
 
 def test_e2e_bench_runs_at_tiny_size_and_calibrates(tmp_path):

@@ -7,13 +7,16 @@ of the block on them in the same process:
     dense            three F.linear with the ReLU gate and the L1 penalty, torch autograd
     dense_compiled   torch.compile of the same function
     sparse           sparseffn.sparse_mlp(mode="sparse", return_l1=True): TwELL training kernels
+    dense_graph,     the dense / sparse step captured once in a CUDA graph and replayed (CUDA only):
+    sparse_graph     its GPU time without the host's launch work, which bounds small token counts
 
 One step is `y, l1 = mlp(x)` then backward of (y, l1) with (dy, L1 coefficient), gradients with
 respect to x and the three weights. Each provider's l1 and four gradients are checked against fp32
 autograd of `sparse_mlp_reference` first; then the step is timed (median, CUDA events, L2 flushed) and
 its peak memory measured: `torch.cuda.max_memory_allocated` during the step minus the memory held
 before it (inputs, weights and dy), so it counts what the block saves for backward, its transients and
-the gradients it returns.
+the gradients it returns. A replayed graph allocates nothing (its memory is the capture's pool): the
+graph providers have no peak.
 """
 
 from __future__ import annotations
@@ -25,15 +28,15 @@ from typing import Callable
 import torch
 
 from sparseffn.bench.common import ints, rel_err, shapes, write_csv
-from sparseffn.bench.mlp import MLPBenchConfig
+from sparseffn.bench.mlp import GRAPH_PROVIDERS, MLPBenchConfig
 from sparseffn.bench.synthetic import synthetic_mlp
-from sparseffn.bench.timing import device_slug, run_metadata, time_fn
+from sparseffn.bench.timing import cuda_graphed, device_slug, run_metadata, time_fn
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.ops.reference import mlp_activation_reference
 from sparseffn.ops.sparse_mlp import sparse_mlp
 from sparseffn.ops.twell_mlp import dense_mlp
 
-TRAIN_PROVIDERS = ("dense", "dense_compiled", "sparse")
+TRAIN_PROVIDERS = ("dense", "dense_compiled", "sparse", *GRAPH_PROVIDERS)
 L1_COEFF = 1.0  # weight of l1 in the step's loss; its gradient goes through the same kernels at any value
 
 CSV_FIELDS = (
@@ -45,10 +48,10 @@ CSV_FIELDS = (
 
 @dataclass(frozen=True)
 class TrainBenchConfig(MLPBenchConfig):
-    """`bench mlp`'s fields, with the training step's token counts and providers."""
+    """`bench mlp`'s fields, with the training step's token counts (providers "": all that run on the
+    device, the graph ones on CUDA only)."""
 
     tokens: str = "4096,16384,65536"
-    providers: str = ",".join(TRAIN_PROVIDERS)
 
 
 def _reference(params: list[torch.Tensor], gated: bool, dy: torch.Tensor, coeff: float):
@@ -107,6 +110,11 @@ def run_train_bench(cfg: TrainBenchConfig, device: torch.device | None = None,
     unknown = sorted(set(wanted) - set(TRAIN_PROVIDERS))
     if unknown:
         raise ValueError(f"providers: unknown {unknown}; choose from {TRAIN_PROVIDERS}")
+    if not wanted:
+        wanted = [p for p in TRAIN_PROVIDERS if device.type == "cuda" or p not in GRAPH_PROVIDERS]
+    graphs = sorted(set(wanted) & set(GRAPH_PROVIDERS))
+    if graphs and device.type != "cuda":
+        raise ValueError(f"providers: {graphs} capture CUDA graphs and need a CUDA device, not {device}")
     meta = run_metadata(device)
     if cfg.git_sha:
         meta["git_sha"] = cfg.git_sha
@@ -143,6 +151,9 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
     }
     ref_l1, ref_grads = _reference(params, gated, dy, L1_COEFF)
     steps = _steps(params, gated, dy, cfg, compiled_dense)
+    for name in GRAPH_PROVIDERS:
+        if name in wanted:  # checked below like the others: the replay's l1 and gradients
+            steps[name] = cuda_graphed(steps[name.removesuffix("_graph")], device)
     floor = torch.finfo(mlp.x.dtype).eps / 2
     results = {}
     for name in dict.fromkeys(["dense", *wanted]):
@@ -150,7 +161,7 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
         l1_err = rel_err(l1, ref_l1)
         grad_err = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
         del l1, grads
-        peak = _peak_mib(steps[name], device)
+        peak = float("nan") if name in GRAPH_PROVIDERS else _peak_mib(steps[name], device)
         results[name] = (time_fn(steps[name], device, rep_ms=cfg.rep_ms), peak, l1_err, grad_err)
     del ref_grads
     base_ms, base_peak, _, dense_err = results["dense"][0].median_ms, results["dense"][1], 0, results["dense"][3]
@@ -170,5 +181,8 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
         timing, peak, _, grad_err = results["sparse"]
         line += f", sparse {timing.median_ms:.3f} ms ({base_ms / timing.median_ms:.2f}x), {peak:.0f} MiB " \
                 f"({peak / base_peak:.2f}x), grad err {grad_err:.1e} vs dense {dense_err:.1e}"
+    if "sparse_graph" in results and "dense_graph" in results:
+        graph_ms = results["sparse_graph"][0].median_ms
+        line += f"; graphed sparse {graph_ms:.3f} ms ({results['dense_graph'][0].median_ms / graph_ms:.2f}x graph / graph)"
     log(line)
     return rows

@@ -107,10 +107,12 @@ def train_table(rows: list[dict]) -> str:
         "One step = forward + backward of the MLP block with the L1 penalty (gradients of x and the three "
         "weights). Speed-up = dense autograd time / time (median of CUDA-event timings, L2 flushed, same run, "
         "same inputs); peak = max memory allocated during the step above what was allocated before it. "
-        "Error = max over the four gradients of ‖g − g_fp32‖ / ‖g_fp32‖.\n\n"
-        "| D×H | mean nnz (max) | M | overflow rows | dense ms | compiled | sparse | dense peak MiB "
-        f"| sparse peak / dense | sparse grad err | dense grad err |{' git |' if mixed else ''}\n"
-        f"|---|---|---|---|---|---|---|---|---|---|---|{'---|' if mixed else ''}"
+        "Error = max over the four gradients of ‖g − g_fp32‖ / ‖g_fp32‖. Graphed = the step captured in a "
+        "CUDA graph and replayed (no host launch work); `graphed sparse` is over eager dense, `graph / graph` "
+        "is graphed dense time over graphed sparse time.\n\n"
+        "| D×H | mean nnz (max) | M | overflow rows | dense ms | compiled | sparse | graphed sparse | graph / graph "
+        f"| dense peak MiB | sparse peak / dense | sparse grad err | dense grad err |{' git |' if mixed else ''}\n"
+        f"|---|---|---|---|---|---|---|---|---|---|---|---|---|{'---|' if mixed else ''}"
     )
     lines = [header]
     for (d, h, _, m), prov in _cases(rows).items():
@@ -118,10 +120,14 @@ def train_table(rows: list[dict]) -> str:
         dense, sparse, compiled = prov.get("dense"), prov.get("sparse"), prov.get("dense_compiled")
         if dense is None:
             continue
+        graphs = "–"
+        if "sparse_graph" in prov and "dense_graph" in prov:
+            graphs = f"{float(prov['dense_graph']['median_ms']) / float(prov['sparse_graph']['median_ms']):.2f}x"
         lines.append(
             f"| {d}×{h} | {float(row['mean_nnz']):.1f} ({row['max_nnz']}) | {m} | {row['overflow_rows']} "
             f"| {float(dense['median_ms']):.3f} | {_times(compiled, 'speedup_vs_dense')} "
-            f"| {_times(sparse, 'speedup_vs_dense')} | {float(dense['peak_mib']):.0f} "
+            f"| {_times(sparse, 'speedup_vs_dense')} | {_times(prov.get('sparse_graph'), 'speedup_vs_dense')} "
+            f"| {graphs} | {float(dense['peak_mib']):.0f} "
             f"| {_times(sparse, 'peak_vs_dense')} | {sparse['grad_rel_err'] if sparse else '–'} "
             f"| {row['dense_grad_rel_err']} |" + (f" {row['git_sha']} |" if mixed else "")
         )
@@ -135,16 +141,18 @@ def plot_train(rows: list[dict], path: Path) -> Path:
     shapes = sorted({(int(r["d"]), int(r["h"])) for r in rows})
     fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 7.5), squeeze=False)
     for col, (d, h) in enumerate(shapes):
-        series: dict[float, list] = defaultdict(list)
+        series: dict[tuple, list] = defaultdict(list)
         for r in rows:
-            if (int(r["d"]), int(r["h"])) == (d, h) and r["provider"] == "sparse":
-                series[float(r["target_nnz"])].append(
+            if (int(r["d"]), int(r["h"])) == (d, h) and r["provider"] in ("sparse", "sparse_graph"):
+                series[(r["provider"], float(r["target_nnz"]))].append(
                     (int(r["m"]), float(r["speedup_vs_dense"]), float(r["peak_vs_dense"] or "nan")))
-        for nnz, points in sorted(series.items()):
+        for (provider, nnz), points in sorted(series.items()):
             points.sort()
             ms, speed, mem = zip(*points)
-            axes[0][col].plot(ms, speed, "-o", label=f"nnz {nnz:g}")
-            if any(v == v for v in mem):  # no memory numbers off the GPU
+            graphed = provider == "sparse_graph"
+            axes[0][col].plot(ms, speed, "-.^" if graphed else "-o",
+                              label=f"{'graphed, ' if graphed else ''}nnz {nnz:g}")
+            if any(v == v for v in mem):  # no memory numbers off the GPU, nor for graph replays
                 axes[1][col].plot(ms, mem, "-s", label=f"nnz {nnz:g}")
         for row, label in ((0, "fwd+bwd speed-up vs dense autograd"), (1, "peak memory / dense")):
             ax = axes[row][col]
