@@ -5,11 +5,13 @@ step makes 18 Triton launches and ~50 torch calls, an inference call 5 launches.
 launch path cost 20-33 µs per launch of a 20-argument kernel on the lent H200 hosts; timed piece by
 piece there: its argument binder 9.5 µs, the C launcher 11.4 µs (with tensors, whose pointers it
 fetches and checks one by one), cache key, launch metadata and the rest ~7 µs.
-Measured on an H200 host, one process, Triton's path and this one alternated 8 times (medians; the
-method of `benchmarks/profile_host.py`'s A/B): host time of an inference call at
-M = 16, 506 -> 353 µs; of a training step at M = 16, 2478 -> 2226 µs; wall time of a training step
-at M = 4096, 2.58 -> 2.39 ms. A no-op 20-argument kernel gained little (28.5 -> 27.1 µs): the Python
-key below costs about what Triton's native binder does; the rest of Triton's path is what is saved.
+Measured on two H200 hosts, each in one process with Triton's path and this one alternated 8 times
+(medians; `benchmarks/profile_host.py`'s A/B): host time of an inference call at M = 16, 506 -> 353
+and 539 -> 486 µs; of a training step at M = 16, 2478 -> 2226 and 3034 -> 2737 µs; wall time of
+back-to-back calls at M = 4096, inference 0.41 -> 0.45 ms (no gain) and 0.60 -> 0.47 ms, training
+2.58 -> 2.39 and 2.89 -> 2.88 ms. A no-op 20-argument kernel gained little (28.5 -> 27.1 µs): the
+Python key below costs about what Triton's native binder does; the rest of Triton's path is what is
+saved.
 
 How. `Launcher(kernel)[grid](*args, **meta)` launches exactly what `kernel[grid](*args, **meta)`
 would. The first launch of each argument key goes through Triton (which compiles, caches and
