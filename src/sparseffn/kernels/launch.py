@@ -44,9 +44,9 @@ import inspect
 
 import torch
 from triton import knobs
+from triton.compiler import CompiledKernel
 from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
-from triton.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _I32 = (-(2**31), 2**31 - 1)
