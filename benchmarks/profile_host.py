@@ -80,11 +80,13 @@ def inference_pieces() -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(20)
 
 
-def training_step() -> None:
-    mlp = synthetic_mlp(4096, 2048, 5632, 29, device="cuda", seed=0)
+def _mlp_calls(m: int):
+    """(sparse training step, dense training step, sparse inference call) on one synthetic MLP of M
+    tokens (D = 2048, H = 5632, nnz 29)."""
+    mlp = synthetic_mlp(m, 2048, 5632, 29, device="cuda", seed=0)
     params = [t.detach().clone().requires_grad_() for t in (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)]
-    dy = torch.randn_like(mlp.x)
-    one = torch.ones((), device="cuda")
+    dy, one = torch.randn_like(mlp.x), torch.ones((), device="cuda")
+    w = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
 
     def step():
         y, l1 = sparse_mlp(*params, mode="sparse", return_l1=True)
@@ -94,6 +96,14 @@ def training_step() -> None:
         y, l1 = dense_mlp(*params, None, return_l1=True)
         return torch.autograd.grad([y, l1], params, [dy, one])
 
+    def infer():
+        return sparse_mlp(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, mode="sparse", prepared=w)
+
+    return step, dense_step, infer
+
+
+def training_step() -> None:
+    step, dense_step, _ = _mlp_calls(4096)
     print(f"training step at M=4096, host µs: sparse {host_us(step, 50):.0f}, dense {host_us(dense_step, 50):.0f}")
     profile = cProfile.Profile()
     profile.enable()
@@ -112,21 +122,6 @@ def launcher_ab(rounds: int = 8) -> None:
     def through_triton(self, grid, args, meta):
         self.kernel[grid](*args, **meta)
 
-    def setup(m):
-        mlp = synthetic_mlp(m, 2048, 5632, 29, device="cuda", seed=0)
-        params = [t.detach().clone().requires_grad_() for t in (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)]
-        dy, one = torch.randn_like(mlp.x), torch.ones((), device="cuda")
-        w = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
-
-        def step():
-            y, l1 = sparse_mlp(*params, mode="sparse", return_l1=True)
-            return torch.autograd.grad([y, l1], params, [dy, one])
-
-        def infer():
-            return sparse_mlp(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, mode="sparse", prepared=w)
-
-        return step, infer
-
     def wall_ms(fn, n):
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -135,8 +130,8 @@ def launcher_ab(rounds: int = 8) -> None:
         torch.cuda.synchronize()
         return 1e3 * (time.perf_counter() - start) / n
 
-    small_step, small_infer = setup(16)
-    big_step, big_infer = setup(4096)
+    small_step, _, small_infer = _mlp_calls(16)
+    big_step, _, big_infer = _mlp_calls(4096)
     rows = {"M=16 inference, host µs": lambda: host_us(small_infer, 300),
             "M=16 training step, host µs": lambda: host_us(small_step, 100),
             "M=4096 inference, wall ms": lambda: wall_ms(big_infer, 100),

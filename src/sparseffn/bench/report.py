@@ -24,6 +24,13 @@ def _cases(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     return cases
 
 
+def _graph_ratio(prov: dict[str, dict]) -> str:
+    """Graphed dense time over graphed sparse time of one case, or "–" without both graph rows."""
+    if "sparse_graph" not in prov or "dense_graph" not in prov:
+        return "–"
+    return f"{float(prov['dense_graph']['median_ms']) / float(prov['sparse_graph']['median_ms']):.2f}x"
+
+
 def mlp_table(rows: list[dict]) -> str:
     """One line per (shape, density, M): dense time, sparseffn's speed-ups and errors."""
     if not rows:
@@ -51,13 +58,10 @@ def mlp_table(rows: list[dict]) -> str:
         if "gate_pack" in prov and "gate_cublas" in prov:
             gate = f"{float(prov['gate_pack']['median_ms']) / float(prov['gate_cublas']['median_ms']):.2f}x time"
         auto = ratio(prov, "auto") + (f" ({prov['auto']['mode']})" if "auto" in prov else "")
-        graphs = "–"
-        if "sparse_graph" in prov and "dense_graph" in prov:
-            graphs = f"{float(prov['dense_graph']['median_ms']) / float(prov['sparse_graph']['median_ms']):.2f}x"
         lines.append(
             f"| {d}×{h} | {float(any_row['mean_nnz']):.1f} ({any_row['max_nnz']}) | {m} | {any_row['overflow_rows']} "
             f"| {float(dense['median_ms']):.3f} | {ratio(prov, 'dense_merged')} | {ratio(prov, 'dense_compiled')} "
-            f"| {ratio(prov, 'sparse')} | {auto} | {ratio(prov, 'sparse_graph')} | {graphs} | {gate} "
+            f"| {ratio(prov, 'sparse')} | {auto} | {ratio(prov, 'sparse_graph')} | {_graph_ratio(prov)} | {gate} "
             f"| {prov['sparse']['rel_err'] if 'sparse' in prov else '–'} | {any_row['dense_rel_err']} |"
             if dense else f"| {d}×{h} | – | {m} | – | – | – | – | – | – | – | – | – | – | – |"
         )
@@ -120,14 +124,11 @@ def train_table(rows: list[dict]) -> str:
         dense, sparse, compiled = prov.get("dense"), prov.get("sparse"), prov.get("dense_compiled")
         if dense is None:
             continue
-        graphs = "–"
-        if "sparse_graph" in prov and "dense_graph" in prov:
-            graphs = f"{float(prov['dense_graph']['median_ms']) / float(prov['sparse_graph']['median_ms']):.2f}x"
         lines.append(
             f"| {d}×{h} | {float(row['mean_nnz']):.1f} ({row['max_nnz']}) | {m} | {row['overflow_rows']} "
             f"| {float(dense['median_ms']):.3f} | {_times(compiled, 'speedup_vs_dense')} "
             f"| {_times(sparse, 'speedup_vs_dense')} | {_times(prov.get('sparse_graph'), 'speedup_vs_dense')} "
-            f"| {graphs} | {float(dense['peak_mib']):.0f} "
+            f"| {_graph_ratio(prov)} | {float(dense['peak_mib']):.0f} "
             f"| {_times(sparse, 'peak_vs_dense')} | {sparse['grad_rel_err'] if sparse else '–'} "
             f"| {row['dense_grad_rel_err']} |" + (f" {row['git_sha']} |" if mixed else "")
         )

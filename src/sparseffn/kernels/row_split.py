@@ -46,6 +46,9 @@ _CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
 # out run whole). The measured shapes stay under it at 256 rows: 12.6 MB at D = 2048 / H = 5632,
 # 58.7 MB at D = 4096 / H = 14336.
 PARTIALS_BUDGET_BYTES = 64 << 20
+# the split list's pointers in Triton signatures (sm_90a compile specs); the kernels that take pieces
+# also get partials_ptr
+_LIST_POINTERS = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32"}
 
 
 @triton.jit
@@ -194,7 +197,7 @@ def launch_args(rows: RowSplit | None, d: int, *, scalars: bool = False) -> tupl
 def split_signature(split: bool) -> tuple[dict[str, str], dict[str, None]]:
     """(signature entries, constexpr None entries) of a split-aware kernel's split pointers, for the
     sm_90a compile specs: typed pointers when split, None constexprs otherwise."""
-    args = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32", "partials_ptr": "*fp32"}
+    args = {**_LIST_POINTERS, "partials_ptr": "*fp32"}
     return (args, {}) if split else ({k: "constexpr" for k in args}, dict.fromkeys(args))
 
 
@@ -203,10 +206,9 @@ def sm90_compile_specs():
     specs = []
     for split in (True, False):
         constexprs = {"SPLIT": split, "PIECE": 128, "BLOCK_R": _CLASSIFY_ROWS, "BLOCK_T": 32}
-        split_args = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32"}
         if not split:
-            constexprs.update(dict.fromkeys(split_args))
-        signature = {"counts_ptr": "*i32", "overflow_ptr": "*u8", **(split_args if split else {}),
+            constexprs.update(dict.fromkeys(_LIST_POINTERS))
+        signature = {"counts_ptr": "*i32", "overflow_ptr": "*u8", **(_LIST_POINTERS if split else {}),
                      "M": "i32", "n_tiles": "i32", "slots": "i32", "split_cap": "i32",
                      **{k: "constexpr" for k in constexprs}}
         specs.append((_classify_rows_kernel, signature, constexprs))
