@@ -72,6 +72,9 @@ BAD_CASES = [
      r"down_weight must be \[D, H\] = \[16, 24\], got \(24, 16\) \(it looks transposed"),
     ("down wrong H", lambda x, g, u, d: (x, g, u, d[:, :5]), ValueError, r"down_weight must be \[D, H\]"),
     ("integer down", lambda x, g, u, d: (x, g, u, d.int()), TypeError, "down_weight must be floating point"),
+    # consistent in dtype, device and shape, so only the dtype check can catch it
+    ("all integer", lambda x, g, u, d: (x.int(), g.int(), u.int(), d.int()), TypeError, "x must be floating point"),
+    ("mixed devices", lambda x, g, u, d: (x, g.to("meta"), u, d), ValueError, "gate_weight is on meta but x is on cpu"),
 ]
 
 

@@ -7,6 +7,7 @@ import numbers
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def check_tensor(t: object, name: str, *, dims: int | None = None) -> torch.Tensor:
@@ -31,6 +32,8 @@ def check_mlp_inputs(
     x [..., D]; gate_weight, up_weight [H, D]; down_weight [D, H]; threshold None, a number, or a
     tensor of shape [] or [H]. All tensors share x's dtype (threshold may be any float dtype) and device.
     """
+    if _well_formed(x, gate_weight, up_weight, down_weight, threshold):
+        return x.shape[-1], up_weight.shape[0]
     check_tensor(x, "x")
     if x.dim() < 1:
         raise ValueError("x must have shape [..., D], got a 0-D tensor")
@@ -57,6 +60,29 @@ def check_mlp_inputs(
         raise ValueError(f"down_weight must be [D, H] = [{d}, {h}], got {tuple(down_weight.shape)}{hint}")
     check_threshold(threshold, h, x.device)
     return d, h
+
+
+def _well_formed(x, gate_weight, up_weight, down_weight, threshold) -> bool:
+    """The common valid call, tested with few attribute reads. Every public MLP call runs the checks,
+    and auto mode's dense route at small M is host-bound, so their time adds to the call: 2.1 µs for
+    the detailed checks, 1.15 µs for this test (this project's 2-core CPU machine). The detailed
+    checks only run to name what is wrong. Plain tensors only: subclasses take the detailed path."""
+    if not (type(x) in _PLAIN and type(up_weight) in _PLAIN and type(down_weight) in _PLAIN
+            and (gate_weight is None or type(gate_weight) in _PLAIN)
+            and (threshold is None or type(threshold) is float)):
+        return False
+    dtype, device = x.dtype, x.device
+    up_shape = up_weight.shape
+    return (
+        dtype in FLOAT_DTYPES
+        and len(up_shape) == 2
+        and up_weight.dtype is dtype and down_weight.dtype is dtype
+        and (gate_weight is None or (gate_weight.dtype is dtype and gate_weight.shape == up_shape
+                                     and gate_weight.device == device))
+        and x.dim() >= 1 and x.shape[-1] == up_shape[1]
+        and down_weight.shape == (up_shape[1], up_shape[0])
+        and up_weight.device == device and down_weight.device == device
+    )
 
 
 def check_threshold(threshold: object, h: int, device: torch.device) -> None:

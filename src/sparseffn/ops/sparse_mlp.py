@@ -171,8 +171,9 @@ def sparse_mlp(
     if isinstance(threshold, torch.Tensor) and threshold.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("threshold requires grad: sparse_mlp treats the threshold as a constant "
                                   "(pass threshold.detach())")
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, gate_weight, up_weight, down_weight)
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or up_weight.requires_grad or down_weight.requires_grad
+        or (gate_weight is not None and gate_weight.requires_grad)
     )
     if not isinstance(return_l1, bool):
         raise TypeError(f"return_l1 must be a bool, got {type(return_l1).__name__}")
