@@ -409,6 +409,13 @@ def test_config_validation_and_default():
     assert cfg.lookahead and cfg.evict and not cfg.prefetch and not cfg.persistent
     assert default_config(100).block_d == 128 and default_config(20000).block_d == 8192
     assert default_config(100).max_regs is None and default_config(8192).max_regs is None
+    # few tokens: one token per program, rows cut into short pieces; M itself adds no variant
+    for m, piece in ((1, 16), (64, 16), (65, 32), (512, 32)):
+        small = default_config(2048, m)
+        assert (small.block_m, small.block_n, small.split_slots) == (1, piece, piece), m
+        assert small == dataclasses.replace(cfg, block_m=1, block_n=piece, split_slots=piece)
+    assert default_config(2048, 513) == default_config(2048, 1 << 20) == cfg
+    assert default_config(2048, 3) is default_config(2048, 40)
 
 
 def test_benchmark_configs_run_correctly():

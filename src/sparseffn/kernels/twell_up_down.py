@@ -531,26 +531,46 @@ class UpDownConfig:
                              f"got {self.block_n}")
 
 
-@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_config(d: int) -> UpDownConfig:
+# Token-count buckets of the launch heuristic: (largest M, slots per piece = slots per batch). With few
+# tokens the grid has few row programs, each a serial chain over its ~30 units, so rows are cut into
+# short pieces that run side by side. H200, bf16, D = 2048 / H = 5632, 29 active units per token, tile
+# 256, each call captured in a CUDA graph (the classification launch included; an ad-hoc sweep of
+# pieces 8-64 at git f9ca885): the default config (pieces of 128, 2 tokens per program) took 17.5 /
+# 28.1 / 38.2 / 59.6 µs at M = 1 / 16 / 64 / 256; pieces of 16 took 15.6 / 17.5 / 22.5 / 45.1 µs and
+# pieces of 32 17.3 / 20.0 / 26.1 / 32.9 µs. Three buckets, so at most three compiled variants per shape.
+_SMALL_M_PIECES = ((64, 16), (512, 32))
+
+
+def default_config(d: int, m: int | None = None) -> UpDownConfig:
     """Heuristic config for hidden size d: the whole row of D in one program up to D = 8192,
     8 contiguous elements per thread along D, ~8K weight elements per [BLOCK_U, BLOCK_D] chunk
     (block_u 4 at D = 2048), batches of 64 compact slots, up to 4 warps, 2 tokens per program,
     the next token's head looked up early, L2 hints, rows of more than 128 valid slots split into
     pieces, and at D = 2048 (4 warps) registers capped at 128 (4 programs per SM). Other D keep
-    the compiler's register count.
+    the compiler's register count. Given m, calls of at most 512 tokens split rows into pieces of
+    16 (m <= 64) or 32 slots, one token per program (_SMALL_M_PIECES); m=None is the large-M config.
 
     Measured (H200, bf16, D = 2048, H = 5632, 29 active units per token with a tail to ~370,
     git ef09de9, an ad-hoc sweep of these configs): this config takes 0.147 / 0.489 / 1.932 ms at M = 4096 / 16384 /
     65536, against 0.234 / 0.593 / 2.008 ms for the earlier default (no split, 96 registers) and
     0.211 / 0.558 / 1.926 ms for no split at 128 registers. The split kernel spills under the
     96-register cap: 0.180 / 0.611 / 2.433 ms there."""
+    piece = next((p for max_m, p in _SMALL_M_PIECES if m is not None and m <= max_m), None)
+    return _bucket_config(d, piece)
+
+
+@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per (D, bucket)
+def _bucket_config(d: int, piece: int | None) -> UpDownConfig:
     block_d = min(next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
     num_warps = max(1, min(4, block_d // 512))
     block_u = max(1, min(8, 8192 // block_d))
-    return UpDownConfig(block_m=2, block_u=block_u, block_d=block_d, block_n=max(64, block_u),
-                        num_warps=num_warps,
-                        max_regs=128 if block_d == 2048 and num_warps == 4 else None)
+    config = UpDownConfig(block_m=2, block_u=block_u, block_d=block_d, block_n=max(64, block_u),
+                          num_warps=num_warps,
+                          max_regs=128 if block_d == 2048 and num_warps == 4 else None)
+    if piece is None:
+        return config
+    piece = max(piece, block_u)
+    return dataclasses.replace(config, block_m=1, block_n=piece, split_slots=piece)
 
 
 def benchmark_configs(d: int) -> list[UpDownConfig]:
@@ -631,8 +651,8 @@ def _check_tensor(t: object, name: str, shape: tuple[int, ...], dtype: torch.dty
 
 def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
                 aligned: bool) -> dict[str, object]:
-    """The kernel's meta-parameters for a launch; they depend on D, n_tiles and slots, never on M
-    (so the number of compiled variants stays put when only M changes)."""
+    """The kernel's meta-parameters for a launch; they depend on the config, D, n_tiles and slots,
+    never on M itself (the default config has three M buckets: at most three variants per shape)."""
     return dict(
         GATED=gated,
         ALIGNED=aligned,
@@ -670,7 +690,7 @@ def twell_up_down(
     Rows with some count > slots are not written: pass `out` to pre-fill them (or fill them
     afterwards); with `out=None` they hold whatever torch.empty left there. overflow_out: None, or
     a uint8 / bool [M] tensor that receives which rows those are (for the dense backup).
-    `config` overrides the launch heuristic (`default_config(D)`). Returns `out` (or the new tensor).
+    `config` overrides the launch heuristic (`default_config(D, M)`). Returns `out` (or the new tensor).
     """
     m, d = check_matrix(x, "x")
     if not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 32768:
@@ -711,7 +731,7 @@ def twell_up_down(
         if not overflow_out.is_contiguous():
             raise ValueError("overflow_out must be contiguous")
     if config is None:
-        config = default_config(d)
+        config = default_config(d, m)
     elif not isinstance(config, UpDownConfig):
         raise TypeError(f"config must be an UpDownConfig or None, got {type(config).__name__}")
     if m == 0:
@@ -752,13 +772,15 @@ def twell_up_down(
 
 def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]]]:
     """Specializations to compile for sm_90a (tests/kernels/sm90_compile.py, 4 warps): for bf16
-    and fp16, gated and non-gated, the default config at the paper's shape (D = 2048, H = 5632,
-    tile 256, slots 32, aligned) and the generic paths (D = 100: unaligned and masked along D;
+    and fp16, gated and non-gated, the default configs (all M buckets) at the paper's shape (D = 2048,
+    H = 5632, tile 256, slots 32, aligned) and the generic paths (D = 100: unaligned and masked along D;
     D = 16384: D split over programs); for bf16 gated every distinct specialization of
     `benchmark_configs(2048)`, and the kernel variants (one chunk per batch without lookahead or
     hints; register double buffering; persistent) for fp16 and for non-gated."""
     shapes = [  # (config, D, n_tiles, slots, aligned)
         (default_config(2048), 2048, 22, 32, True),
+        (default_config(2048, 1), 2048, 22, 32, True),  # the small-M buckets
+        (default_config(2048, 256), 2048, 22, 32, True),
         (default_config(100), 100, 8, 16, False),
         (default_config(16384), 16384, 64, 32, True),
     ]
