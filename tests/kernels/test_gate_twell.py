@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseffn.kernels.gate_twell import GateTwellConfig, default_config, gate_twell, _gate_twell_kernel
+from sparseffn.kernels.gate_twell import (FEW_TOKENS, GateTwellConfig, _gate_twell_kernel, default_config,
+                                          few_tokens_config, gate_twell)
 from tests.kernels.jit import do_not_specialize, positional_args
 
 pytestmark = pytest.mark.filterwarnings(
@@ -263,6 +264,28 @@ def test_scan_reference_epilogue_agrees_and_is_in_column_order():
         assert cols == sorted(cols)
 
 
+@pytest.mark.parametrize("tile,slots", [(256, 32), (64, 8), (32, 4)])
+def test_few_tokens_path_matches_reference(tile, slots):
+    """Few-token calls pack through the dense relu output (N-blocks of 32) and a packing kernel:
+    a correct TwELL (slots in column order), the same counts and column sets as the packing
+    epilogue, for 1 and 37 rows (the 16- and 64-row configs), thresholds, D not a block multiple."""
+    gen = torch.Generator().manual_seed(23)
+    x, w, theta = _data(37, 200, 300, torch.bfloat16, "per_neuron", gen)
+    for rows, th in ((1, None), (5, theta), (37, theta)):
+        few = _run(x[:rows], w, th, tile, slots, few_tokens=True)
+        tiles = gate_twell(x[:rows], w, th, tile=tile, slots=slots, few_tokens=False)
+        assert torch.equal(few[2], tiles[2])
+        k = few[2].clamp(max=slots)
+        for r, t in k.nonzero().tolist():
+            n = int(k[r, t])
+            cols = few[1][r, t, :n].tolist()
+            assert cols == sorted(cols)
+            if int(few[2][r, t]) <= slots:
+                assert cols == sorted(tiles[1][r, t, :n].tolist())
+    with pytest.raises(ValueError, match="few_tokens=True packs with its own launches"):
+        gate_twell(x, w, theta, few_tokens=True, mode="counts")
+
+
 def test_checker_catches_corruption():
     gen = torch.Generator().manual_seed(13)
     x, w, theta = _data(37, 72, 200, torch.bfloat16, "per_neuron", gen)
@@ -333,16 +356,22 @@ def test_input_errors_name_the_argument():
 
 def test_m_adds_no_specialization():
     """M is do_not_specialize (Triton would otherwise specialize M == 1 and M % 16) and the config
-    depends on (D, H, dtype, tile) only; on a GPU the compiled-kernel cache must not grow with M."""
+    depends on (D, H, dtype, tile) only, the few-token one on two buckets (M <= 16, M <= 64); on a
+    GPU the compiled-kernel cache must not grow with M once each bucket ran."""
     assert "M" in do_not_specialize(_gate_twell_kernel)
     assert "m" not in positional_args(default_config)
+    assert few_tokens_config(2048, 1) is few_tokens_config(2048, 16)
+    assert few_tokens_config(2048, 17) is few_tokens_config(2048, FEW_TOKENS)
+    assert few_tokens_config(2048, 1).block_m == 16 and few_tokens_config(2048, 64).block_m == 64
+    assert few_tokens_config(64, 1).num_stages == 1  # never more stages than k-steps
     if not CUDA:
         return
     gen = torch.Generator().manual_seed(1)
     x, w, theta = _data(300, 64, 512, torch.bfloat16, "per_neuron", gen)
-    gate_twell(x[:17], w, theta)  # warm up every variant used below
+    for m in (1, 17, 65):
+        gate_twell(x[:m], w, theta)  # warm up every variant used below
     before = sum(len(cache[0]) for cache in _gate_twell_kernel.device_caches.values())
-    for m in (1, 2, 16, 33, 128, 300):
+    for m in (1, 2, 16, 33, 64, 128, 300):
         gate_twell(x[:m], w, theta)
     after = sum(len(cache[0]) for cache in _gate_twell_kernel.device_caches.values())
     assert after == before

@@ -4,6 +4,7 @@ On CPU the kernels run under Triton's interpreter (tests/conftest.py), so shapes
 Error rule (flash-attention): ‖y − ref‖ ≤ 2 · ‖dense torch − ref‖ + one rounding of the output.
 """
 
+import importlib
 import os
 
 import pytest
@@ -16,6 +17,8 @@ from sparseffn.ops.sparse_mlp import ModeDecision, choose_mode
 from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the module (sparseffn.ops exports its `sparse_mlp` function under the same name)
+sparse_ops = importlib.import_module("sparseffn.ops.sparse_mlp")
 needs_kernels = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the Triton interpreter"
 )
@@ -107,6 +110,43 @@ def test_mode_decisions_are_explained_and_overridable():
         assert choose_mode(wide_x, wide_up).mode == "sparse"
         assert choose_mode(wide_x[:8], wide_up).mode == "dense"
         assert choose_mode(wide_x, wide_up, expected_nnz=200).mode == "dense"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_auto_mode_goes_sparse_for_few_tokens_inside_graph_capture():
+    """The routing under capture, then a real capture: the warm-up runs eagerly (dense route), the
+    capture takes the sparse route (its kernels compile and launch inside the capture), and the
+    replay matches the reference and the eager sparse call bit for bit."""
+    cap = sparse_ops.AUTO_MAX_CAPTURED_TOKENS
+    wide_x = torch.zeros(cap + 1, 2048, dtype=torch.bfloat16, device=DEVICE)
+    wide_up = torch.zeros(5632, 2048, dtype=torch.bfloat16, device=DEVICE)
+    for tokens in (1, cap):
+        assert choose_mode(wide_x[:tokens], wide_up, capturing=True).mode == "sparse"
+        assert "under CUDA-graph capture" in choose_mode(wide_x[:tokens], wide_up, capturing=True).reason
+        assert choose_mode(wide_x[:tokens], wide_up).mode == "dense"  # not capturing
+        assert choose_mode(wide_x[:tokens], wide_up, capturing=True, expected_nnz=200).mode == "dense"
+        assert choose_mode(wide_x[:tokens], wide_up, capturing=True, needs_grad=True).mode == "dense"
+    assert choose_mode(wide_x, wide_up, capturing=True).mode == "dense"
+
+    mlp = synthetic_mlp(5, 2048, 768, 6, device="cuda", seed=3)  # H = 768: variants no other test compiled
+    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    weights = SparseMLPWeights.prepare(*args[1:])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            sparseffn.sparse_mlp(*args, prepared=weights)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert choose_mode(mlp.x, mlp.up_weight).mode == "sparse"
+        y = sparseffn.sparse_mlp(*args, prepared=weights)
+    mlp.x.copy_(torch.randn_like(mlp.x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = sparse_mlp_reference(*(t.float() for t in args))
+    assert _err(y, ref) <= 2 * _err(dense_mlp(*args, None), ref) + 2.0**-8
+    assert torch.equal(y, sparseffn.sparse_mlp(*args, mode="sparse", prepared=weights))
 
 
 def test_autograd_inputs_take_the_dense_path_in_auto_mode():

@@ -12,6 +12,8 @@ For each shape (D x H), target density and token count M, one realistic syntheti
     gate_pack        the gate step alone: Triton GEMM + TwELL packing epilogue (what `sparse` runs)
     dense_graph      `dense` captured in a CUDA graph and replayed (CUDA only)
     sparse_graph     `sparse` captured in a CUDA graph and replayed (CUDA only)
+    auto_graph       `auto` captured in a CUDA graph: under capture auto mode routes few tokens to the
+                     sparse kernels (ops/sparse_mlp.py, AUTO_MAX_CAPTURED_TOKENS) (CUDA only)
 
 The graph providers take the host launch work out of the timing, as serving stacks do with CUDA graphs:
 at small M an eager call costs more host time than GPU time and the L2 flush no longer hides it.
@@ -39,8 +41,8 @@ from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp
 from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp
 
 PROVIDERS = ("dense", "dense_merged", "dense_compiled", "sparse", "auto", "gate_cublas", "gate_pack",
-             "dense_graph", "sparse_graph")
-GRAPH_PROVIDERS = ("dense_graph", "sparse_graph")
+             "dense_graph", "sparse_graph", "auto_graph")
+GRAPH_PROVIDERS = ("dense_graph", "sparse_graph", "auto_graph")
 TIMING_ROUNDS = 3
 
 CSV_FIELDS = (
@@ -138,21 +140,25 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
         "overflow_rows": int((counts > cfg.slots).any(1).sum()),
     }
     providers = _providers(mlp, weights, stats["mean_nnz"], cfg.tile, cfg.slots, compiled_dense)
-    for name in set(wanted) & set(GRAPH_PROVIDERS):
-        providers[name] = cuda_graphed(providers[name.removesuffix("_graph")], device)
     dense_out = providers["dense"]()
     dense_err = rel_err(dense_out, ref)
     floor = torch.finfo(x.dtype).eps / 2
     checked = {}
-    for name in wanted:
+    # graphs are captured after the eager providers ran (PROVIDERS order): auto's capture may take the
+    # sparse route that its eager warm-up did not, and its kernels are compiled by then
+    for name in sorted(wanted, key=lambda n: n in GRAPH_PROVIDERS):
+        if name in GRAPH_PROVIDERS:
+            providers[name] = cuda_graphed(providers[name.removesuffix("_graph")], device)
         out = providers[name]()
         mode = ""
         err = float("nan")
         if not name.startswith("gate_"):
             err = rel_err(out, ref)
-        if name in ("sparse", "auto", "sparse_graph"):
-            mode = "sparse" if name != "auto" else choose_mode(x, mlp.up_weight, mode="auto",
-                                                                  expected_nnz=stats["mean_nnz"]).mode
+        if name in ("sparse", "sparse_graph"):
+            mode = "sparse"
+        elif name in ("auto", "auto_graph"):
+            mode = choose_mode(x, mlp.up_weight, mode="auto", expected_nnz=stats["mean_nnz"],
+                               capturing=name == "auto_graph").mode
         checked[name] = (mode, err)
     # Providers take turns over TIMING_ROUNDS rounds, so a drift of clocks or host load hits them alike.
     timed = list(dict.fromkeys(["dense", *wanted]))

@@ -24,11 +24,11 @@ def _cases(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     return cases
 
 
-def _graph_ratio(prov: dict[str, dict]) -> str:
-    """Graphed dense time over graphed sparse time of one case, or "–" without both graph rows."""
-    if "sparse_graph" not in prov or "dense_graph" not in prov:
+def _graph_ratio(prov: dict[str, dict], graphed: str = "sparse_graph") -> str:
+    """Graphed dense time over the `graphed` provider's time of one case, or "–" without both rows."""
+    if graphed not in prov or "dense_graph" not in prov:
         return "–"
-    return f"{float(prov['dense_graph']['median_ms']) / float(prov['sparse_graph']['median_ms']):.2f}x"
+    return f"{float(prov['dense_graph']['median_ms']) / float(prov[graphed]['median_ms']):.2f}x"
 
 
 def mlp_table(rows: list[dict]) -> str:
@@ -41,10 +41,12 @@ def mlp_table(rows: list[dict]) -> str:
         "Speed-up = dense time / time (median of CUDA-event timings, L2 flushed, same run, same inputs). "
         "Error = ‖y − y_fp32‖ / ‖y_fp32‖.\n\n"
         "Graphed = one CUDA-graph replay of the call (no host launch work); `graphed sparse` is over eager "
-        "dense, `graph / graph` is graphed dense time over graphed sparse time.\n\n"
+        "dense, `graph / graph` is graphed dense time over graphed sparse time, `auto graphed` is graphed dense "
+        "time over auto mode's captured call (under capture auto routes few tokens to the sparse kernels).\n\n"
         "| D×H | mean nnz (max) | M | overflow rows | dense ms | merged | compiled | sparse | auto (mode) "
-        "| graphed sparse | graph / graph | gate: TwELL pack / cuBLAS | sparse err | dense err |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| graphed sparse | graph / graph | auto graphed (mode) | gate: TwELL pack / cuBLAS | sparse err "
+        "| dense err |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [header]
 
@@ -58,12 +60,14 @@ def mlp_table(rows: list[dict]) -> str:
         if "gate_pack" in prov and "gate_cublas" in prov:
             gate = f"{float(prov['gate_pack']['median_ms']) / float(prov['gate_cublas']['median_ms']):.2f}x time"
         auto = ratio(prov, "auto") + (f" ({prov['auto']['mode']})" if "auto" in prov else "")
+        auto_graph = _graph_ratio(prov, "auto_graph") + (f" ({prov['auto_graph']['mode']})"
+                                                         if "auto_graph" in prov else "")
         lines.append(
             f"| {d}×{h} | {float(any_row['mean_nnz']):.1f} ({any_row['max_nnz']}) | {m} | {any_row['overflow_rows']} "
             f"| {float(dense['median_ms']):.3f} | {ratio(prov, 'dense_merged')} | {ratio(prov, 'dense_compiled')} "
-            f"| {ratio(prov, 'sparse')} | {auto} | {ratio(prov, 'sparse_graph')} | {_graph_ratio(prov)} | {gate} "
-            f"| {prov['sparse']['rel_err'] if 'sparse' in prov else '–'} | {any_row['dense_rel_err']} |"
-            if dense else f"| {d}×{h} | – | {m} | – | – | – | – | – | – | – | – | – | – | – |"
+            f"| {ratio(prov, 'sparse')} | {auto} | {ratio(prov, 'sparse_graph')} | {_graph_ratio(prov)} | {auto_graph} "
+            f"| {gate} | {prov['sparse']['rel_err'] if 'sparse' in prov else '–'} | {any_row['dense_rel_err']} |"
+            if dense else f"| {d}×{h} | – | {m} | – | – | – | – | – | – | – | – | – | – | – | – |"
         )
     return "\n".join(lines)
 

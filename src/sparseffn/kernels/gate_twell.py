@@ -350,6 +350,28 @@ def _gate_twell_kernel(
 _gate_twell_launch = Launcher(_gate_twell_kernel)
 
 
+@triton.jit
+def _pack_twell_kernel(p_ptr, values_ptr, columns_ptr, counts_ptr, H, n_tiles, stride_pm,
+                       SLOTS: tl.constexpr, TILE: tl.constexpr):
+    """One (row, tile) of a dense activation p [M, H] (relu already applied, x's dtype) packed into
+    TwELL: the active entries (> 0 or NaN) in column order, the true count. Program (m, t)."""
+    m = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    offs = tl.arange(0, TILE)  # [TILE] tile-local columns
+    cols = t * TILE + offs
+    v = tl.load(p_ptr + m * stride_pm + cols, mask=cols < H, other=0.0)  # [TILE] x dtype
+    flags = (~(v <= 0) & (cols < H)).to(tl.int32)  # [TILE]
+    slot = tl.cumsum(flags, 0) - flags  # [TILE] exclusive: column order
+    tile_index = m * n_tiles + t
+    keep = (flags != 0) & (slot < SLOTS)
+    tl.store(values_ptr + tile_index * SLOTS + slot, v, mask=keep)
+    tl.store(columns_ptr + tile_index * SLOTS + slot, offs.to(tl.int16), mask=keep)
+    tl.store(counts_ptr + tile_index, tl.sum(flags, 0))
+
+
+_pack_twell_launch = Launcher(_pack_twell_kernel)
+
+
 # ----------------------------------------------------------------------------------------------------
 # configuration
 
@@ -394,6 +416,32 @@ def default_config(d: int, h: int, dtype: torch.dtype, tile: int, *, cuda: bool)
     if tile == 128:
         return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=8, num_stages=min(4, max(2, k_tiles)))
     return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=4, num_stages=min(4, max(2, k_tiles)))
+
+
+# Few tokens (1 <= M <= FEW_TOKENS on a GPU). The packing kernel's grid is one program per (row block
+# of 128, tile of 256): 22 programs at M <= 128 for H = 5632, so the gate GEMM of a decode step read its
+# 23 MB on 22 SMs: 28.6 µs at M = 1 / 16 / 64 on the H200 (graph replays, bf16, D = 2048; cuBLAS: 10).
+# Instead the same kernel writes the dense relu output with N-blocks of 32 columns (176 programs, one
+# per block, pointer loads) and a second kernel packs it: the GEMM alone took 15.6 / 15.3 / 16.4 µs
+# at M = 1 / 16 / 64 with these configs (measured with the packing epilogue at tile 32; ad-hoc sweep
+# at git f9ca885). The whole sparse call, graph replays: 47.3 / 58.1 / 68.8 µs at M = 1 / 16 / 64 before
+# (f9ca885), 33.1 / 35.1 / 42.2 µs with this path and the small-M up/down config (dense: 41.0 / 40.8 /
+# 43.1). A split-K variant of the packing kernel (partials summed by the last program of a tile)
+# spilled registers and ran no faster (26 µs at M = 1, 76 µs at M = 64) and was dropped.
+FEW_TOKENS = 64
+_FEW_TOKENS_BLOCK_N = 32
+
+
+def few_tokens_config(d: int, m: int) -> GateTwellConfig:
+    """Config of the dense-output GEMM of few-token calls: BLOCK_M 16 (M <= 16) or 64, BLOCK_K 256 /
+    128, one program per N-block, never more stages than k-steps."""
+    block_m, block_k, stages = (16, 256, 3) if m <= 16 else (64, 128, 4)
+    return _few_tokens_config(block_m, block_k, min(stages, max(1, -(-d // block_k))))
+
+
+@functools.lru_cache(maxsize=None)
+def _few_tokens_config(block_m: int, block_k: int, stages: int) -> GateTwellConfig:
+    return GateTwellConfig(block_m=block_m, block_k=block_k, group_m=1, num_warps=4, num_stages=stages)
 
 
 def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -462,6 +510,7 @@ def gate_twell(
     tma: bool | None = None,
     config: GateTwellConfig | None = None,
     mode: str = "pack",
+    few_tokens: bool | None = None,
 ):
     """p = relu(x @ weight^T - threshold), packed into TwELL's (values, columns, counts).
 
@@ -471,11 +520,21 @@ def gate_twell(
 
     persistent: None = on CUDA. tma: None = when persistent, on CUDA and the tensors allow it (True
     forces descriptors; the interpreter runs them too). config: None = default_config(...).
-    mode: "pack"; diagnostics "counts" (only counts is written) and "dense" (returns the dense
-    [M, H] relu output instead of the triple), to time the epilogue's share.
+    mode: "pack"; "dense" returns the dense [M, H] relu output instead of the triple (the first
+    step of few-token calls, and a diagnostic); "counts" (only counts is written) is a diagnostic.
+    few_tokens: pack through the dense output (FEW_TOKENS above): None = for 1 <= M <= FEW_TOKENS on
+    a GPU when mode, config, persistent and tma are left at their defaults.
     """
     _check_inputs(x, weight, threshold, tile, slots, mode, config)
     m, d = x.shape
+    if few_tokens is None:
+        few_tokens = (x.is_cuda and 1 <= m <= FEW_TOKENS and mode == "pack" and config is None
+                      and persistent is None and tma is None)
+    elif few_tokens and (mode != "pack" or config is not None or persistent or tma):
+        raise ValueError("few_tokens=True packs with its own launches: it takes mode='pack' and no config, "
+                         "persistent or tma")
+    if few_tokens and m:
+        return _pack_few_tokens(x, weight, threshold, tile, slots)
     h = weight.shape[0]
     n_tiles = -(-h // tile)
     cuda = x.is_cuda
@@ -549,6 +608,22 @@ def gate_twell(
     return values if mode == "dense" else (values, columns, counts)
 
 
+def _pack_few_tokens(x, weight, threshold, tile, slots):
+    """gate_twell of a few-token call: the dense relu output in N-blocks of 32 columns, then one
+    packing program per (row, tile). Same TwELL (slots in column order)."""
+    m, d = x.shape
+    h = weight.shape[0]
+    n_tiles = -(-h // tile)
+    p = gate_twell(x, weight, threshold, tile=_FEW_TOKENS_BLOCK_N, mode="dense", persistent=False,
+                   config=few_tokens_config(d, m), few_tokens=False)
+    values = torch.empty((m, n_tiles, slots), dtype=x.dtype, device=x.device)
+    columns = torch.empty((m, n_tiles, slots), dtype=torch.int16, device=x.device)
+    counts = torch.empty((m, n_tiles), dtype=torch.int32, device=x.device)
+    if n_tiles:
+        _pack_twell_launch[(m, n_tiles)](p, values, columns, counts, h, n_tiles, p.stride(0), SLOTS=slots, TILE=tile)
+    return values, columns, counts
+
+
 # ----------------------------------------------------------------------------------------------------
 # sm_90a compile coverage (tests/kernels/sm90_compile.py)
 
@@ -556,9 +631,10 @@ def gate_twell(
 def sm90_compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs) for every variant gate_twell launches on a Hopper GPU:
     bf16/fp16 x threshold on/off x {persistent + TMA, one tile per program with pointers} at the
-    default tile-256 and tile-128 configs, plus tiles 64 and 32, a slots count that is not a power
-    of two, the persistent pointer fallback, tl.store stores, the scan reference epilogue, a
-    two-programs-per-SM config and the diagnostic modes.
+    default tile-256 and tile-128 configs, the few-token dense output and packing kernels, plus
+    tiles 64 and 32, a slots count that is not a power of two, the persistent pointer fallback,
+    tl.store stores, the scan reference epilogue, a two-programs-per-SM config and the diagnostic
+    modes.
 
     with_options=True appends the compile options (num_warps, num_stages) of each variant's config
     as a 4th element; sm90_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
@@ -625,4 +701,15 @@ def sm90_compile_specs(with_options: bool = False):
     add(bf16, True, 256, 32, persistent=True, tma=True, config=GateTwellConfig(64, 64, 8, 4, 2, programs_per_sm=2))
     for mode in ("counts", "dense"):
         add(bf16, True, 256, 32, persistent=True, tma=True, mode=mode)
+    # few-token calls: the dense output in N-blocks of 32 (both row-block configs), then the packing
+    for dtype in (bf16, fp16):
+        for m, has_threshold in ((1, False), (64, True)):
+            add(dtype, has_threshold, _FEW_TOKENS_BLOCK_N, 32, persistent=False, tma=False, mode="dense",
+                config=few_tokens_config(2048, m))
+        for tile, slots in ((256, 32), (64, 8)):
+            ty = TL_DTYPES[dtype]
+            signature = {"p_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16", "counts_ptr": "*i32",
+                         "H": "i32", "n_tiles": "i32", "stride_pm": "i32", "SLOTS": "constexpr", "TILE": "constexpr"}
+            spec = (_pack_twell_kernel, signature, {"SLOTS": slots, "TILE": tile})
+            specs.append(spec + (({"num_warps": 4, "num_stages": 3},) if with_options else ()))
     return specs

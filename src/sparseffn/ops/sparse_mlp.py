@@ -15,8 +15,9 @@ path (ops/train_mlp.py: TwELL forward that keeps only the packed activation, bac
 gradient folded in), registered as `sparseffn::sparse_mlp_train_fwd` / `_bwd` with autograd.
 
 `mode="auto"` (default) picks with `choose_mode`, without looking at the data: sparse needs a CUDA
-tensor in bf16/fp16, rows at least AUTO_MIN_D wide, enough tokens for the gate GEMM to fill the GPU,
-and an expected density under the measured break-even when the caller gives one.
+tensor in bf16/fp16, rows at least AUTO_MIN_D wide, enough tokens for the gate GEMM to fill the GPU
+(or, while a CUDA graph is being captured, few enough that the sparse path's GPU time wins), and an
+expected density under the measured break-even when the caller gives one.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ MODES = ("auto", "sparse", "dense")
 # - density: sparse lost at 110 non-zeros per token on both shapes (break-even ~69 at D=2048/H=5632,
 #   ~83 at D=4096/H=14336, whose gathered weights no longer fit L2).
 AUTO_MIN_TOKENS = 4096
+# Under CUDA-graph capture the host launch work is paid once, so only GPU time counts. Graph replays on
+# the H200 (`bench mlp`, bf16, D=2048/H=5632, 29 non-zeros per token, mlp_rerun_<sha>.csv), sparse vs
+# dense: 33.1 vs 41.0 µs at M = 1, 35.1 vs 40.8 at 16, 42.2 vs 43.1 at 64 (even), 62.5 vs 49.0 at 256.
+AUTO_MAX_CAPTURED_TOKENS = 16
 # Training calls (gradients or return_l1), from `bench mlp --train` and `bench e2e` on the H200: the
 # step won at 16384 tokens (1.41x) and lost at 4096 (0.47x, host-bound; 0.63x after the zero-gradient
 # fix of ops/train_mlp.py); at 8192 the 2B model's whole training step came out 0.97x with the MLPs ~41%
@@ -78,11 +83,14 @@ def choose_mode(
     expected_nnz: float | None = None,
     needs_grad: bool = False,
     return_l1: bool = False,
+    capturing: bool | None = None,
 ) -> ModeDecision:
     """Which path `sparse_mlp` takes for these arguments, and why. Raises if `mode="sparse"` cannot run.
 
-    needs_grad / return_l1 select the training kernels. Only shapes, dtypes and devices are looked at
-    (no data pointers), so the decision traces under torch.compile.
+    needs_grad / return_l1 select the training kernels. capturing: whether the call is being
+    captured in a CUDA graph (None: asked of torch, only for the calls it can change). Only shapes,
+    dtypes and devices are looked at (no data pointers), so the decision traces under torch.compile
+    (where it is made at trace time, not capturing).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -110,10 +118,19 @@ def choose_mode(
     if (needs_grad or return_l1) and tokens < AUTO_MIN_TOKENS_TRAIN:
         return ModeDecision("dense", f"{tokens} tokens < {AUTO_MIN_TOKENS_TRAIN}: too few for the training kernels "
                                      "to pay (measured break-even between 8192 and 16384)")
-    if tokens < AUTO_MIN_TOKENS:
-        return ModeDecision("dense", f"{tokens} tokens < {AUTO_MIN_TOKENS}: too few to fill the GPU (no decode kernel)")
     limit = min(AUTO_MAX_MEAN_NNZ, AUTO_MAX_MEAN_NNZ_FRACTION * up_weight.shape[0])
-    if expected_nnz is not None and expected_nnz > limit:
+    too_dense = expected_nnz is not None and expected_nnz > limit
+    if tokens < AUTO_MIN_TOKENS:
+        # (training calls of this size went dense above)
+        if capturing is None:
+            capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing or tokens > AUTO_MAX_CAPTURED_TOKENS or too_dense:
+            return ModeDecision("dense", f"{tokens} tokens < {AUTO_MIN_TOKENS}: the sparse path's host launch work "
+                                         f"exceeds its GPU time (under CUDA-graph capture: up to "
+                                         f"{AUTO_MAX_CAPTURED_TOKENS} tokens at a density under the break-even)")
+        return ModeDecision("sparse", f"{tokens} tokens under CUDA-graph capture: launch work is paid once, and "
+                                      f"up to {AUTO_MAX_CAPTURED_TOKENS} tokens the sparse path's GPU time is lower")
+    if too_dense:
         return ModeDecision("dense", f"expected {expected_nnz:g} non-zeros per token > {limit:g}")
     return ModeDecision("sparse", f"{tokens} tokens on {x.device}")
 
