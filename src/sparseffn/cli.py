@@ -193,6 +193,7 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
     folder = Path(args.results_dir)
     blocks = {
         "mlp": ("mlp.csv", mlp_table, plot_mlp),
+        "mlp_paper_shape": ("mlp_paper_shape.csv", mlp_table, plot_mlp),
         "mlp_narrow": ("mlp_narrow.csv", mlp_table, plot_mlp),
         "train": ("mlp_train.csv", train_table, plot_train),
         "e2e": ("e2e.csv", e2e_table, plot_e2e),

@@ -54,7 +54,9 @@ tiles in grouped order (GROUP_M row blocks sweep all N-tiles, so x and W tiles a
 with the tile and k loops flattened so the next tile's loads are in flight during the epilogue. It
 reads x and W through host-built TMA descriptors when the tensors allow (unit inner stride,
 16-byte aligned base and row stride; TMA zero-fills every edge), masked pointer loads otherwise.
-Non-persistent: one program per tile.
+Non-persistent: one program per tile. Few-token calls (1 <= M <= FEW_TOKENS, on a GPU) run the same
+kernel in its dense-output mode with 32-column N-blocks (7x the programs at tile 256), then
+`_pack_twell_kernel` (one program per (row, tile), tl.cumsum: slots in column order).
 
 Constraints. x: 2-D [M, D], bf16 or fp16, any strides, any M >= 0, D >= 0. weight: [H, D], same
 dtype and device, unit stride along D. threshold: None or fp32 [H]. tile: 32, 64, 128 or 256
