@@ -1,4 +1,5 @@
 import copy
+import importlib
 import os
 
 import pytest
@@ -8,6 +9,12 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from sparseffn.nn import DenseMLP, SparseMLP
+from sparseffn.ops.sparse_mlp import ModeDecision
+from sparseffn.ops.twell_mlp import SparseMLPWeights
+
+# the modules (their packages export functions and classes under the same names)
+nn_sparse_mlp = importlib.import_module("sparseffn.nn.sparse_mlp")
+ops_sparse_mlp = importlib.import_module("sparseffn.ops.sparse_mlp")
 from sparseffn.ops.reference import l1_penalty
 
 D, H = 48, 80
@@ -267,6 +274,50 @@ def test_sparse_path_caches_prepared_weights():
         assert not torch.equal(y2, y)
         sparse.release_cache_()
         assert sparse._prepared is None
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the sparse path needs CUDA or Triton's CPU interpreter",
+)
+def test_no_prepared_weights_are_built_into_a_graph_capture(monkeypatch):
+    """While a CUDA graph is captured (simulated here), a missing interleaved copy is not built and
+    cached: mode="sparse" gets a copy for the call alone, auto mode the dense route."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = _llama_mlp(dtype=torch.bfloat16).to(device)
+    sparse = SparseMLP.from_dense(hf, mode="sparse")
+    sparse.track_l1 = False
+    x = _x(5, dtype=torch.bfloat16).to(device)
+    monkeypatch.setattr(nn_sparse_mlp, "_capturing", lambda x: True)
+    with torch.no_grad():
+        y = sparse(x)
+        assert sparse._prepared is None
+        monkeypatch.setattr(nn_sparse_mlp, "_capturing", lambda x: False)
+        assert torch.equal(y, sparse(x)) and sparse._prepared is not None  # built and cached outside a capture
+        sparse.release_cache_()
+        monkeypatch.setattr(nn_sparse_mlp, "_capturing", lambda x: True)
+        sparse.mode = "auto"  # as if auto mode had picked the kernels for this capture
+        monkeypatch.setattr(nn_sparse_mlp, "choose_mode", lambda *a, **k: ModeDecision("sparse", "test"))
+        assert sparse._inference_path(x, hf.gate_proj.weight, hf.up_proj.weight, hf.down_proj.weight) == ("dense", None)
+        assert sparse._prepared is None
+
+
+def test_functional_capture_rule_needs_prepared_weights(monkeypatch):
+    """sparse_mlp without `prepared` tells choose_mode it is not capturing (a captured sparse call
+    would record the up/down interleaving into the graph); with it, choose_mode asks torch."""
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["capturing"])
+        return ModeDecision("dense", "spy")
+
+    monkeypatch.setattr(ops_sparse_mlp, "choose_mode", spy)
+    hf = _llama_mlp(dtype=torch.bfloat16)
+    args = (_x(3, dtype=torch.bfloat16), hf.gate_proj.weight, hf.up_proj.weight, hf.down_proj.weight)
+    with torch.no_grad():
+        ops_sparse_mlp.sparse_mlp(*args)
+        ops_sparse_mlp.sparse_mlp(*args, prepared=SparseMLPWeights.prepare(*args[1:]))
+    assert seen == [False, None]
 
 
 @pytest.mark.skipif(

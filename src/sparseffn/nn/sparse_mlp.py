@@ -288,6 +288,14 @@ class SparseMLP(nn.Module):
             (t.data_ptr(), t._version, t.dtype, t.device) if t is not None else None for t in (gate_weight, up, down)
         )
         if self._prepared is None or self._prepared_key != key or not self._prepared.matches(gate_weight, up, down):
+            if _capturing(x):
+                # Built now, the copy would be recorded into the graph (a weight-sized copy on every
+                # replay) and live in the graph's memory pool, so it is not cached: auto mode takes
+                # the dense route instead, mode="sparse" gets a copy for this call alone.
+                if self.mode == "auto":
+                    return "dense", None
+                with torch.no_grad():
+                    return mode, SparseMLPWeights.prepare(gate_weight, up, down)
             with torch.no_grad():
                 self._prepared = SparseMLPWeights.prepare(gate_weight, up, down)
             self._prepared_key = key
@@ -338,6 +346,11 @@ class SparseMLP(nn.Module):
         elif name == "track_l1" and not isinstance(value, bool):
             raise TypeError(f"track_l1 must be a bool, got {type(value).__name__}")
         super().__setattr__(name, value)
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether x's call is being captured into a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _any_bias(*linears: nn.Linear | None) -> bool:

@@ -181,7 +181,8 @@ def sparse_mlp(
 
     mode: "auto" (see `choose_mode`), "sparse" (Triton kernels; raises NotImplementedError where
     they cannot run) or "dense". prepared: `SparseMLPWeights.prepare(gate, up, down)` built once and
-    reused (without it the sparse path re-interleaves up/down on every call). expected_nnz: the
+    reused (without it the sparse path re-interleaves up/down on every call, and auto mode does not
+    take the sparse kernels for few tokens under CUDA-graph capture). expected_nnz: the
     caller's estimate of non-zeros per token, used by auto mode. tile/slots: TwELL capacity.
     """
     check_mlp_inputs(x, gate_weight, up_weight, down_weight, threshold)
@@ -194,8 +195,10 @@ def sparse_mlp(
     )
     if not isinstance(return_l1, bool):
         raise TypeError(f"return_l1 must be a bool, got {type(return_l1).__name__}")
+    # Without `prepared`, a captured sparse call would record the up/down interleaving (a weight-sized
+    # copy) into the graph: the capture rule of auto mode is for callers that pass it.
     decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad,
-                           return_l1=return_l1)
+                           return_l1=return_l1, capturing=None if prepared is not None else False)
     if decision.mode == "dense":
         return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
     x2d = x.reshape(-1, x.shape[-1])
