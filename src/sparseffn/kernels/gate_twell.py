@@ -63,7 +63,8 @@ dtype and device, unit stride along D. threshold: None or fp32 [H]. tile: 32, 64
 (it is BLOCK_N). 1 <= slots <= tile, any integer.
 
 Compiled variants do not depend on M: M is `do_not_specialize`d, TMA descriptor shapes are not
-specialized, and the block config is a function of (D, H, dtype, tile) only.
+specialized, and the block config is a function of (D, H, dtype, tile) only; few-token calls add two
+variants (M <= 16, M <= 64: few_tokens_config).
 
 Interpreter (TRITON_INTERPRET=1, CPU tensors): dot operands are cast to fp32 (DOT_IN_FP32) because
 low-precision `tl.dot` is wrong there; results then differ from the GPU by summation order only.
@@ -420,15 +421,15 @@ def default_config(d: int, h: int, dtype: torch.dtype, tile: int, *, cuda: bool)
     return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=4, num_stages=min(4, max(2, k_tiles)))
 
 
-# Few tokens (1 <= M <= FEW_TOKENS on a GPU). The packing kernel's grid is one program per (row block
+# Few tokens (1 <= M <= FEW_TOKENS on a GPU). The packing GEMM's grid is one program per (row block
 # of 128, tile of 256): 22 programs at M <= 128 for H = 5632, so the gate GEMM of a decode step read its
-# 23 MB on 22 SMs: 28.6 µs at M = 1 / 16 / 64 on the H200 (graph replays, bf16, D = 2048; cuBLAS: 10).
+# 23 MB on 22 SMs: 28.6 µs at M = 1 / 16 / 64 on the H200 (graph replays, bf16, D = 2048; cuBLAS ~10).
 # Instead the same kernel writes the dense relu output with N-blocks of 32 columns (176 programs, one
 # per block, pointer loads) and a second kernel packs it: the GEMM alone took 15.6 / 15.3 / 16.4 µs
 # at M = 1 / 16 / 64 with these configs (measured with the packing epilogue at tile 32; ad-hoc sweep
 # at git f9ca885). The whole sparse call, graph replays: 47.3 / 58.1 / 68.8 µs at M = 1 / 16 / 64 before
 # (f9ca885), 33.1 / 35.1 / 42.2 µs with this path and the small-M up/down config (dense: 41.0 / 40.8 /
-# 43.1). A split-K variant of the packing kernel (partials summed by the last program of a tile)
+# 43.1). A split-K variant of the packing GEMM (partials summed by the last program of a tile)
 # spilled registers and ran no faster (26 µs at M = 1, 76 µs at M = 64) and was dropped.
 FEW_TOKENS = 64
 _FEW_TOKENS_BLOCK_N = 32
