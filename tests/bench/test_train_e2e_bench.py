@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sparseffn.bench.mlp_train import CSV_FIELDS as TRAIN_FIELDS
-from sparseffn.bench.mlp_train import TrainBenchConfig, run_train_bench
+from sparseffn.bench.mlp_train import GRAPH_PROVIDERS as TRAIN_GRAPH_PROVIDERS
+from sparseffn.bench.mlp_train import TRAIN_PROVIDERS, TrainBenchConfig, run_train_bench
 from sparseffn.bench.report import e2e_table, plot_train, read_rows, train_table
 from tests.bench.interpreted import interpreted
 
@@ -40,6 +41,11 @@ def test_train_bench_graph_providers_need_cuda(tmp_path):
     cfg = TrainBenchConfig(shapes="64x256", tokens="19", nnz="6", providers="dense,sparse_graph", out_dir=str(tmp_path))
     with pytest.raises(ValueError, match="sparse_graph.*need a CUDA device"):
         run_train_bench(cfg, torch.device("cpu"), log=lambda _: None)
+    # each graphed provider replays one of the step's eager providers (the default list on CUDA takes
+    # them all); inference's auto_graph is not one of them
+    assert all(p.removesuffix("_graph") in TRAIN_PROVIDERS for p in TRAIN_GRAPH_PROVIDERS)
+    with pytest.raises(ValueError, match="unknown \\['auto_graph'\\]"):
+        run_train_bench(TrainBenchConfig(providers="dense,auto_graph"), torch.device("cpu"), log=lambda _: None)
 
 
 def test_e2e_bench_runs_at_tiny_size_and_calibrates(tmp_path):

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from sparseffn.bench.common import ints, rel_err, shapes, write_csv
-from sparseffn.bench.mlp import GRAPH_PROVIDERS, MLPBenchConfig
+from sparseffn.bench.mlp import MLPBenchConfig
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.bench.timing import cuda_graphed, device_slug, run_metadata, time_fn
 from sparseffn.kernels.gate_twell import gate_twell
@@ -36,6 +36,9 @@ from sparseffn.ops.reference import mlp_activation_reference
 from sparseffn.ops.sparse_mlp import sparse_mlp
 from sparseffn.ops.twell_mlp import dense_mlp
 
+# the training step's graphed providers (inference's auto_graph has no training counterpart: auto mode
+# trains densely below 16384 tokens, captured or not)
+GRAPH_PROVIDERS = ("dense_graph", "sparse_graph")
 TRAIN_PROVIDERS = ("dense", "dense_compiled", "sparse", *GRAPH_PROVIDERS)
 L1_COEFF = 1.0  # weight of l1 in the step's loss; its gradient goes through the same kernels at any value
 
