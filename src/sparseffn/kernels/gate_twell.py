@@ -529,7 +529,7 @@ def gate_twell(
     a GPU when mode, config, persistent and tma are left at their defaults.
     """
     _check_inputs(x, weight, threshold, tile, slots, mode, config)
-    m, d = x.shape
+    m = x.shape[0]
     if few_tokens is None:
         few_tokens = (x.is_cuda and 1 <= m <= FEW_TOKENS and mode == "pack" and config is None
                       and persistent is None and tma is None)
@@ -538,6 +538,12 @@ def gate_twell(
                          "persistent or tma")
     if few_tokens and m:
         return _pack_few_tokens(x, weight, threshold, tile, slots)
+    return _launch(x, weight, threshold, tile, slots, persistent, tma, config, mode)
+
+
+def _launch(x, weight, threshold, tile, slots, persistent, tma, config, mode):
+    """The packing GEMM (or its diagnostic modes) on checked arguments: gate_twell's contract."""
+    m, d = x.shape
     h = weight.shape[0]
     n_tiles = -(-h // tile)
     cuda = x.is_cuda
@@ -617,8 +623,9 @@ def _pack_few_tokens(x, weight, threshold, tile, slots):
     m, d = x.shape
     h = weight.shape[0]
     n_tiles = -(-h // tile)
-    p = gate_twell(x, weight, threshold, tile=_FEW_TOKENS_BLOCK_N, mode="dense", persistent=False,
-                   config=few_tokens_config(d, m), few_tokens=False)
+    # dense mode writes no slots (SLOTS only has to be a valid count for tile 32)
+    p = _launch(x, weight, threshold, _FEW_TOKENS_BLOCK_N, _FEW_TOKENS_BLOCK_N, False, None,
+                few_tokens_config(d, m), "dense")
     values = torch.empty((m, n_tiles, slots), dtype=x.dtype, device=x.device)
     columns = torch.empty((m, n_tiles, slots), dtype=torch.int16, device=x.device)
     counts = torch.empty((m, n_tiles), dtype=torch.int32, device=x.device)
@@ -707,8 +714,8 @@ def sm90_compile_specs(with_options: bool = False):
     # few-token calls: the dense output in N-blocks of 32 (both row-block configs), then the packing
     for dtype in (bf16, fp16):
         for m, has_threshold in ((1, False), (64, True)):
-            add(dtype, has_threshold, _FEW_TOKENS_BLOCK_N, 32, persistent=False, tma=False, mode="dense",
-                config=few_tokens_config(2048, m))
+            add(dtype, has_threshold, _FEW_TOKENS_BLOCK_N, _FEW_TOKENS_BLOCK_N, persistent=False, tma=False,
+                mode="dense", config=few_tokens_config(2048, m))
         for tile, slots in ((256, 32), (64, 8)):
             ty = TL_DTYPES[dtype]
             signature = {"p_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16", "counts_ptr": "*i32",
