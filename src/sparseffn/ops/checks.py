@@ -7,7 +7,8 @@ import numbers
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# tensor types taken as they are (exactly these: subclasses such as FakeTensor or DTensor are not)
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def check_tensor(t: object, name: str, *, dims: int | None = None) -> torch.Tensor:
@@ -67,8 +68,9 @@ def _well_formed(x, gate_weight, up_weight, down_weight, threshold) -> bool:
     and auto mode's dense route at small M is host-bound, so their time adds to the call: 2.1 µs for
     the detailed checks, 1.15 µs for this test (this project's 2-core CPU machine). The detailed
     checks only run to name what is wrong. Plain tensors only: subclasses take the detailed path."""
-    if not (type(x) in _PLAIN and type(up_weight) in _PLAIN and type(down_weight) in _PLAIN
-            and (gate_weight is None or type(gate_weight) in _PLAIN)
+    plain = PLAIN_TENSOR_TYPES
+    if not (type(x) in plain and type(up_weight) in plain and type(down_weight) in plain
+            and (gate_weight is None or type(gate_weight) in plain)
             and (threshold is None or type(threshold) is float)):
         return False
     dtype, device = x.dtype, x.device

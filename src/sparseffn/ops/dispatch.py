@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+from sparseffn.ops.checks import PLAIN_TENSOR_TYPES
 
 
 def eager_call(*tensors: torch.Tensor | None) -> bool:
@@ -25,4 +25,4 @@ def eager_call(*tensors: torch.Tensor | None) -> bool:
     if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active()):
         return False
-    return all(t is None or type(t) in _PLAIN_TYPES for t in tensors)
+    return all(t is None or type(t) in PLAIN_TENSOR_TYPES for t in tensors)
