@@ -232,6 +232,48 @@ def test_flags_dtypes_and_strides_and_many_scan_blocks(flag_dtype, stride):
     _assert_close(y, *_reference(x, gate, up, down_t, None), flagged, dtype)
 
 
+@pytest.mark.parametrize("with_l1", [False, True], ids=["y", "y+row_l1"])
+def test_row_list_in_any_order_gives_the_flags_result(with_l1):
+    """row_list = (ids, count) names the rows instead of flags: in any order (here shuffled, the
+    list's tail past count holds unflagged ids that must not be computed), the outputs are bit for
+    bit those of the flags, since every row's result is its own."""
+    m, d, h, dtype = 40, 64, 48, torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(m, d, generator=gen).to(dtype)
+    gate, up, down_t = _weights(d, h, dtype, True, gen, interleaved=True)
+    flags = _flags(m, "third")
+    rows = flags.nonzero().flatten()
+    ids = torch.cat([rows[torch.randperm(rows.numel(), generator=gen)], (~flags).nonzero().flatten()]).int()
+    count = torch.tensor([rows.numel()], dtype=torch.int32)
+    out = _sentinel(m, d, dtype, gen)
+    results = []
+    for row_flags, row_list in ((flags, None), (None, (ids, count))):
+        out_dev = _copy(out)
+        l1 = torch.full((m,), -1.0, device=DEVICE) if with_l1 else None
+        dense_rows_mlp(_copy(x), _copy(row_flags), *(_copy(t) for t in (gate, up, down_t)), None, out_dev, row_l1=l1,
+                       row_list=None if row_list is None else tuple(t.to(DEVICE) for t in row_list))
+        results.append((out_dev.cpu(), None if l1 is None else l1.cpu()))
+    (y_flags, l1_flags), (y_list, l1_list) = results
+    assert torch.equal(y_list.view(torch.int16), y_flags.view(torch.int16))
+    assert torch.equal(y_list[~flags].view(torch.int16), out[~flags].view(torch.int16)), "unlisted row written"
+    _assert_close(y_list, *_reference(x, gate, up, down_t, None), flags, dtype)
+    if with_l1:
+        assert torch.equal(l1_list, l1_flags) and (l1_list[~flags] == -1).all()
+
+
+def test_row_list_without_columns_marks_only_listed_rows():
+    """D = 0 with row_l1: only the listed rows (ids[0:count]) get the empty MLP's L1."""
+    dtype, m, h = torch.bfloat16, 4, 8
+    w0 = torch.zeros(h, 0, dtype=dtype, device=DEVICE)
+    theta = torch.full((h,), -0.5, device=DEVICE)  # non-gated: h = relu(0 - θ) = 0.5 per unit
+    ids = torch.tensor([2, 0, 1, 3], dtype=torch.int32, device=DEVICE)
+    l1 = torch.full((m,), -1.0, device=DEVICE)
+    dense_rows_mlp(torch.empty(m, 0, dtype=dtype, device=DEVICE), None, None, w0, w0, theta,
+                   torch.empty(m, 0, dtype=dtype, device=DEVICE), row_l1=l1,
+                   row_list=(ids, torch.tensor([2], dtype=torch.int32, device=DEVICE)))
+    assert l1.cpu().tolist() == [4.0, -1.0, 4.0, -1.0]
+
+
 def test_nan_row_is_its_own():
     """A NaN in one flagged token reaches that token's output (relu keeps NaN, as torch does) and
     no other token's, even inside one row block; a transposed x (non-unit stride along D) works."""
@@ -482,17 +524,26 @@ def _valid_args(m=3, d=64, h=32, dtype=torch.bfloat16):
     (dict(row_l1=torch.zeros(3, dtype=torch.float64)), TypeError, "row_l1 must be torch.float32"),
     (dict(row_l1=torch.zeros(4)), ValueError, "row_l1 must have shape"),
     (dict(row_l1=[0.0, 0.0, 0.0]), TypeError, "row_l1 must be None or a torch.Tensor"),
+    (dict(row_list=(torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))), ValueError,
+     "row_flags must be None when row_list gives the rows"),
+    (dict(row_flags=None, row_list=[torch.zeros(3, dtype=torch.int32)]), TypeError, "row_list must be a pair"),
+    (dict(row_flags=None, row_list=(torch.zeros(3, dtype=torch.int64), torch.zeros(1, dtype=torch.int32))),
+     ValueError, "row_list ids must be a contiguous int32"),
+    (dict(row_flags=None, row_list=(torch.zeros(3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32))),
+     ValueError, r"row_list count must be a contiguous int32 tensor of shape \[1\]"),
 ])
 def test_input_errors(change, error, match):
     args = {k: v.to(DEVICE) for k, v in _valid_args().items() if v is not None}
     if change == "in_place":
         change = dict(out=args["x"])
-    args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
+    on_device = lambda v: v.to(DEVICE) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    args.update({k: type(v)(map(on_device, v)) if isinstance(v, (tuple, list)) else on_device(v)
+                 for k, v in change.items()})
     config = args.pop("config", None)
     with pytest.raises(error, match=match):
         dense_rows_mlp(args["x"], args["row_flags"], args["gate_weight"], args["up_weight"],
                        args["down_weight_t"], args.get("threshold"), args["out"], row_l1=args.get("row_l1"),
-                       config=config)
+                       config=config, row_list=args.get("row_list"))
 
 
 def test_config_validation_and_default():

@@ -266,18 +266,22 @@ def test_backward_matches_float64_reference(shape, gated, dtype):
 
 
 @pytest.mark.parametrize("config", ["default", "split"])
-def test_forward_flags_overflow_rows(config):
+def test_forward_flags_and_lists_overflow_rows(config):
     m, d, h, tile, slots = 33, 64, 320, 64, 16
     prob = _problem(m, d, h, tile, slots, torch.bfloat16, True, seed=3)
     assert prob["overflow"].any() and not prob["overflow"].all()
     flags = torch.zeros(m, dtype=torch.bool, device=DEVICE)
+    ids, count = torch.full((m,), -1, dtype=torch.int32, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
     out = torch.empty(m, d, dtype=torch.bfloat16, device=DEVICE)
     u_out = torch.empty(prob["values"].shape, dtype=torch.float32, device=DEVICE)
     twell_train_forward(prob["x"].to(DEVICE), prob["values"].to(DEVICE), prob["columns"].to(DEVICE),
                         prob["counts"].to(DEVICE), prob["up"].to(DEVICE), prob["down_t"].to(DEVICE), tile=tile,
                         gated=True, out=out, u_out=u_out, row_l1_out=torch.empty(m, device=DEVICE),
-                        overflow_out=flags, config=CONFIGS[config])
+                        overflow_out=flags, overflow_list=(ids, count), config=CONFIGS[config])
     assert torch.equal(flags.cpu(), prob["overflow"])
+    n = int(count)
+    assert torch.equal(ids[:n].cpu().long().sort().values, prob["overflow"].nonzero().flatten())
+    assert (ids[n:].cpu() == -1).all()
     with pytest.raises(TypeError, match="overflow_out"):
         twell_train_forward(prob["x"].to(DEVICE), prob["values"].to(DEVICE), prob["columns"].to(DEVICE),
                             prob["counts"].to(DEVICE), prob["up"].to(DEVICE), prob["down_t"].to(DEVICE), tile=tile,

@@ -236,6 +236,29 @@ def test_overflow_out_flags_the_overflow_rows(flag_dtype, config):
     _assert_close(y, *_reference(x, up, down, p), ~overflow, dtype)
 
 
+@pytest.mark.parametrize("config", ["default", "split"])
+@pytest.mark.parametrize("with_flags", [False, True], ids=["list", "list+flags"])
+def test_overflow_list_names_each_overflow_row_once(config, with_flags):
+    """The overflow rows as a list (ids[0:count], any order): the same rows as the flags, each
+    once, in the same launch as the flags when both are asked for; the output is unchanged."""
+    m, d, h, tile, slots, dtype = 150, 64, 320, 64, 4, torch.bfloat16  # 3 classification blocks
+    x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, True, 9)
+    assert 1 < int(overflow.sum()) < m
+    args = [t.to(DEVICE) for t in (x, values, columns, counts, prepare_up_down_weight(up, down))]
+    ids = torch.full((m,), -1, dtype=torch.int32, device=DEVICE)
+    count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    flags = torch.zeros(m, dtype=torch.bool, device=DEVICE) if with_flags else None
+    y = twell_up_down(*args, tile=tile, overflow_out=flags, overflow_list=(ids, count),
+                      config=CONFIGS[config]).cpu()
+    n = int(count)
+    assert n == int(overflow.sum())
+    assert torch.equal(ids[:n].cpu().long().sort().values, overflow.nonzero().flatten())
+    assert (ids[n:].cpu() == -1).all()  # nothing written past the list
+    if with_flags:
+        assert torch.equal(flags.cpu(), overflow)
+    _assert_close(y, *_reference(x, up, down, p), ~overflow, dtype)
+
+
 def test_split_list_takes_long_rows_up_to_its_capacity():
     """With room for 2, two long rows are split and the other long rows run whole in the same
     launch; every ordinary row is right either way."""
@@ -371,6 +394,11 @@ def _valid_args(m=3, d=64, h=100, tile=64, slots=4, dtype=torch.bfloat16):
     (dict(overflow_out=torch.zeros(3, dtype=torch.int32)), TypeError, "overflow_out must have dtype"),
     (dict(overflow_out=torch.zeros(4, dtype=torch.uint8)), ValueError, "overflow_out must have shape"),
     (dict(overflow_out=torch.zeros(3, 2, dtype=torch.uint8)[:, 0]), ValueError, "overflow_out must be contiguous"),
+    (dict(overflow_list=torch.zeros(3, dtype=torch.int32)), TypeError, "overflow_list must be a pair"),
+    (dict(overflow_list=(torch.zeros(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))), ValueError,
+     "overflow_list ids must be a contiguous int32 tensor of shape"),
+    (dict(overflow_list=(torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))), ValueError,
+     "overflow_list count must be a contiguous int32"),
 ])
 def test_input_errors(change, error, match):
     args = dict(_valid_args(), **change)

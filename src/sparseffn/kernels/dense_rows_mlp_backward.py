@@ -116,12 +116,10 @@ import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, interpreting, mma, next_power_of_2, num_sms
 from sparseffn.kernels.dense_rows_mlp import (
-    _COMPACT_BLOCK,
-    _COMPACT_WARPS,
     _INTERPRETER_PROGRAMS,
     _aligned_rows,
-    _compact_rows_launch,
     check_rows_and_weights,
+    compact_rows,
     cuda_supported,
 )
 from sparseffn.kernels.launch import Launcher
@@ -668,15 +666,10 @@ def dense_rows_mlp_backward(
         config = default_backward_config(d, cuda=cuda)
     if m == 0 or d == 0:
         return dx_out  # no element of dx or of the [H, 0] accumulators exists
-    if row_flags.dtype == torch.bool:
-        row_flags = row_flags.view(torch.uint8)  # same bytes; Triton loads them as integers
     if threshold is not None:
         threshold = threshold.contiguous()
-
-    ids = torch.empty(m, dtype=torch.int32, device=x.device)
-    count = torch.empty(1, dtype=torch.int32, device=x.device)
-    _compact_rows_launch[(1,)](row_flags, ids, count, m, row_flags.stride(0),
-                               BLOCK=_COMPACT_BLOCK, num_warps=_COMPACT_WARPS)
+    # ascending ids: the weight gradients add the rows in row order (deterministic)
+    ids, count = compact_rows(row_flags)
 
     if d > 1 and x.stride(1) != 1:
         x = x.contiguous()  # the kernels read rows with unit stride (a copy, no sync)

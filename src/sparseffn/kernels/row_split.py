@@ -8,10 +8,11 @@ left out (5% of the units), the training forward 0.224 / 0.140 ms and backward 0
 (benchmarks/probe_l2.py).
 
 So a launch splits them:
-1. `classify_rows` (one pass over counts [M, n_tiles]) writes each row's overflow flag (some count
-   > slots: the dense backup's rows) and lists the ordinary rows with more than `piece` valid
-   slots, at most `cap` of them (split_ids, the list length in state[cap]); split_flags[m] says
-   which rows were taken. Rows past the capacity stay whole: nothing is dropped.
+1. `classify_rows` (one pass over counts [M, n_tiles]) finds each row's overflow (some count > slots:
+   the dense backup's rows), as a flag per row and/or as a list of those rows (ids and their count,
+   in no particular order: the backup takes the list as is, without a scan of M flags of its own).
+   It also lists the ordinary rows with more than `piece` valid slots, at most `cap` of them
+   (split_ids, the list length in state[cap]); split_flags[m] says which rows were taken. Rows past the capacity stay whole: nothing is dropped.
 2. In the kernel, the first cap * max_pieces programs each take piece `pid % max_pieces` (valid
    slots [piece · PIECE, piece · PIECE + PIECE)) of listed row `pid // max_pieces`, so the pieces
    start in the first wave beside the row programs, which skip the listed rows.
@@ -36,8 +37,8 @@ import triton.language as tl
 from sparseffn.kernels._runtime import cdiv, next_power_of_2
 from sparseffn.kernels.launch import Launcher
 
-__all__ = ["PARTIALS_BUDGET_BYTES", "RowSplit", "classify_rows", "gather_pieces", "launch_args", "list_capacity",
-           "listed_row", "prepare_launch", "sm90_compile_specs", "split_signature", "splits"]
+__all__ = ["PARTIALS_BUDGET_BYTES", "RowSplit", "check_row_list", "classify_rows", "gather_pieces", "launch_args",
+           "list_capacity", "listed_row", "prepare_launch", "sm90_compile_specs", "split_signature", "splits"]
 
 _CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
 # The pieces' fp32 partials are sized for the longest possible row (n_tiles * slots valid slots), so
@@ -52,12 +53,15 @@ _LIST_POINTERS = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_stat
 
 
 @triton.jit
-def _classify_rows_kernel(counts_ptr, overflow_ptr, split_flags_ptr, split_ids_ptr, split_state_ptr,
+def _classify_rows_kernel(counts_ptr, overflow_ptr, overflow_ids_ptr, overflow_count_ptr,
+                          split_flags_ptr, split_ids_ptr, split_state_ptr,
                           M, n_tiles, slots, split_cap,
-                          SPLIT: tl.constexpr, PIECE: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_T: tl.constexpr):
-    """Per row of counts [M, n_tiles]: overflow[m] = (some count > slots), as uint8; with SPLIT,
-    ordinary rows of more than PIECE valid slots take a place in the split list while it has room."""
+                          FLAGS: tl.constexpr, LIST: tl.constexpr, SPLIT: tl.constexpr, PIECE: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per row of counts [M, n_tiles], whether some count > slots (overflow): with FLAGS as
+    overflow[m] (uint8), with LIST as an entry of overflow_ids (a place taken from the zeroed
+    counter overflow_count, so the order follows the programs' arrival). With SPLIT, ordinary rows
+    of more than PIECE valid slots take a place in the split list while it has room."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < M
     worst = tl.zeros([BLOCK_R], dtype=tl.int32)
@@ -69,7 +73,14 @@ def _classify_rows_kernel(counts_ptr, overflow_ptr, split_flags_ptr, split_ids_p
         worst = tl.maximum(worst, tl.max(cnt, 1))
         nnz += tl.sum(cnt, 1)
     over = worst > slots
-    tl.store(overflow_ptr + rows, over.to(tl.uint8), mask=live)
+    if FLAGS:
+        tl.store(overflow_ptr + rows, over.to(tl.uint8), mask=live)
+    if LIST:
+        n_over = tl.sum(over.to(tl.int32), 0)
+        if n_over > 0:  # usually none: no atomic on the shared counter
+            first_over = tl.atomic_add(overflow_count_ptr, n_over)
+            place_over = first_over + tl.cumsum(over.to(tl.int32), 0) - 1
+            tl.store(overflow_ids_ptr + place_over, rows, mask=over)
     if SPLIT:
         long_row = live & ~over & (nnz > PIECE)
         rank = tl.cumsum(long_row.to(tl.int32), 0) - 1  # place among this block's long rows
@@ -134,6 +145,22 @@ class RowSplit:
                            device=self.ids.device)
 
 
+def check_row_list(row_list: object, name: str, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_list as (ids, count): a pair of contiguous int32 tensors on `device`, ids [m] and count [1]."""
+    if not isinstance(row_list, tuple) or len(row_list) != 2:
+        raise TypeError(f"{name} must be a pair (ids, count) of torch.Tensors, got {type(row_list).__name__}")
+    ids, count = row_list
+    for part, t, shape in (("ids", ids, (m,)), ("count", count, (1,))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} {part} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape or t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} {part} must be a contiguous int32 tensor of shape {list(shape)}, "
+                             f"got {t.dtype} {list(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} {part} must be on {device}, got {t.device}")
+    return row_list
+
+
 def splits(piece: int, d: int, block_d: int, n_tiles: int, slots: int) -> bool:
     """Whether a launch splits rows: splitting on (piece > 0), whole rows of D per program, and an
     ordinary row can have more than `piece` valid slots."""
@@ -147,15 +174,19 @@ def list_capacity(cap: int, m: int, d: int, max_pieces: int) -> int:
 
 
 def classify_rows(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max_block_t: int, d: int,
-                  split: bool, overflow_out: torch.Tensor | None = None) -> RowSplit | None:
+                  split: bool, overflow_out: torch.Tensor | None = None,
+                  overflow_list: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowSplit | None:
     """Launch `_classify_rows_kernel` over counts [M, n_tiles] int32 (on the kernels' device, M >= 1):
-    overflow flags into overflow_out (uint8 / bool [M], when given) and, when split, the list of at
-    most `list_capacity(cap, M, d, ...)` rows of more than `piece` valid slots (d: the row width the
+    overflow flags into overflow_out (uint8 / bool [M], when given), the overflow rows into
+    overflow_list (when given: ids int32 [M] and count int32 [1], zeroed by the caller; the call
+    adds the rows to ids[count:] in no particular order) and, when split, the list of at most
+    `list_capacity(cap, M, d, ...)` rows of more than `piece` valid slots (d: the row width the
     pieces' partials hold). Returns the RowSplit, or None."""
     m, n_tiles = counts.shape
-    overflow = overflow_out if overflow_out is not None else torch.empty(m, dtype=torch.uint8, device=counts.device)
-    if overflow.dtype == torch.bool:
+    overflow = overflow_out
+    if overflow is not None and overflow.dtype == torch.bool:
         overflow = overflow.view(torch.uint8)  # same bytes
+    over_ids, over_count = overflow_list if overflow_list is not None else (None, None)
     result = None
     flags = ids = state = None
     if split:
@@ -166,22 +197,23 @@ def classify_rows(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max
         state = torch.zeros(cap + 1, dtype=torch.int32, device=counts.device)
         result = RowSplit(flags, ids, state, cap, max_pieces)
     _classify_rows_launch[(cdiv(m, _CLASSIFY_ROWS),)](
-        counts, overflow, flags, ids, state, m, n_tiles, slots, cap if split else 0,
-        SPLIT=split, PIECE=piece, BLOCK_R=_CLASSIFY_ROWS,
+        counts, overflow, over_ids, over_count, flags, ids, state, m, n_tiles, slots, cap if split else 0,
+        FLAGS=overflow is not None, LIST=overflow_list is not None, SPLIT=split, PIECE=piece, BLOCK_R=_CLASSIFY_ROWS,
         BLOCK_T=min(next_power_of_2(n_tiles), max_block_t), num_warps=4)
     return result
 
 
 def prepare_launch(counts: torch.Tensor, slots: int, *, piece: int, cap: int, max_block_t: int, d: int, block_d: int,
-                   overflow_out: torch.Tensor | None = None) -> RowSplit | None:
+                   overflow_out: torch.Tensor | None = None,
+                   overflow_list: tuple[torch.Tensor, torch.Tensor] | None = None) -> RowSplit | None:
     """The split list of one launch over counts [M >= 1, n_tiles], or None when the launch does not
-    split (`splits`). The rows are classified when it splits or when overflow_out asks for the
-    overflow flags (a classification for the flags alone returns None)."""
+    split (`splits`). The rows are classified when it splits or when overflow_out / overflow_list ask
+    for the overflow rows (a classification for those alone returns None)."""
     split = splits(piece, d, block_d, counts.shape[1], slots)
-    if not split and overflow_out is None:
+    if not split and overflow_out is None and overflow_list is None:
         return None
     return classify_rows(counts, slots, piece=piece, cap=cap, max_block_t=max_block_t, d=d, split=split,
-                         overflow_out=overflow_out)
+                         overflow_out=overflow_out, overflow_list=overflow_list)
 
 
 def launch_args(rows: RowSplit | None, d: int, *, scalars: bool = False) -> tuple[list, int]:
@@ -202,14 +234,22 @@ def split_signature(split: bool) -> tuple[dict[str, str], dict[str, None]]:
 
 
 def sm90_compile_specs():
-    """(jit_function, signature, constexprs) of the classification: with the split list, and flags only."""
+    """(jit_function, signature, constexprs) of the classification: overflow flags with and without the
+    split list (the training forward, the flags alone), and the overflow list with the split list
+    (inference) and alone."""
+    overflow_pointers = {"overflow_ptr": "*u8"}
+    list_pointers = {"overflow_ids_ptr": "*i32", "overflow_count_ptr": "*i32"}
     specs = []
-    for split in (True, False):
-        constexprs = {"SPLIT": split, "PIECE": 128, "BLOCK_R": _CLASSIFY_ROWS, "BLOCK_T": 32}
-        if not split:
-            constexprs.update(dict.fromkeys(_LIST_POINTERS))
-        signature = {"counts_ptr": "*i32", "overflow_ptr": "*u8", **(_LIST_POINTERS if split else {}),
-                     "M": "i32", "n_tiles": "i32", "slots": "i32", "split_cap": "i32",
-                     **{k: "constexpr" for k in constexprs}}
+    for flags, listed, split in ((True, False, True), (True, False, False), (False, True, True),
+                                 (False, True, False)):
+        pointers = {**(overflow_pointers if flags else {}), **(list_pointers if listed else {}),
+                    **(_LIST_POINTERS if split else {})}
+        constexprs = {"FLAGS": flags, "LIST": listed, "SPLIT": split, "PIECE": 128, "BLOCK_R": _CLASSIFY_ROWS,
+                      "BLOCK_T": 32}
+        for name in (*overflow_pointers, *list_pointers, *_LIST_POINTERS):
+            if name not in pointers:
+                constexprs[name] = None
+        signature = {"counts_ptr": "*i32", **pointers, "M": "i32", "n_tiles": "i32", "slots": "i32",
+                     "split_cap": "i32", **{k: "constexpr" for k in constexprs}}
         specs.append((_classify_rows_kernel, signature, constexprs))
     return specs

@@ -85,7 +85,8 @@ import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2
 from sparseffn.kernels.launch import Launcher
-from sparseffn.kernels.row_split import gather_pieces, launch_args, prepare_launch, split_signature, splits
+from sparseffn.kernels.row_split import (check_row_list, gather_pieces, launch_args, prepare_launch, split_signature,
+                                        splits)
 from sparseffn.kernels.twell_up_down import _load_counts, _piece_head, _row_nnz
 
 __all__ = [
@@ -541,9 +542,10 @@ def _constexprs(config: TwellTrainConfig, d: int, n_tiles: int, slots: int, *, g
     )
 
 
-def _split(config: TwellTrainConfig, counts: torch.Tensor, d: int, slots: int, overflow_out=None):
+def _split(config: TwellTrainConfig, counts: torch.Tensor, d: int, slots: int, overflow_out=None, overflow_list=None):
     return prepare_launch(counts, slots, piece=config.split_slots, cap=config.split_cap,
-                          max_block_t=config.max_block_t, d=d, block_d=config.block_d, overflow_out=overflow_out)
+                          max_block_t=config.max_block_t, d=d, block_d=config.block_d, overflow_out=overflow_out,
+                          overflow_list=overflow_list)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -639,14 +641,16 @@ def twell_train_forward(
     u_out: torch.Tensor | None,
     row_l1_out: torch.Tensor,
     overflow_out: torch.Tensor | None = None,
+    overflow_list: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: TwellTrainConfig | None = None,
 ) -> None:
     """Training forward of the ordinary rows of a TwELL-packed p: writes y into `out` [M, D],
     u (gated) into the valid slots of `u_out` [M, n_tiles, slots] fp32 and Σ_j |h_j| into
     `row_l1_out` [M] fp32. Rows with some count > slots are not written in any output; with
-    `overflow_out` (bool / uint8 [M]) they are flagged there. Non-gated: `up_weight` and `u_out`
-    are unused and may be None. `config` overrides `default_forward_config(D)`. No host
-    synchronisation."""
+    `overflow_out` (bool / uint8 [M]) they are flagged there, with `overflow_list` (ids int32 [M],
+    count int32 [1] zeroed by the caller) listed in ids[0:count] in no particular order.
+    Non-gated: `up_weight` and `u_out` are unused and may be None. `config` overrides
+    `default_forward_config(D)`. No host synchronisation."""
     gated = _check_gated(gated)
     m, d = check_matrix(x, "x")
     tile, n_tiles, slots = _check_packed(values, columns, counts, m, x.dtype, x.device, tile)
@@ -664,6 +668,8 @@ def twell_train_forward(
         _check(overflow_out, "overflow_out", (m,), overflow_out.dtype, x.device, contiguous=True)
         if overflow_out.dtype not in (torch.bool, torch.uint8):
             raise TypeError(f"overflow_out must be torch.bool or torch.uint8, got {overflow_out.dtype}")
+    if overflow_list is not None:
+        check_row_list(overflow_list, "overflow_list", m, x.device)
     config = _check_config(config, default_forward_config(d))
     if m == 0:
         return
@@ -671,8 +677,8 @@ def twell_train_forward(
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
     rows = [x, down_weight_t, out] + ([up_weight] if gated else [])
     aligned = _aligned(d, config.block_d, rows)
-    (*split_ptrs, cap, max_pieces), piece_programs = launch_args(_split(config, counts, d, slots, overflow_out), d,
-                                                                 scalars=True)
+    rows_split = _split(config, counts, d, slots, overflow_out, overflow_list)
+    (*split_ptrs, cap, max_pieces), piece_programs = launch_args(rows_split, d, scalars=True)
     grid = (piece_programs + cdiv(m, config.block_m), cdiv(d, config.block_d))
     _twell_train_forward_launch[grid](
         x, values, columns, counts, up_weight if gated else down_weight_t, down_weight_t, out,

@@ -92,8 +92,8 @@ import triton.language as tl
 
 from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2, num_sms
 from sparseffn.kernels.launch import Launcher
-from sparseffn.kernels.row_split import (gather_pieces, launch_args, listed_row, prepare_launch, split_signature,
-                                        splits)
+from sparseffn.kernels.row_split import (check_row_list, gather_pieces, launch_args, listed_row, prepare_launch,
+                                        split_signature, splits)
 
 __all__ = [
     "UpDownConfig",
@@ -683,13 +683,16 @@ def twell_up_down(
     tile: int,
     out: torch.Tensor | None = None,
     overflow_out: torch.Tensor | None = None,
+    overflow_list: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: UpDownConfig | None = None,
 ) -> torch.Tensor:
     """y [M, D] = down(p ⊙ up(x)) (or down(p)) for the ordinary rows of a TwELL-packed p.
 
     Rows with some count > slots are not written: pass `out` to pre-fill them (or fill them
-    afterwards); with `out=None` they hold whatever torch.empty left there. overflow_out: None, or
-    a uint8 / bool [M] tensor that receives which rows those are (for the dense backup).
+    afterwards); with `out=None` they hold whatever torch.empty left there. Which rows those are
+    (for the dense backup): overflow_out, None or a uint8 / bool [M] tensor that receives a flag per
+    row; overflow_list, None or (ids int32 [M], count int32 [1] zeroed by the caller) that receives
+    their ids in ids[0:count] in no particular order (what `dense_rows_mlp(row_list=)` takes).
     `config` overrides the launch heuristic (`default_config(D, M)`). Returns `out` (or the new tensor).
     """
     m, d = check_matrix(x, "x")
@@ -730,6 +733,8 @@ def twell_up_down(
         _check_tensor(overflow_out, "overflow_out", (m,), (torch.uint8, torch.bool), x.device)
         if not overflow_out.is_contiguous():
             raise ValueError("overflow_out must be contiguous")
+    if overflow_list is not None:
+        check_row_list(overflow_list, "overflow_list", m, x.device)
     if config is None:
         config = default_config(d, m)
     elif not isinstance(config, UpDownConfig):
@@ -737,7 +742,8 @@ def twell_up_down(
     if m == 0:
         return out
     rows = prepare_launch(counts, slots, piece=config.split_slots, cap=config.split_cap,
-                          max_block_t=config.max_block_t, d=d, block_d=config.block_d, overflow_out=overflow_out)
+                          max_block_t=config.max_block_t, d=d, block_d=config.block_d, overflow_out=overflow_out,
+                          overflow_list=overflow_list)
     if d == 0:
         return out
     if d > 1 and x.stride(1) != 1:

@@ -82,9 +82,12 @@ def _train_forward(
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     u_slots = _empty_slots(x, values.shape[1], slots) if gated else x.new_empty(0, dtype=torch.float32)
     row_l1 = torch.empty(m, dtype=torch.float32, device=x.device)
+    # the overflow rows as flags (the backward's) and as a list (the dense backup's, no scan of M flags)
+    overflow = (torch.empty(m, dtype=torch.int32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
     twell_train_forward(x, values, columns, counts, up_weight, down_t, tile=tile, gated=gated, out=y,
-                        u_out=u_slots if gated else None, row_l1_out=row_l1, overflow_out=row_flags)
-    dense_rows_mlp(x, row_flags, gate_weight, up_weight, down_t, threshold, y, row_l1=row_l1)
+                        u_out=u_slots if gated else None, row_l1_out=row_l1, overflow_out=row_flags,
+                        overflow_list=overflow)
+    dense_rows_mlp(x, None, gate_weight, up_weight, down_t, threshold, y, row_l1=row_l1, row_list=overflow)
     l1 = row_l1.sum() / m if m else row_l1.sum() * float("nan")
     return y, l1, values, columns, counts, u_slots, row_flags
 

@@ -104,17 +104,19 @@ def twell_mlp(
     theta = threshold_vector(threshold, h, x.device)
     values, columns, counts = gate_twell(x, weights.first_weight, theta, tile=tile, slots=slots)
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
-    overflow = torch.empty(m, dtype=torch.bool, device=x.device)
-    twell_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y, overflow_out=overflow)
+    # the overflow rows, listed by the up/down launch's classification (count zeroed here)
+    overflow = (torch.empty(m, dtype=torch.int32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
+    twell_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y, overflow_list=overflow)
     if weights.gate_weight is not None:  # up_down [H, 2, D] holds up and down^T
         up, down_t = weights.up_down[:, 0], weights.up_down[:, 1]
     else:  # up_down [H, 1, D] holds down^T
         up, down_t = weights.up_weight, weights.up_down[:, 0]
     if not x.is_cuda or cuda_supported(d, weights.first_weight, up, down_t):
-        return dense_rows_mlp(x, overflow, weights.gate_weight, up, down_t, theta, y)
+        return dense_rows_mlp(x, None, weights.gate_weight, up, down_t, theta, y, row_list=overflow)
     # D % 8 != 0 or unaligned weights on a GPU: the backup kernel refuses them; torch GEMMs on the
     # gathered rows instead, at the price of one host synchronisation (not graph-capturable).
-    rows = overflow.nonzero().flatten()
+    ids, count = overflow
+    rows = ids[: int(count.item())].long()
     if rows.numel():
         y[rows] = dense_mlp(x[rows], weights.gate_weight, weights.up_weight, weights.down_weight, threshold)
     return y
