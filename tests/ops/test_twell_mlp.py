@@ -209,3 +209,25 @@ def test_gpu_no_host_sync_and_cuda_graph_replay():
     static_x.copy_(synthetic_mlp(2048, 256, 1024, 40, device="cuda", seed=4, heavy_fraction=0.2).x)
     graph.replay()
     torch.testing.assert_close(static_y, fn(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("threshold", [None, 0.25, "per_unit"])
+def test_dense_inference_route_gives_dense_mlp_bits(gated, threshold):
+    """Auto mode's dense route without autograd (in-place relu and product) computes what
+    `dense_mlp` does, bit for bit, and leaves its inputs alone; with gradients it is `dense_mlp`."""
+    from sparseffn.ops.twell_mlp import dense_mlp_inference
+
+    mlp = synthetic_mlp(9, 64, 96, 8, seed=6, gated=gated)
+    if threshold == "per_unit":
+        threshold = torch.linspace(-0.5, 0.5, 96)
+    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, threshold)
+    copies = [None if t is None else t.clone() for t in args[:4]]
+    y = dense_mlp_inference(*args)
+    assert torch.equal(y.view(torch.int16), dense_mlp(*args).view(torch.int16))
+    assert all(a is None or torch.equal(a, c) for a, c in zip(args, copies))
+    routed = sparseffn.sparse_mlp(*args, mode="dense")
+    assert torch.equal(routed.view(torch.int16), y.view(torch.int16))
+    x = mlp.x.clone().requires_grad_()
+    sparseffn.sparse_mlp(x, *args[1:], mode="dense").float().sum().backward()
+    assert x.grad is not None and x.grad.isfinite().all()

@@ -30,7 +30,8 @@ import torch
 from sparseffn.ops.checks import check_mlp_inputs
 from sparseffn.ops.dispatch import eager_call
 from sparseffn.ops.train_mlp import sparse_mlp_train
-from sparseffn.ops.twell_mlp import KERNEL_DTYPES, SparseMLPWeights, dense_mlp, threshold_vector, twell_mlp
+from sparseffn.ops.twell_mlp import (KERNEL_DTYPES, SparseMLPWeights, dense_mlp, dense_mlp_inference, threshold_vector,
+                                     twell_mlp)
 
 MODES = ("auto", "sparse", "dense")
 
@@ -121,10 +122,9 @@ def choose_mode(
     limit = min(AUTO_MAX_MEAN_NNZ, AUTO_MAX_MEAN_NNZ_FRACTION * up_weight.shape[0])
     too_dense = expected_nnz is not None and expected_nnz > limit
     if tokens < AUTO_MIN_TOKENS:
-        # (training calls of this size went dense above)
-        if capturing is None:
-            capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing or tokens > AUTO_MAX_CAPTURED_TOKENS or too_dense:
+        # (training calls of this size went dense above); capture is asked of torch only where it counts
+        if tokens > AUTO_MAX_CAPTURED_TOKENS or too_dense or not (
+                capturing if capturing is not None else torch.cuda.is_current_stream_capturing()):
             return ModeDecision("dense", f"{tokens} tokens < {AUTO_MIN_TOKENS}: the sparse path's host launch work "
                                          f"exceeds its GPU time (under CUDA-graph capture: up to "
                                          f"{AUTO_MAX_CAPTURED_TOKENS} tokens at a density under the break-even)")
@@ -200,7 +200,9 @@ def sparse_mlp(
     decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad,
                            return_l1=return_l1, capturing=None if prepared is not None else False)
     if decision.mode == "dense":
-        return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
+        if needs_grad or return_l1:
+            return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
+        return dense_mlp_inference(x, gate_weight, up_weight, down_weight, threshold)
     x2d = x.reshape(-1, x.shape[-1])
     if needs_grad or return_l1:
         theta = threshold_vector(threshold, up_weight.shape[0], x.device)

@@ -90,6 +90,25 @@ def dense_mlp(
     return y, h.abs().sum(-1, dtype=sum_dtype).mean()
 
 
+def dense_mlp_inference(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    threshold: torch.Tensor | float | None,
+) -> torch.Tensor:
+    """`dense_mlp` for calls that build no autograd graph: the same GEMMs and roundings, with the
+    threshold, the relu and the product applied in place to the first GEMM's output. Two fewer
+    allocations: auto mode's dense route at few tokens is bound by host launch work."""
+    h = F.linear(x, gate_weight if gate_weight is not None else up_weight)
+    if threshold is not None:
+        h.sub_(threshold.to(h.dtype) if isinstance(threshold, torch.Tensor) else threshold)
+    h.relu_()
+    if gate_weight is not None:
+        h.mul_(F.linear(x, up_weight))
+    return F.linear(h, down_weight)
+
+
 def twell_mlp(
     x: torch.Tensor,
     weights: SparseMLPWeights,
