@@ -289,22 +289,6 @@ def test_forward_flags_and_lists_overflow_rows(config):
                             overflow_out=flags.int())
 
 
-def test_long_rows_give_the_same_bits_listed_or_not():
-    """Forward (y, u, row L1) and backward (dx, du, dg) bits do not depend on which long rows the
-    split list took (room for 3 rows, the others run whole in piece order, against room for all)."""
-    m, d, h, tile, slots = 33, 128, 320, 64, 16
-    prob = _problem(m, d, h, tile, slots, torch.bfloat16, True, seed=3)
-    assert int((~prob["overflow"] & (prob["counts"].sum(1) > SPLIT.split_slots)).sum()) > SPLIT.split_cap
-    room_for_all = dataclasses.replace(SPLIT, split_cap=m)
-    fwd = [_run_forward(prob, tile, True, cfg) for cfg in (SPLIT, room_for_all)]
-    for a, b in zip(*fwd):
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-    u_slots = fwd[0][1]
-    bwd = [_run_backward(prob, u_slots, 0.375, tile, True, cfg) for cfg in (SPLIT, room_for_all)]
-    for a, b in zip(*bwd):
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
 def test_forward_u_feeds_backward():
     """The forward's u_out, passed as u_slots, gives the backward the reference gradients."""
     m, d, h, tile, slots, dtype = 9, 64, 100, 64, 8, torch.bfloat16

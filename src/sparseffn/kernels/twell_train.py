@@ -383,19 +383,10 @@ def _twell_train_forward_kernel(
             if ordinary:
                 x_row, xv = _token_row(x_ptr, m64, stride_xm, offs_d, mask_d, GATED and ONE_D_BLOCK, ALIGNED,
                                        EVEN_D, BLOCK_D, EVICT)
-                # a long row the split list had no room for adds its pieces' sums in piece order, as the
-                # listed rows do: the bits of y[m] and row_l1[m] do not depend on which rows were listed
-                piece_len = PIECE if SPLIT else tl.maximum(nnz, 1)
-                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-                l1 = tl.full([], 0.0, tl.float32)
-                for p0 in range(0, nnz, piece_len):
-                    piece_acc, piece_l1 = _forward_slots(
-                        x_row, xv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots, p0,
-                        tl.minimum(nnz, p0 + piece_len), nnz, up_ptr, down_ptr, u_ptr, D, n_tiles, tile, slots,
-                        stride_uh, stride_dh, offs_d, mask_d, first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D,
-                        BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
-                    acc += piece_acc
-                    l1 += piece_l1
+                acc, l1 = _forward_slots(x_row, xv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots,
+                                         0, nnz, nnz, up_ptr, down_ptr, u_ptr, D, n_tiles, tile, slots, stride_uh,
+                                         stride_dh, offs_d, mask_d, first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D,
+                                         BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
                 _store_token_row(out_ptr + m64 * stride_om, acc, offs_d, mask_d, EVEN_D, EVICT)
                 tl.store(l1_ptr + m64, l1, mask=first_slice)
 
@@ -452,14 +443,11 @@ def _twell_train_backward_kernel(
             if ordinary:
                 dy_row, dyv = _token_row(dy_ptr, m64, stride_dym, offs_d, mask_d, ONE_D_BLOCK, ALIGNED, EVEN_D,
                                          BLOCK_D, EVICT)
-                piece_len = PIECE if SPLIT else tl.maximum(nnz, 1)  # in piece order, as in the forward
-                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-                for p0 in range(0, nnz, piece_len):
-                    acc += _backward_slots(
-                        dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots, p0,
-                        tl.minimum(nnz, p0 + piece_len), nnz, u_ptr, gate_ptr, up_ptr, down_ptr, du_ptr, dg_ptr,
-                        l1_grad, D, n_tiles, tile, slots, stride_gh, stride_uh, stride_dh, offs_d, mask_d,
-                        first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
+                acc = _backward_slots(dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots,
+                                      0, nnz, nnz, u_ptr, gate_ptr, up_ptr, down_ptr, du_ptr, dg_ptr, l1_grad, D,
+                                      n_tiles, tile, slots, stride_gh, stride_uh, stride_dh, offs_d, mask_d,
+                                      first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
+                                      BLOCK_T, EVICT)
                 _store_token_row(dx_ptr + m64 * stride_dxm, acc, offs_d, mask_d, EVEN_D, EVICT)
 
 

@@ -400,31 +400,10 @@ def _twell_up_down_kernel(
                       x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr, split_flags_ptr,
                       M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
                       down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_M, PERSISTENT, BLOCK_U,
-                      BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, LOOKAHEAD, EVICT, SPLIT, PIECE)
+                      BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, LOOKAHEAD, EVICT, SPLIT)
 
 
 _twell_up_down_launch = Launcher(_twell_up_down_kernel)
-
-
-@triton.jit
-def _row_batches(xv, x_row, t, col, val, b_lo, b_hi, nnz, columns_ptr, values_ptr, counts_row, cnt0, m64,
-                 weight_ptr, offs_d, mask_d, D, n_tiles, tile, slots, stride_wh, down_shift,
-                 GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr, EVEN_D: tl.constexpr,
-                 BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-                 PREFETCH: tl.constexpr, EVICT: tl.constexpr):
-    """fp32 [BLOCK_D] Σ over the valid slots b_lo .. b_hi - 1 (batch starts; b_hi <= nnz) of row m,
-    from zero; (t, col, val) is the row's first batch (slots 0 ..), already issued by its head."""
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for b in range(b_lo, b_hi, BLOCK_N):  # more than one batch: rows with > BLOCK_N units
-        if b > 0:
-            t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b,
-                                       nnz, True, n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
-        pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
-        acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
-                                weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
-                                GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N,
-                                BLOCK_D, PREFETCH, EVICT)
-    return acc
 
 
 @triton.jit
@@ -434,7 +413,7 @@ def _row_programs(pid_m, n_programs, x_ptr, values_ptr, columns_ptr, counts_ptr,
                   EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, PERSISTENT: tl.constexpr,
                   BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr,
-                  EVICT: tl.constexpr, SPLIT: tl.constexpr, PIECE: tl.constexpr):
+                  EVICT: tl.constexpr, SPLIT: tl.constexpr):
     """Row program pid_m of n_programs: its rows (BLOCK_M consecutive ones, or every n_programs-th
     when PERSISTENT), one after the other."""
     stream: tl.constexpr = "evict_first" if EVICT else ""
@@ -495,21 +474,15 @@ def _row_programs(pid_m, n_programs, x_ptr, values_ptr, columns_ptr, counts_ptr,
         if ok:
             xv = x.to(tl.float32)  # [BLOCK_D] fp32
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32 slice of y[m]
-            if SPLIT:
-                # a long row the split list had no room for adds its pieces' sums in piece order,
-                # as the listed rows do (row_split.gather_pieces): the bits of y[m] do not depend
-                # on which long rows the list took (that follows the programs' arrival)
-                for p0 in range(0, nnz, PIECE):
-                    acc += _row_batches(xv, x_row, t, col, val, p0, tl.minimum(nnz, p0 + PIECE), nnz,
-                                        columns_ptr, values_ptr, counts_row, cnt0, m64, weight_ptr,
-                                        offs_d, mask_d, D, n_tiles, tile, slots, stride_wh, down_shift,
-                                        GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
-                                        BLOCK_T, PREFETCH, EVICT)
-            else:
-                acc = _row_batches(xv, x_row, t, col, val, 0, nnz, nnz, columns_ptr, values_ptr,
-                                   counts_row, cnt0, m64, weight_ptr, offs_d, mask_d, D, n_tiles, tile,
-                                   slots, stride_wh, down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D,
-                                   BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, EVICT)
+            for b in range(0, nnz, BLOCK_N):  # more than one batch: rows with > BLOCK_N units
+                if b > 0:
+                    t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b,
+                                               nnz, True, n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
+                pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
+                acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
+                                        weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
+                                        GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N,
+                                        BLOCK_D, PREFETCH, EVICT)
             out_row = out_ptr + m64 * stride_om
             if ALIGNED:
                 out_row = tl.multiple_of(out_row, 16)
