@@ -15,6 +15,8 @@ a single entry are checked to within three fp32 roundings, which a two-term spli
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -498,16 +500,21 @@ def test_config_validation_and_default():
         UnitGradsConfig(max_regs=300)
     assert default_unit_grads_config(2048) == UnitGradsConfig(
         block_e=32, block_d=256, num_warps=4, num_stages=5, units_per_program=8, max_regs=None)
+    # few tokens: short units take steps of 16 entries (the large-M default above is m=None)
+    assert default_unit_grads_config(2048, 4096) == dataclasses.replace(default_unit_grads_config(2048), block_e=16)
+    assert default_unit_grads_config(2048, 16384) == default_unit_grads_config(2048)
     assert default_unit_grads_config(100) == UnitGradsConfig(
         block_e=16, block_d=64, num_warps=4, num_stages=1, max_regs=None)
     assert default_unit_grads_config(40).block_d == 64 and default_unit_grads_config(40).num_warps == 4
     assert default_unit_grads_config(1).block_d == 16
 
 
-def test_m_adds_no_specialization():
+def test_m_adds_no_specialization_past_two_buckets():
     for kernel in (_unit_histogram_kernel, _unit_scatter_kernel):
         assert "M" in do_not_specialize(kernel)
-    assert positional_args(default_unit_grads_config) == ("d",)
+    assert positional_args(default_unit_grads_config) == ("d", "m")
+    for d in (2048, 100):  # few tokens / many tokens: at most two configs per shape
+        assert len({default_unit_grads_config(d, m) for m in (None, 1, 100, 4096, 8192, 8193, 16384, 10**6)}) <= 2
 
 
 def test_sm90_compile_specs_cover_launcher_variants():
@@ -519,6 +526,8 @@ def test_sm90_compile_specs_cover_launcher_variants():
     grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"], c["SHARED_ROWS"])
              for fn, s, c, _ in specs if fn.__name__ == "_unit_weight_grads_kernel"}
     assert len(grads) == 16
+    assert {c["BLOCK_E"] for fn, _, c, _ in specs  # both M buckets of the aligned path
+            if fn.__name__ == "_unit_weight_grads_kernel" and c["ALIGNED"]} == {16, 32}
     for fn, s, c, options in specs:  # the launcher's pipelining and register cap are compiled too
         if fn.__name__ == "_unit_weight_grads_kernel":
             assert not c["DOT_IN_FP32"]

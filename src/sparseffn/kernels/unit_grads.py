@@ -591,9 +591,23 @@ class UnitGradsConfig:
                             at_least=((("block_e", "block_d"), 16, "an MMA dimension"),))
 
 
+# Calls of at most this many tokens take 16 entries per step (D % 8 == 0): their units are short
+# (~21 entries at M = 4096 at the paper's density, one mostly full step of 32), and the shorter step
+# cost less there. H200, bf16, D = 2048 / H = 5632, nnz 29, one training step's inputs (configs
+# timed as benchmarks/sweep_unit_grads.py does, L2 flushed, git 6f497c9): 16 / 32 entries per step
+# 0.450 / 0.515 ms at M = 4096, 0.916 / 0.886 ms at M = 16384 (not measured in between).
+SHORT_UNITS_MAX_TOKENS = 8192
+
+
+def default_unit_grads_config(d: int, m: int | None = None) -> UnitGradsConfig:
+    """The launch heuristic for hidden size d and m tokens (m=None: the large-M config); two buckets
+    of m, so at most two compiled variants per shape."""
+    return _unit_grads_config(d, m is not None and m <= SHORT_UNITS_MAX_TOKENS)
+
+
 @functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_unit_grads_config(d: int) -> UnitGradsConfig:
-    """D % 8 == 0: 32 entries per step; a 256-column slice (x + dy slices of 1 KB per token: 16
+def _unit_grads_config(d: int, short_units: bool) -> UnitGradsConfig:
+    """D % 8 == 0: 32 entries per step (16 with short_units, see SHORT_UNITS_MAX_TOKENS); a 256-column slice (x + dy slices of 1 KB per token: 16
     MB at M = 16384, in the H200's L2) on 4 warps; 5 stages = 2 buffers of [32, 256] x and dy
     rows (64 KB shared memory); 8 units per program; no register cap (ptxas, sm_90a, D = 2048:
     156-168 registers for bf16, 158-202 for fp16, no spills; ~68 KB shared memory: two programs
@@ -611,7 +625,8 @@ def default_unit_grads_config(d: int) -> UnitGradsConfig:
     if d % 8:
         return UnitGradsConfig(block_e=16, block_d=min(64, max(16, next_power_of_2(d))),
                                num_warps=4, num_stages=1, max_regs=None)
-    return UnitGradsConfig(block_e=32, block_d=min(256, max(16, next_power_of_2(d))), num_warps=4, max_regs=None)
+    block_e = 16 if short_units else 32
+    return UnitGradsConfig(block_e=block_e, block_d=min(256, max(16, next_power_of_2(d))), num_warps=4, max_regs=None)
 
 
 def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, aligned: bool, shared_rows: bool,
@@ -644,7 +659,7 @@ def unit_weight_grads(
     """Overwrite the fp32 [H, D] weight gradients from `slots_by_unit`'s result, built with the
     coefficients (see the module docstring for the math). Non-gated: `grad_gate_out` must be None
     and grad_up_out receives the first weight's gradient. `config` overrides
-    `default_unit_grads_config(D)`. No host synchronisation."""
+    `default_unit_grads_config(D, M)`. No host synchronisation."""
     gated = _check_gated(gated)
     m, d = check_matrix(x, "x")
     dev = x.device
@@ -675,7 +690,7 @@ def unit_weight_grads(
     for name, t in grads:
         _check(t, name, (h, d), torch.float32, dev, unit_stride=True)
     if config is None:
-        config = default_unit_grads_config(d)
+        config = default_unit_grads_config(d, m)
     elif not isinstance(config, UnitGradsConfig):
         raise TypeError(f"config must be a UnitGradsConfig or None, got {type(config).__name__}")
     if d > 1 and x.stride(1) != 1:
@@ -742,7 +757,6 @@ def sm90_compile_specs(with_options: bool = False):
                 {"num_warps": _SLOT_WARPS})
     for ty, gated, (d, aligned), index in itertools.product(
             TL_DTYPES.values(), (True, False), ((2048, True), (100, False)), ("i32", "i64")):
-        config = default_unit_grads_config(d)
         signature = {
             "x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "dg_ptr": "*fp32", "h_ptr": "*fp32",
             "du_ptr": "*fp32", "offsets_ptr": f"*{index}",
@@ -752,8 +766,10 @@ def sm90_compile_specs(with_options: bool = False):
             "stride_xm": "i32", "stride_dym": "i32", "stride_gg": "i32", "stride_gu": "i32",
             "stride_gd": "i32",
         }
-        add(_unit_weight_grads_kernel, signature,
-            _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=aligned,
-                                   dot_in_fp32=False),
-            _unit_grads_options(config))
+        # the large-M default and the short-units one of few tokens
+        for config in dict.fromkeys((default_unit_grads_config(d), default_unit_grads_config(d, 1))):
+            add(_unit_weight_grads_kernel, dict(signature),
+                _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=aligned,
+                                       dot_in_fp32=False),
+                _unit_grads_options(config))
     return specs
