@@ -145,7 +145,7 @@ def _forward_reference(prob, gated):
     return h @ d64, h_mag @ d64.abs(), lowp, u, u_mag, h
 
 
-def _run_forward(prob, tile, gated, config=None, strided=False, counts=None):
+def _run_forward(prob, tile, gated, config=None, strided=False, counts=None, deterministic=False):
     m, d = prob["x"].shape
     n_tiles, slots = prob["values"].shape[1:]
     x = _strided(prob["x"]) if strided else prob["x"]
@@ -156,7 +156,7 @@ def _run_forward(prob, tile, gated, config=None, strided=False, counts=None):
     result = twell_train_forward(
         x.to(DEVICE), prob["values"].to(DEVICE), prob["columns"].to(DEVICE), counts.to(DEVICE),
         prob["up"].to(DEVICE) if gated else None, prob["down_t"].to(DEVICE),
-        tile=tile, gated=gated, out=out, u_out=u_out, row_l1_out=l1, config=config)
+        tile=tile, gated=gated, out=out, u_out=u_out, row_l1_out=l1, config=config, deterministic=deterministic)
     assert result is None
     return out.cpu(), None if u_out is None else u_out.cpu(), l1.cpu()
 
@@ -223,7 +223,7 @@ def _u_slots(prob, tile, gated):
     return u_slots, u32
 
 
-def _run_backward(prob, u_slots, l1_grad, tile, gated, config=None, strided=False, counts=None):
+def _run_backward(prob, u_slots, l1_grad, tile, gated, config=None, strided=False, counts=None, deterministic=False):
     m, d = prob["dy"].shape
     n_tiles, slots = prob["values"].shape[1:]
     dy = _strided(prob["dy"]) if strided else prob["dy"]
@@ -236,7 +236,7 @@ def _run_backward(prob, u_slots, l1_grad, tile, gated, config=None, strided=Fals
         u_slots.to(DEVICE) if gated else None, prob["gate"].to(DEVICE) if gated else None,
         prob["up"].to(DEVICE), prob["down_t"].to(DEVICE),
         torch.tensor([l1_grad], dtype=torch.float32, device=DEVICE),
-        tile=tile, gated=gated, dx_out=dx, du_out=du, dg_out=dg, config=config)
+        tile=tile, gated=gated, dx_out=dx, du_out=du, dg_out=dg, config=config, deterministic=deterministic)
     assert result is None
     return dx.cpu(), None if du is None else du.cpu(), dg.cpu()
 
@@ -271,7 +271,8 @@ def test_forward_flags_and_lists_overflow_rows(config):
     prob = _problem(m, d, h, tile, slots, torch.bfloat16, True, seed=3)
     assert prob["overflow"].any() and not prob["overflow"].all()
     flags = torch.zeros(m, dtype=torch.bool, device=DEVICE)
-    ids, count = torch.full((m,), -1, dtype=torch.int32, device=DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    ids = torch.full((m,), -1, dtype=torch.int32, device=DEVICE)
+    count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     out = torch.empty(m, d, dtype=torch.bfloat16, device=DEVICE)
     u_out = torch.empty(prob["values"].shape, dtype=torch.float32, device=DEVICE)
     twell_train_forward(prob["x"].to(DEVICE), prob["values"].to(DEVICE), prob["columns"].to(DEVICE),
@@ -287,6 +288,28 @@ def test_forward_flags_and_lists_overflow_rows(config):
                             prob["counts"].to(DEVICE), prob["up"].to(DEVICE), prob["down_t"].to(DEVICE), tile=tile,
                             gated=True, out=out, u_out=u_out, row_l1_out=torch.empty(m, device=DEVICE),
                             overflow_out=flags.int())
+
+
+def _bits(outputs):
+    return [t.contiguous().view(torch.uint8) for t in outputs]
+
+
+def test_deterministic_long_rows_give_the_same_bits_listed_or_not():
+    """Deterministic: forward (y, u, row L1) and backward (dx, du, dg) bits do not depend on which
+    long rows the split list took (room for 3 rows, the others run whole in piece order, against
+    room for all). Without the flag they do here (rows split or whole round differently in fp32)."""
+    m, d, h, tile, slots = 33, 128, 320, 64, 16
+    prob = _problem(m, d, h, tile, slots, torch.bfloat16, True, seed=3)
+    assert int((~prob["overflow"] & (prob["counts"].sum(1) > SPLIT.split_slots)).sum()) > SPLIT.split_cap
+    room_for_all = dataclasses.replace(SPLIT, split_cap=m)
+    for deterministic in (True, False):
+        fwd = [_run_forward(prob, tile, True, cfg, deterministic=deterministic) for cfg in (SPLIT, room_for_all)]
+        u_slots = fwd[1][1]
+        bwd = [_run_backward(prob, u_slots, 0.375, tile, True, cfg, deterministic=deterministic)
+               for cfg in (SPLIT, room_for_all)]
+        same = all(torch.equal(a, b) for a, b in zip(_bits(fwd[0] + bwd[0]), _bits(fwd[1] + bwd[1])))
+        assert same == deterministic
+        _check_forward(prob, tile, True, *fwd[0])
 
 
 def test_forward_u_feeds_backward():

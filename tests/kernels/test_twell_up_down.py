@@ -36,10 +36,11 @@ DTYPES = [torch.bfloat16, torch.float16]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run(x, values, columns, counts, weight, *, tile, out=None, config=None):
+def _run(x, values, columns, counts, weight, *, tile, out=None, config=None, deterministic=False):
     """twell_up_down on DEVICE; writes into and returns `out` when given (a CPU tensor)."""
     args = [t.to(DEVICE) for t in (x, values, columns, counts, weight)]
-    y = twell_up_down(*args, tile=tile, out=None if out is None else out.to(DEVICE), config=config)
+    y = twell_up_down(*args, tile=tile, out=None if out is None else out.to(DEVICE), config=config,
+                      deterministic=deterministic)
     if out is None:
         return y.cpu()
     out.copy_(y.cpu())
@@ -279,6 +280,46 @@ def test_split_list_takes_long_rows_up_to_its_capacity():
     assert long_rows[ids.long()].all() and int(flags.sum()) == cap
     y = _run(x, values, columns, counts, prepare_up_down_weight(up, down), tile=tile, config=config)
     _assert_close(y, *_reference(x, up, down, p), ~overflow, dtype)
+
+
+def test_deterministic_long_rows_give_the_same_bits_listed_or_not():
+    """Which long rows the split list takes follows the programs' arrival when there are more than
+    it holds. Deterministic, a row run whole adds its pieces' sums in piece order, as a listed row
+    does: room for 2 rows (the others whole) gives the bits of room for every row."""
+    m, d, h, tile, slots, dtype = 64, 64, 320, 64, 16, torch.float16
+    x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, True, 11)
+    config = CONFIGS["split"]
+    assert int((~overflow & (counts.sum(1) > config.split_slots)).sum()) > config.split_cap
+    weight = prepare_up_down_weight(up, down)
+    y_two, y_all = (_run(x, values, columns, counts, weight, tile=tile, config=cfg, out=torch.zeros(m, d, dtype=dtype),
+                         deterministic=True)
+                    for cfg in (config, dataclasses.replace(config, split_cap=m)))
+    assert y_two is not y_all and torch.equal(y_two.view(torch.uint8), y_all.view(torch.uint8))
+    _assert_close(y_two, *_reference(x, up, down, p), ~overflow, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deterministic_long_rows_at_scale():
+    """The paper's shape at 65536 tokens has ~330 heavy rows, more than the list's 256. Deterministic:
+    the bits of room for every row. Default: some rows differ in their last bits (what the flag is
+    for; rows split or whole round differently in fp32)."""
+    from sparseffn.bench.synthetic import synthetic_mlp
+    from sparseffn.kernels.gate_twell import gate_twell
+
+    m, d, h, tile = 65536, 2048, 5632, 256
+    mlp = synthetic_mlp(m, d, h, 29.0, device="cuda", seed=0)
+    values, columns, counts = gate_twell(mlp.x, mlp.gate_weight, None, tile=tile, slots=32)
+    config = default_config(d)
+    assert int((counts.sum(1) > config.split_slots).sum()) > config.split_cap
+    weight = prepare_up_down_weight(mlp.up_weight, mlp.down_weight)
+
+    def run(cfg, deterministic):
+        return twell_up_down(mlp.x, values, columns, counts, weight, tile=tile, config=cfg, out=torch.zeros_like(mlp.x),
+                             deterministic=deterministic).view(torch.int16)
+
+    room_for_all = dataclasses.replace(config, split_cap=m)
+    assert torch.equal(run(config, True), run(room_for_all, True))
+    assert not torch.equal(run(config, False), run(room_for_all, False))
 
 
 def test_split_list_capacity_keeps_partials_within_budget():

@@ -52,7 +52,7 @@ def test_inference_eager_route_equals_the_op():
     args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
     w = SparseMLPWeights.prepare(*args[1:])
     eager = sparseffn.sparse_mlp(*args, mode="sparse", prepared=w, tile=64, slots=8)
-    via_op = _twell_mlp_op(*args, w.up_down, None, 64, 8)
+    via_op = _twell_mlp_op(*args, w.up_down, None, 64, 8, False)
     assert torch.equal(eager, via_op)
 
 
@@ -68,7 +68,7 @@ def test_training_eager_route_equals_the_op(gated):
         if route == "eager":
             y, l1 = train_mlp.sparse_mlp_train(*params, None, tile=64, slots=8)
         else:
-            y, l1, *_ = train_mlp.sparse_mlp_train_fwd(*params, None, 64, 8)
+            y, l1, *_ = train_mlp.sparse_mlp_train_fwd(*params, None, 64, 8, False)
         leaves = [p for p in params if p is not None]
         grads = torch.autograd.grad([y, l1], leaves, [dy, torch.tensor(2.0, device=DEVICE)])
         results.append((y, l1, *grads))

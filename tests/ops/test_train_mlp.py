@@ -79,7 +79,7 @@ def _check(mlp, threshold=None, expect_overflow=None):
     if expect_overflow is not None:
         _, _, _, _, counts, _, flags = sparse_mlp_train_fwd(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight,
                                                             None if threshold is None else _theta(threshold, mlp),
-                                                            64, 8)
+                                                            64, 8, False)
         assert bool(flags.any()) == expect_overflow
     return grads
 
@@ -173,7 +173,7 @@ def test_activation_checkpointing_recomputes_the_same_path():
 @needs_kernels
 def test_custom_ops_pass_opcheck():
     mlp = synthetic_mlp(8, 64, 128, 6, device=DEVICE, seed=12)
-    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, None, 64, 8)
+    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, None, 64, 8, False)
     torch.library.opcheck(sparse_mlp_train_fwd, args, test_utils=("test_schema", "test_faketensor"))
     out = sparse_mlp_train_fwd(*args)
     bwd_args = (torch.randn_like(mlp.x), torch.ones(1, device=DEVICE), mlp.x, mlp.gate_weight, mlp.up_weight,
@@ -220,3 +220,28 @@ def test_realistic_size_on_gpu():
     _check(mlp)
     mlp = synthetic_mlp(2048, 2048, 5632, 110, device="cuda", seed=15)
     _check(mlp, expect_overflow=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_flag_reaches_the_token_major_kernels(monkeypatch, deterministic):
+    """torch.use_deterministic_algorithms(True) asks the forward and backward kernels for the
+    piece-ordered sums of long rows (kernels/row_split.py, "Bits"); off, they run the faster way."""
+    import sparseffn.ops.train_mlp as train_mlp
+
+    seen = []
+
+    def recording(name):
+        real = getattr(train_mlp, name)
+        return lambda *args, **kw: seen.append((name, kw["deterministic"])) or real(*args, **kw)
+
+    for name in ("twell_train_forward", "twell_train_backward"):
+        monkeypatch.setattr(train_mlp, name, recording(name))
+    mlp = synthetic_mlp(12, 64, 128, 6, device=DEVICE, seed=13)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        _step(_sparse, _params(mlp), True, torch.randn(mlp.x.shape, dtype=torch.float64, device=DEVICE), None)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [("twell_train_forward", deterministic), ("twell_train_backward", deterministic)]

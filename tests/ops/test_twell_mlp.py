@@ -231,3 +231,27 @@ def test_dense_inference_route_gives_dense_mlp_bits(gated, threshold):
     x = mlp.x.clone().requires_grad_()
     sparseffn.sparse_mlp(x, *args[1:], mode="dense").float().sum().backward()
     assert x.grad is not None and x.grad.isfinite().all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_flag_reaches_the_up_down_kernel(monkeypatch, deterministic):
+    """torch.use_deterministic_algorithms(True) asks the up/down pass for piece-ordered sums of long
+    rows (kernels/row_split.py, "Bits"), through the eager route and through the custom op."""
+    import sparseffn.ops.twell_mlp as twell_ops
+    from sparseffn.ops.sparse_mlp import _twell_mlp_op
+
+    seen = []
+    real = twell_ops.twell_up_down
+    monkeypatch.setattr(twell_ops, "twell_up_down", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    mlp = synthetic_mlp(12, 64, 128, 6, device=DEVICE, seed=13)
+    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    w = SparseMLPWeights.prepare(*args[1:])
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        y = sparseffn.sparse_mlp(*args, mode="sparse", prepared=w, tile=64, slots=8)
+        y_op = _twell_mlp_op(*args, w.up_down, None, 64, 8, deterministic)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [deterministic, deterministic] and torch.equal(y, y_op)

@@ -25,10 +25,12 @@ Bits. A listed row adds its pieces' partials; a long row the list has no room fo
 sequential sum. The two round differently in fp32. So when a call has more than `cap` long rows
 (~330 heavy rows at M = 65536 on the synthetic activations, against 256), which rows are split
 follows the programs' arrival, and the outputs of those rows (y, the training forward's row L1, dx)
-can differ in their last bits from run to run; either way each is an fp32 sum rounded once. Summing
-the whole rows in piece order too made them reproducible, but cost 2-3% of the inference call at
-M = 16384 / 65536 and 3.5% of the training step at 16384 on the H200 (graph replays and `bench mlp
---train`, alternated with the code before), so it was reverted.
+can differ in their last bits from run to run; either way each is an fp32 sum rounded once. With
+`deterministic=True` (what `torch.use_deterministic_algorithms(True)` selects in `sparse_mlp`) the
+kernels also sum those whole rows piece by piece, in piece order, so every row has the same bits
+whichever rows were listed. That is not the default: as the only path it cost 2-3% of the
+inference call at M = 16384 / 65536 and 3.5% of the training step at 16384 on the H200 (graph
+replays and `bench mlp --train`, alternated with the code before).
 
 Buffers (per launch, on the device): split_flags uint8 [M], split_ids int32 [cap], state int32
 [cap + 1] (zeroed), partials fp32 [cap * max_pieces * D] (+ [cap * max_pieces] for a scalar), with

@@ -353,6 +353,7 @@ def _twell_train_forward_kernel(
     EVICT: tl.constexpr,          # L2 hints: weights evict_last, streamed data evict_first
     SPLIT: tl.constexpr,          # the first split_cap * max_pieces programs run split-row pieces
     PIECE: tl.constexpr,          # valid slots per piece of a split row (a multiple of BLOCK_N)
+    PIECE_ORDER: tl.constexpr,    # SPLIT, deterministic: long rows run whole also sum piece by piece
 ):
     pid = tl.program_id(0)
     offs_d, mask_d, first_slice = _d_slice(D, BLOCK_D, ALIGNED)  # first_slice stores u and row_l1
@@ -383,10 +384,24 @@ def _twell_train_forward_kernel(
             if ordinary:
                 x_row, xv = _token_row(x_ptr, m64, stride_xm, offs_d, mask_d, GATED and ONE_D_BLOCK, ALIGNED,
                                        EVEN_D, BLOCK_D, EVICT)
-                acc, l1 = _forward_slots(x_row, xv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots,
-                                         0, nnz, nnz, up_ptr, down_ptr, u_ptr, D, n_tiles, tile, slots, stride_uh,
-                                         stride_dh, offs_d, mask_d, first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D,
-                                         BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
+                if PIECE_ORDER:
+                    # deterministic mode: a long row the split list had no room for adds its pieces' sums in
+                    # piece order, as a listed row does (row_split.py, "Bits")
+                    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                    l1 = tl.full([], 0.0, tl.float32)
+                    for p0 in range(0, nnz, PIECE):
+                        piece_acc, piece_l1 = _forward_slots(
+                            x_row, xv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots, p0,
+                            tl.minimum(nnz, p0 + PIECE), nnz, up_ptr, down_ptr, u_ptr, D, n_tiles, tile, slots,
+                            stride_uh, stride_dh, offs_d, mask_d, first_slice, GATED, ALIGNED, True, EVEN_D,
+                            BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
+                        acc += piece_acc
+                        l1 += piece_l1
+                else:
+                    acc, l1 = _forward_slots(x_row, xv, values_ptr, columns_ptr, counts_row, cnt0,
+                                             m64 * n_tiles * slots, 0, nnz, nnz, up_ptr, down_ptr, u_ptr, D, n_tiles,
+                                             tile, slots, stride_uh, stride_dh, offs_d, mask_d, first_slice, GATED,
+                                             ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
                 _store_token_row(out_ptr + m64 * stride_om, acc, offs_d, mask_d, EVEN_D, EVICT)
                 tl.store(l1_ptr + m64, l1, mask=first_slice)
 
@@ -413,6 +428,7 @@ def _twell_train_backward_kernel(
     EVICT: tl.constexpr,          # L2 hints: weights evict_last, streamed data evict_first
     SPLIT: tl.constexpr,          # the first split_cap * max_pieces programs run split-row pieces
     PIECE: tl.constexpr,          # valid slots per piece of a split row (a multiple of BLOCK_N)
+    PIECE_ORDER: tl.constexpr,    # SPLIT, deterministic: long rows run whole also sum piece by piece
 ):
     pid = tl.program_id(0)
     offs_d, mask_d, first_slice = _d_slice(D, BLOCK_D, ALIGNED)  # first_slice stores du / dg
@@ -443,11 +459,20 @@ def _twell_train_backward_kernel(
             if ordinary:
                 dy_row, dyv = _token_row(dy_ptr, m64, stride_dym, offs_d, mask_d, ONE_D_BLOCK, ALIGNED, EVEN_D,
                                          BLOCK_D, EVICT)
-                acc = _backward_slots(dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots,
-                                      0, nnz, nnz, u_ptr, gate_ptr, up_ptr, down_ptr, du_ptr, dg_ptr, l1_grad, D,
-                                      n_tiles, tile, slots, stride_gh, stride_uh, stride_dh, offs_d, mask_d,
-                                      first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
-                                      BLOCK_T, EVICT)
+                if PIECE_ORDER:  # deterministic mode: piece by piece, as in the forward
+                    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                    for p0 in range(0, nnz, PIECE):
+                        acc += _backward_slots(
+                            dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0, m64 * n_tiles * slots, p0,
+                            tl.minimum(nnz, p0 + PIECE), nnz, u_ptr, gate_ptr, up_ptr, down_ptr, du_ptr, dg_ptr,
+                            l1_grad, D, n_tiles, tile, slots, stride_gh, stride_uh, stride_dh, offs_d, mask_d,
+                            first_slice, GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
+                else:
+                    acc = _backward_slots(dy_row, dyv, values_ptr, columns_ptr, counts_row, cnt0,
+                                          m64 * n_tiles * slots, 0, nnz, nnz, u_ptr, gate_ptr, up_ptr, down_ptr,
+                                          du_ptr, dg_ptr, l1_grad, D, n_tiles, tile, slots, stride_gh, stride_uh,
+                                          stride_dh, offs_d, mask_d, first_slice, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D,
+                                          BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, EVICT)
                 _store_token_row(dx_ptr + m64 * stride_dxm, acc, offs_d, mask_d, EVEN_D, EVICT)
 
 
@@ -522,7 +547,7 @@ def default_backward_config(d: int) -> TwellTrainConfig:
 
 
 def _constexprs(config: TwellTrainConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
-                aligned: bool) -> dict[str, object]:
+                aligned: bool, deterministic: bool = False) -> dict[str, object]:
     """The kernels' meta-parameters for a launch; they depend on D, n_tiles and slots, never on
     M (so the number of compiled variants stays put when only M changes)."""
     return dict(
@@ -539,6 +564,7 @@ def _constexprs(config: TwellTrainConfig, d: int, n_tiles: int, slots: int, *, g
         EVICT=config.evict,
         SPLIT=splits(config.split_slots, d, config.block_d, n_tiles, slots),
         PIECE=config.split_slots,
+        PIECE_ORDER=deterministic and splits(config.split_slots, d, config.block_d, n_tiles, slots),
     )
 
 
@@ -643,6 +669,7 @@ def twell_train_forward(
     overflow_out: torch.Tensor | None = None,
     overflow_list: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: TwellTrainConfig | None = None,
+    deterministic: bool = False,
 ) -> None:
     """Training forward of the ordinary rows of a TwELL-packed p: writes y into `out` [M, D],
     u (gated) into the valid slots of `u_out` [M, n_tiles, slots] fp32 and Σ_j |h_j| into
@@ -650,7 +677,8 @@ def twell_train_forward(
     `overflow_out` (bool / uint8 [M]) they are flagged there, with `overflow_list` (ids int32 [M],
     count int32 [1] zeroed by the caller) listed in ids[0:count] in no particular order.
     Non-gated: `up_weight` and `u_out` are unused and may be None. `config` overrides
-    `default_forward_config(D)`. No host synchronisation."""
+    `default_forward_config(D)`. deterministic: the same bits on every run also when more long rows
+    than the split list holds run whole (kernels/row_split.py, "Bits"). No host synchronisation."""
     gated = _check_gated(gated)
     m, d = check_matrix(x, "x")
     tile, n_tiles, slots = _check_packed(values, columns, counts, m, x.dtype, x.device, tile)
@@ -671,6 +699,8 @@ def twell_train_forward(
     if overflow_list is not None:
         check_row_list(overflow_list, "overflow_list", m, x.device)
     config = _check_config(config, default_forward_config(d))
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if m == 0:
         return
     if d > 1 and x.stride(1) != 1:
@@ -685,7 +715,7 @@ def twell_train_forward(
         u_out if gated else row_l1_out, row_l1_out, *split_ptrs,
         m, d, n_tiles, tile, slots, cap, max_pieces,
         x.stride(0), up_weight.stride(0) if gated else 0, down_weight_t.stride(0), out.stride(0),
-        **_constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned),
+        **_constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned, deterministic=deterministic),
         num_warps=config.num_warps,
         maxnreg=config.max_regs,
     )
@@ -708,6 +738,7 @@ def twell_train_backward(
     du_out: torch.Tensor | None,
     dg_out: torch.Tensor,
     config: TwellTrainConfig | None = None,
+    deterministic: bool = False,
 ) -> None:
     """Token-major backward of the ordinary rows of a TwELL-packed p: writes dx into `dx_out`
     [M, D] (dy's dtype) and, at the valid slots of [M, n_tiles, slots] fp32 tensors, du into
@@ -715,8 +746,9 @@ def twell_train_backward(
     `u_slots`, `gate_weight`, `du_out` must then be None). `u_slots` is the forward's `u_out`;
     `up_weight` is the first weight when non-gated. `l1_grad` is a 1-element fp32 tensor on the
     device. Rows with some count > slots are not written. `config` overrides
-    `default_backward_config(D)`. No host synchronisation. The layer input x is not needed: u comes
-    from `u_slots`, and dx needs only dy and the weights."""
+    `default_backward_config(D)`; deterministic as in `twell_train_forward`. No host
+    synchronisation. The layer input x is not needed: u comes from `u_slots`, and dx needs only dy
+    and the weights."""
     gated = _check_gated(gated)
     m, d = check_matrix(dy, "dy")
     dev = dy.device
@@ -736,6 +768,8 @@ def twell_train_backward(
     _check(l1_grad, "l1_grad", (1,), torch.float32, dev)
     _check(dx_out, "dx_out", (m, d), dy.dtype, dev, unit_stride=True)
     config = _check_config(config, default_backward_config(d))
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if m == 0:
         return
     if d > 1 and dy.stride(1) != 1:
@@ -751,7 +785,7 @@ def twell_train_backward(
         m, d, n_tiles, tile, slots, cap, max_pieces,
         dy.stride(0), gate_weight.stride(0) if gated else 0, up_weight.stride(0),
         down_weight_t.stride(0), dx_out.stride(0),
-        **_constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned),
+        **_constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned, deterministic=deterministic),
         num_warps=config.num_warps,
         maxnreg=config.max_regs,
     )
@@ -764,14 +798,17 @@ def twell_train_backward(
 def sm90_compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for both kernels, bf16 and fp16, gated and
     non-gated, at the default configs of D = 2048 (the paper's shape: H = 5632, tile 256, slots
-    32, aligned), D = 100 (unaligned, masked along D) and D = 16384 (D split over programs)."""
+    32, aligned; also deterministic), D = 100 (unaligned, masked along D) and D = 16384 (D split
+    over programs)."""
     specs = []
-    shapes = [(2048, 22, 32, True), (100, 8, 16, False), (16384, 64, 32, True)]
-    for (d, n_tiles, slots, aligned), ty, gated in itertools.product(
+    shapes = [(2048, 22, 32, True, False), (2048, 22, 32, True, True), (100, 8, 16, False, False),
+              (16384, 64, 32, True, False)]
+    for (d, n_tiles, slots, aligned, deterministic), ty, gated in itertools.product(
             shapes, TL_DTYPES.values(), (True, False)):
         for kernel, config in ((_twell_train_forward_kernel, default_forward_config(d)),
                                (_twell_train_backward_kernel, default_backward_config(d))):
-            constexprs = _constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned)
+            constexprs = _constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned,
+                                     deterministic=deterministic)
             split_args, split_constexprs = split_signature(constexprs["SPLIT"])
             if kernel is _twell_train_forward_kernel:
                 split_args["l1_partials_ptr"] = "*fp32" if constexprs["SPLIT"] else "constexpr"

@@ -377,6 +377,7 @@ def _twell_up_down_kernel(
     EVICT: tl.constexpr,          # L2 hints: weights evict_last, streamed data evict_first
     SPLIT: tl.constexpr,          # the first split_cap * max_pieces programs run split-row pieces
     PIECE: tl.constexpr,          # valid slots per piece of a split row (a multiple of BLOCK_N)
+    PIECE_ORDER: tl.constexpr,    # SPLIT, deterministic: long rows run whole also sum piece by piece
 ):
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of y
@@ -400,10 +401,44 @@ def _twell_up_down_kernel(
                       x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr, split_flags_ptr,
                       M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
                       down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_M, PERSISTENT, BLOCK_U,
-                      BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, LOOKAHEAD, EVICT, SPLIT)
+                      BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, LOOKAHEAD, EVICT, SPLIT, PIECE, PIECE_ORDER)
 
 
 _twell_up_down_launch = Launcher(_twell_up_down_kernel)
+
+
+@triton.jit
+def _piece_batches(xv, x_row, t, col, val, b_lo, b_hi, nnz, columns_ptr, values_ptr, counts_row, cnt0, m64,
+                   weight_ptr, offs_d, mask_d, D, n_tiles, tile, slots, stride_wh, down_shift,
+                   GATED: tl.constexpr, ALIGNED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_U: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr,
+                   EVICT: tl.constexpr):
+    """fp32 [BLOCK_D] Σ from zero over the valid slots b_lo .. b_hi - 1 (batch starts, b_hi <= nnz) of
+    row m, batch by batch as `_split_piece` runs a piece (whole D per program, as splitting needs);
+    (t, col, val) is the row's first batch (slots 0 ..), already issued by its head."""
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for b in range(b_lo, b_hi, BLOCK_N):
+        if b > 0:
+            t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b,
+                                       nnz, True, n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
+        pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
+        acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
+                                weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
+                                GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N,
+                                BLOCK_D, PREFETCH, EVICT)
+    return acc
+
+
+@triton.jit
+def _store_row(out_ptr, m64, stride_om, acc, offs_d, mask_d, ALIGNED: tl.constexpr, EVEN_D: tl.constexpr,
+               stream: tl.constexpr):
+    out_row = out_ptr + m64 * stride_om
+    if ALIGNED:
+        out_row = tl.multiple_of(out_row, 16)
+    if EVEN_D:
+        tl.store(out_row + offs_d, acc.to(out_ptr.dtype.element_ty), eviction_policy=stream)
+    else:
+        tl.store(out_row + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d, eviction_policy=stream)
 
 
 @triton.jit
@@ -413,7 +448,7 @@ def _row_programs(pid_m, n_programs, x_ptr, values_ptr, columns_ptr, counts_ptr,
                   EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, PERSISTENT: tl.constexpr,
                   BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr,
-                  EVICT: tl.constexpr, SPLIT: tl.constexpr):
+                  EVICT: tl.constexpr, SPLIT: tl.constexpr, PIECE: tl.constexpr, PIECE_ORDER: tl.constexpr):
     """Row program pid_m of n_programs: its rows (BLOCK_M consecutive ones, or every n_programs-th
     when PERSISTENT), one after the other."""
     stream: tl.constexpr = "evict_first" if EVICT else ""
@@ -471,7 +506,19 @@ def _row_programs(pid_m, n_programs, x_ptr, values_ptr, columns_ptr, counts_ptr,
             cnt_head = cnt_next
             cnt_next = _load_counts(counts_row + 2 * m_step * n_tiles, 0, n_tiles, r + 2 < n_rows,
                                     BLOCK_T, EVICT)
-        if ok:
+        if ok and PIECE_ORDER:
+            # deterministic mode: a long row the split list had no room for adds its pieces' sums in
+            # piece order, as a listed row does (row_split.py, "Bits"), so y[m] does not depend on
+            # which long rows the list took
+            xv = x.to(tl.float32)
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for p0 in range(0, nnz, PIECE):
+                acc += _piece_batches(xv, x_row, t, col, val, p0, tl.minimum(nnz, p0 + PIECE), nnz,
+                                      columns_ptr, values_ptr, counts_row, cnt0, m64, weight_ptr, offs_d,
+                                      mask_d, D, n_tiles, tile, slots, stride_wh, down_shift, GATED, ALIGNED,
+                                      EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, EVICT)
+            _store_row(out_ptr, m64, stride_om, acc, offs_d, mask_d, ALIGNED, EVEN_D, stream)
+        elif ok:
             xv = x.to(tl.float32)  # [BLOCK_D] fp32
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32 slice of y[m]
             for b in range(0, nnz, BLOCK_N):  # more than one batch: rows with > BLOCK_N units
@@ -650,7 +697,7 @@ def _check_tensor(t: object, name: str, shape: tuple[int, ...], dtype: torch.dty
 
 
 def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
-                aligned: bool) -> dict[str, object]:
+                aligned: bool, deterministic: bool = False) -> dict[str, object]:
     """The kernel's meta-parameters for a launch; they depend on the config, D, n_tiles and slots,
     never on M itself (the default config has three M buckets: at most three variants per shape)."""
     return dict(
@@ -670,6 +717,7 @@ def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated
         EVICT=config.evict,
         SPLIT=splits(config.split_slots, d, config.block_d, n_tiles, slots),
         PIECE=config.split_slots,
+        PIECE_ORDER=deterministic and splits(config.split_slots, d, config.block_d, n_tiles, slots),
     )
 
 
@@ -685,6 +733,7 @@ def twell_up_down(
     overflow_out: torch.Tensor | None = None,
     overflow_list: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: UpDownConfig | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """y [M, D] = down(p ⊙ up(x)) (or down(p)) for the ordinary rows of a TwELL-packed p.
 
@@ -693,7 +742,9 @@ def twell_up_down(
     (for the dense backup): overflow_out, None or a uint8 / bool [M] tensor that receives a flag per
     row; overflow_list, None or (ids int32 [M], count int32 [1] zeroed by the caller) that receives
     their ids in ids[0:count] in no particular order (what `dense_rows_mlp(row_list=)` takes).
-    `config` overrides the launch heuristic (`default_config(D, M)`). Returns `out` (or the new tensor).
+    `config` overrides the launch heuristic (`default_config(D, M)`). deterministic: the same bits on
+    every run also when more long rows than the split list holds run whole (kernels/row_split.py,
+    "Bits"; it cost 2-3% at M = 16384 / 65536). Returns `out` (or the new tensor).
     """
     m, d = check_matrix(x, "x")
     if not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 32768:
@@ -739,6 +790,8 @@ def twell_up_down(
         config = default_config(d, m)
     elif not isinstance(config, UpDownConfig):
         raise TypeError(f"config must be an UpDownConfig or None, got {type(config).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if m == 0:
         return out
     rows = prepare_launch(counts, slots, piece=config.split_slots, cap=config.split_cap,
@@ -769,7 +822,7 @@ def twell_up_down(
         x, values, columns, counts, packed_weight, out, *split_ptrs,
         m, d, n_tiles, tile, slots, cap, max_pieces,
         x.stride(0), packed_weight.stride(0), out.stride(0),
-        **_constexprs(config, d, n_tiles, slots, gated=n_mat == 2, aligned=aligned),
+        **_constexprs(config, d, n_tiles, slots, gated=n_mat == 2, aligned=aligned, deterministic=deterministic),
         num_warps=config.num_warps,
         maxnreg=config.max_regs,
     )
@@ -782,7 +835,8 @@ def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]
     H = 5632, tile 256, slots 32, aligned) and the generic paths (D = 100: unaligned and masked along D;
     D = 16384: D split over programs); for bf16 gated every distinct specialization of
     `benchmark_configs(2048)`, and the kernel variants (one chunk per batch without lookahead or
-    hints; register double buffering; persistent) for fp16 and for non-gated."""
+    hints; register double buffering; persistent) for fp16 and for non-gated; the deterministic
+    variant of the paper shape's default configs."""
     shapes = [  # (config, D, n_tiles, slots, aligned)
         (default_config(2048), 2048, 22, 32, True),
         (default_config(2048, 1), 2048, 22, 32, True),  # the small-M buckets
@@ -797,15 +851,16 @@ def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]
         r(base, prefetch=True),
         r(base, persistent=5),
     ]
-    cases = []  # (dtype, gated, config, D, n_tiles, slots, aligned)
+    cases = []  # (dtype, gated, config, D, n_tiles, slots, aligned, deterministic)
     for ty, gated in itertools.product(TL_DTYPES.values(), (True, False)):
-        cases += [(ty, gated, *shape) for shape in shapes]
+        cases += [(ty, gated, *shape, False) for shape in shapes]
+        cases += [(ty, gated, *shape, True) for shape in shapes[:3]]
         if (ty, gated) != ("bf16", True):
-            cases += [(ty, gated, cfg, 2048, 22, 32, True) for cfg in variants]
-    cases += [("bf16", True, cfg, 2048, 22, 32, True) for cfg in benchmark_configs(2048)[1:]]
+            cases += [(ty, gated, cfg, 2048, 22, 32, True, False) for cfg in variants]
+    cases += [("bf16", True, cfg, 2048, 22, 32, True, False) for cfg in benchmark_configs(2048)[1:]]
     specs, seen = [], set()
-    for ty, gated, cfg, d, n_tiles, slots, aligned in cases:
-        constexprs = _constexprs(cfg, d, n_tiles, slots, gated=gated, aligned=aligned)
+    for ty, gated, cfg, d, n_tiles, slots, aligned, deterministic in cases:
+        constexprs = _constexprs(cfg, d, n_tiles, slots, gated=gated, aligned=aligned, deterministic=deterministic)
         key = (ty, tuple(constexprs.items()))
         if key in seen:
             continue

@@ -145,13 +145,14 @@ def _twell_mlp_op(
     threshold: torch.Tensor | None,
     tile: int,
     slots: int,
+    deterministic: bool,
 ) -> torch.Tensor:
     weights = SparseMLPWeights(gate_weight, up_weight, down_weight, up_down)
-    return twell_mlp(x, weights, threshold, tile=tile, slots=slots)
+    return twell_mlp(x, weights, threshold, tile=tile, slots=slots, deterministic=deterministic)
 
 
 @_twell_mlp_op.register_fake
-def _(x, gate_weight, up_weight, down_weight, up_down, threshold, tile, slots):
+def _(x, gate_weight, up_weight, down_weight, up_down, threshold, tile, slots, deterministic):
     return x.new_empty(x.shape)
 
 
@@ -214,7 +215,10 @@ def sparse_mlp(
         raise ValueError("prepared was built from other weight tensors than gate_weight/up_weight/down_weight")
     theta = threshold_vector(threshold, up_weight.shape[0], x.device)
     if eager_call(x2d, gate_weight, up_weight, down_weight, theta):
-        y = twell_mlp(x2d, prepared, theta, tile=tile, slots=slots)  # the op's body, without its dispatch
+        # the op's body, without its dispatch
+        y = twell_mlp(x2d, prepared, theta, tile=tile, slots=slots,
+                      deterministic=torch.are_deterministic_algorithms_enabled())
     else:
-        y = _twell_mlp_op(x2d, gate_weight, up_weight, down_weight, prepared.up_down, theta, tile, slots)
+        y = _twell_mlp_op(x2d, gate_weight, up_weight, down_weight, prepared.up_down, theta, tile, slots,
+                          torch.are_deterministic_algorithms_enabled())
     return y.view(x.shape)

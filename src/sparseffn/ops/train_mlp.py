@@ -67,6 +67,7 @@ def _train_forward(
     threshold: torch.Tensor | None,
     tile: int,
     slots: int,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [M, D], l1 fp32 [], values, columns, counts, u_slots fp32, row_flags bool [M]) for x [M, D].
 
@@ -86,7 +87,7 @@ def _train_forward(
     overflow = (torch.empty(m, dtype=torch.int32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
     twell_train_forward(x, values, columns, counts, up_weight, down_t, tile=tile, gated=gated, out=y,
                         u_out=u_slots if gated else None, row_l1_out=row_l1, overflow_out=row_flags,
-                        overflow_list=overflow)
+                        overflow_list=overflow, deterministic=deterministic)
     dense_rows_mlp(x, None, gate_weight, up_weight, down_t, threshold, y, row_l1=row_l1, row_list=overflow)
     l1 = row_l1.sum() / m if m else row_l1.sum() * float("nan")
     return y, l1, values, columns, counts, u_slots, row_flags
@@ -97,7 +98,7 @@ sparse_mlp_train_fwd = torch.library.custom_op("sparseffn::sparse_mlp_train_fwd"
 
 
 @sparse_mlp_train_fwd.register_fake
-def _(x, gate_weight, up_weight, down_weight, threshold, tile, slots):
+def _(x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic):
     m, d = x.shape
     n_tiles = cdiv(up_weight.shape[0], tile)
     u_rows = m if gate_weight is not None else 0
@@ -145,7 +146,8 @@ def _train_backward(
     du_slots = _empty_slots(x, n_tiles, slots) if gated else None
     dg_slots = _empty_slots(x, n_tiles, slots)
     twell_train_backward(dy, values, columns, counts, u_slots if gated else None, gate_weight, up_weight, down_t,
-                         l1_grad, tile=tile, gated=gated, dx_out=dx, du_out=du_slots, dg_out=dg_slots)
+                         l1_grad, tile=tile, gated=gated, dx_out=dx, du_out=du_slots, dg_out=dg_slots,
+                         deterministic=deterministic)
     coefficients = SlotCoefficients(values, dg_slots, u_slots if gated else None, du_slots)
     by_unit = slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic,
                             coefficients=coefficients)
@@ -182,10 +184,9 @@ def _(dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, co
 def _save(ctx, inputs, packed) -> None:
     """What backward needs: the inputs and the packed forward state (values, columns, counts, u_slots,
     row_flags), no dense [M, H] tensor. An unused y or l1 arrives in backward as None, not as zeros."""
-    x, gate_weight, up_weight, down_weight, threshold, tile, slots = inputs
+    x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic = inputs
     ctx.save_for_backward(x, gate_weight, up_weight, down_weight, threshold, *packed)
-    ctx.tile, ctx.slots = tile, slots
-    ctx.deterministic = torch.are_deterministic_algorithms_enabled()
+    ctx.tile, ctx.slots, ctx.deterministic = tile, slots, deterministic
     ctx.set_materialize_grads(False)
 
 
@@ -215,7 +216,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, dl1, *_):
-    return *_gradients(ctx, dy, dl1, sparse_mlp_train_bwd), None, None, None
+    return *_gradients(ctx, dy, dl1, sparse_mlp_train_bwd), None, None, None, None
 
 
 sparse_mlp_train_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -225,14 +226,14 @@ class _EagerTrain(torch.autograd.Function):
     """The same forward and backward as the custom ops, without their dispatch (eager calls only)."""
 
     @staticmethod
-    def forward(ctx, x, gate_weight, up_weight, down_weight, threshold, tile, slots):
-        y, l1, *packed = _train_forward(x, gate_weight, up_weight, down_weight, threshold, tile, slots)
-        _save(ctx, (x, gate_weight, up_weight, down_weight, threshold, tile, slots), packed)
+    def forward(ctx, x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic):
+        y, l1, *packed = _train_forward(x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic)
+        _save(ctx, (x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic), packed)
         return y, l1
 
     @staticmethod
     def backward(ctx, dy, dl1):
-        return *_gradients(ctx, dy, dl1, _train_backward), None, None, None
+        return *_gradients(ctx, dy, dl1, _train_backward), None, None, None, None
 
 
 def sparse_mlp_train(
@@ -246,7 +247,9 @@ def sparse_mlp_train(
     slots: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [M, D], l1) through the training kernels; x [M, D] bf16/fp16 on the kernels' device."""
+    # with torch.use_deterministic_algorithms(True) every output and gradient has the same bits on every run
+    deterministic = torch.are_deterministic_algorithms_enabled()
     if eager_call(x, gate_weight, up_weight, down_weight, threshold):
-        return _EagerTrain.apply(x, gate_weight, up_weight, down_weight, threshold, tile, slots)
-    y, l1, *_ = sparse_mlp_train_fwd(x, gate_weight, up_weight, down_weight, threshold, tile, slots)
+        return _EagerTrain.apply(x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic)
+    y, l1, *_ = sparse_mlp_train_fwd(x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic)
     return y, l1

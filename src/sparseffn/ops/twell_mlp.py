@@ -116,8 +116,10 @@ def twell_mlp(
     *,
     tile: int = 256,
     slots: int = 32,
+    deterministic: bool = False,
 ) -> torch.Tensor:
-    """Sparse MLP of x [M, D] (bf16/fp16, on the kernels' device) -> y [M, D], exact for every input."""
+    """Sparse MLP of x [M, D] (bf16/fp16, on the kernels' device) -> y [M, D], exact for every input.
+    deterministic: the same bits on every run for any number of long rows (kernels/row_split.py)."""
     m, d = x.shape
     h = weights.up_weight.shape[0]
     theta = threshold_vector(threshold, h, x.device)
@@ -125,7 +127,8 @@ def twell_mlp(
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     # the overflow rows, listed by the up/down launch's classification (count zeroed here)
     overflow = (torch.empty(m, dtype=torch.int32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
-    twell_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y, overflow_list=overflow)
+    twell_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y, overflow_list=overflow,
+                  deterministic=deterministic)
     if weights.gate_weight is not None:  # up_down [H, 2, D] holds up and down^T
         up, down_t = weights.up_down[:, 0], weights.up_down[:, 1]
     else:  # up_down [H, 1, D] holds down^T
