@@ -519,6 +519,8 @@ def _row_programs(pid_m, n_programs, x_ptr, values_ptr, columns_ptr, counts_ptr,
                                       EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, EVICT)
             _store_row(out_ptr, m64, stride_om, acc, offs_d, mask_d, ALIGNED, EVEN_D, stream)
         elif ok:
+            # the default: `_piece_batches` over all the row's slots in one go, written out here as
+            # the kernel was measured (D may be split over programs on this path)
             xv = x.to(tl.float32)  # [BLOCK_D] fp32
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32 slice of y[m]
             for b in range(0, nnz, BLOCK_N):  # more than one batch: rows with > BLOCK_N units
