@@ -185,6 +185,9 @@ def sparse_mlp(
     reused (without it the sparse path re-interleaves up/down on every call, and auto mode does not
     take the sparse kernels for few tokens under CUDA-graph capture). expected_nnz: the
     caller's estimate of non-zeros per token, used by auto mode. tile/slots: TwELL capacity.
+    Under `torch.use_deterministic_algorithms(True)` outputs and gradients have the same bits on
+    every run (by default the rows of over 128 active units past the 256th in one call may not:
+    kernels/row_split.py, "Bits").
     """
     check_mlp_inputs(x, gate_weight, up_weight, down_weight, threshold)
     if isinstance(threshold, torch.Tensor) and threshold.requires_grad and torch.is_grad_enabled():
