@@ -408,23 +408,23 @@ _twell_up_down_launch = Launcher(_twell_up_down_kernel)
 
 
 @triton.jit
-def _piece_batches(xv, x_row, t, col, val, b_lo, b_hi, nnz, columns_ptr, values_ptr, counts_row, cnt0, m64,
-                   weight_ptr, offs_d, mask_d, D, n_tiles, tile, slots, stride_wh, down_shift,
-                   GATED: tl.constexpr, ALIGNED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_U: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr,
-                   EVICT: tl.constexpr):
+def _row_batches(xv, x_row, t, col, val, b_lo, b_hi, nnz, columns_ptr, values_ptr, counts_row, cnt0, m64,
+                 weight_ptr, offs_d, mask_d, D, n_tiles, tile, slots, stride_wh, down_shift,
+                 GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr, EVEN_D: tl.constexpr,
+                 BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                 PREFETCH: tl.constexpr, EVICT: tl.constexpr):
     """fp32 [BLOCK_D] Σ from zero over the valid slots b_lo .. b_hi - 1 (batch starts, b_hi <= nnz) of
-    row m, batch by batch as `_split_piece` runs a piece (whole D per program, as splitting needs);
-    (t, col, val) is the row's first batch (slots 0 ..), already issued by its head."""
+    row m, batch by batch as `_split_piece` runs a piece; (t, col, val) is the row's first batch
+    (slots 0 ..), already issued by its head."""
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for b in range(b_lo, b_hi, BLOCK_N):
+    for b in range(b_lo, b_hi, BLOCK_N):  # more than one batch: rows with > BLOCK_N units
         if b > 0:
             t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b,
                                        nnz, True, n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
         pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
         acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
                                 weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
-                                GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N,
+                                GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N,
                                 BLOCK_D, PREFETCH, EVICT)
     return acc
 
@@ -506,40 +506,24 @@ def _row_programs(pid_m, n_programs, x_ptr, values_ptr, columns_ptr, counts_ptr,
             cnt_head = cnt_next
             cnt_next = _load_counts(counts_row + 2 * m_step * n_tiles, 0, n_tiles, r + 2 < n_rows,
                                     BLOCK_T, EVICT)
-        if ok and PIECE_ORDER:
-            # deterministic mode: a long row the split list had no room for adds its pieces' sums in
-            # piece order, as a listed row does (row_split.py, "Bits"), so y[m] does not depend on
-            # which long rows the list took
-            xv = x.to(tl.float32)
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for p0 in range(0, nnz, PIECE):
-                acc += _piece_batches(xv, x_row, t, col, val, p0, tl.minimum(nnz, p0 + PIECE), nnz,
-                                      columns_ptr, values_ptr, counts_row, cnt0, m64, weight_ptr, offs_d,
-                                      mask_d, D, n_tiles, tile, slots, stride_wh, down_shift, GATED, ALIGNED,
-                                      EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, EVICT)
-            _store_row(out_ptr, m64, stride_om, acc, offs_d, mask_d, ALIGNED, EVEN_D, stream)
-        elif ok:
-            # the default: `_piece_batches` over all the row's slots in one go, written out here as
-            # the kernel was measured (D may be split over programs on this path)
+        if ok:
             xv = x.to(tl.float32)  # [BLOCK_D] fp32
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32 slice of y[m]
-            for b in range(0, nnz, BLOCK_N):  # more than one batch: rows with > BLOCK_N units
-                if b > 0:
-                    t, col, val = _batch_slots(columns_ptr, values_ptr, counts_row, cnt0, m64, b,
-                                               nnz, True, n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
-                pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
-                acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
-                                        weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
-                                        GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N,
-                                        BLOCK_D, PREFETCH, EVICT)
-            out_row = out_ptr + m64 * stride_om
-            if ALIGNED:
-                out_row = tl.multiple_of(out_row, 16)
-            if EVEN_D:
-                tl.store(out_row + offs_d, acc.to(out_ptr.dtype.element_ty), eviction_policy=stream)
+            if PIECE_ORDER:
+                # deterministic mode: a long row the split list had no room for adds its pieces' sums
+                # in piece order, as a listed row does (row_split.py, "Bits"), so y[m] does not
+                # depend on which long rows the list took
+                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for p0 in range(0, nnz, PIECE):
+                    acc += _row_batches(xv, x_row, t, col, val, p0, tl.minimum(nnz, p0 + PIECE), nnz,
+                                        columns_ptr, values_ptr, counts_row, cnt0, m64, weight_ptr, offs_d,
+                                        mask_d, D, n_tiles, tile, slots, stride_wh, down_shift, GATED, ALIGNED,
+                                        ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, EVICT)
             else:
-                tl.store(out_row + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d,
-                         eviction_policy=stream)
+                acc = _row_batches(xv, x_row, t, col, val, 0, nnz, nnz, columns_ptr, values_ptr, counts_row,
+                                   cnt0, m64, weight_ptr, offs_d, mask_d, D, n_tiles, tile, slots, stride_wh,
+                                   down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
+                                   BLOCK_T, PREFETCH, EVICT)
+            _store_row(out_ptr, m64, stride_om, acc, offs_d, mask_d, ALIGNED, EVEN_D, stream)
 
 
 @dataclass(frozen=True)
