@@ -81,7 +81,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, interpreting, num_sms
+from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, cdiv, interpreting, num_sms
 from sparseffn.kernels.launch import Launcher
 
 SUPPORTED_TILES = (32, 64, 128, 256)
@@ -439,7 +439,7 @@ def few_tokens_config(d: int, m: int) -> GateTwellConfig:
     """Config of the dense-output GEMM of few-token calls: BLOCK_M 16 (M <= 16) or 64, BLOCK_K 256 /
     128, one program per N-block, never more stages than k-steps."""
     block_m, block_k, stages = (16, 256, 3) if m <= 16 else (64, 128, 4)
-    return _few_tokens_config(block_m, block_k, min(stages, max(1, -(-d // block_k))))
+    return _few_tokens_config(block_m, block_k, min(stages, max(1, cdiv(d, block_k))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -622,7 +622,7 @@ def _pack_few_tokens(x, weight, threshold, tile, slots):
     packing program per (row, tile). Same TwELL (slots in column order)."""
     m, d = x.shape
     h = weight.shape[0]
-    n_tiles = -(-h // tile)
+    n_tiles = cdiv(h, tile)
     # dense mode writes no slots (SLOTS only has to be a valid count for tile 32)
     p = _launch(x, weight, threshold, _FEW_TOKENS_BLOCK_N, _FEW_TOKENS_BLOCK_N, False, None,
                 few_tokens_config(d, m), "dense")

@@ -51,7 +51,7 @@ from sparseffn.kernels._runtime import cdiv, next_power_of_2
 from sparseffn.kernels.launch import Launcher
 
 __all__ = ["PARTIALS_BUDGET_BYTES", "RowSplit", "check_row_list", "classify_rows", "gather_pieces", "launch_args",
-           "list_capacity", "listed_row", "prepare_launch", "sm90_compile_specs", "split_signature", "splits"]
+           "list_capacity", "listed_row", "new_row_list", "prepare_launch", "sm90_compile_specs", "split_signature", "splits"]
 
 _CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
 # The pieces' fp32 partials are sized for the longest possible row (n_tiles * slots valid slots), so
@@ -156,6 +156,11 @@ class RowSplit:
         """An fp32 buffer for the pieces' [D] partials (or, scalars=True, one scalar each)."""
         return torch.empty(self.cap * self.max_pieces * (1 if scalars else d), dtype=torch.float32,
                            device=self.ids.device)
+
+
+def new_row_list(m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An empty overflow list for `classify_rows(overflow_list=)`: ids int32 [m], count int32 [1] = 0."""
+    return torch.empty(m, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def check_row_list(row_list: object, name: str, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,7 @@ from sparseffn.kernels.convert import convert
 from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
 from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
 from sparseffn.kernels.gate_twell import gate_twell
+from sparseffn.kernels.row_split import new_row_list
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.unit_grads import SlotCoefficients, slots_by_unit, unit_weight_grads
 from sparseffn.ops.dispatch import eager_call
@@ -84,7 +85,7 @@ def _train_forward(
     u_slots = _empty_slots(x, values.shape[1], slots) if gated else x.new_empty(0, dtype=torch.float32)
     row_l1 = torch.empty(m, dtype=torch.float32, device=x.device)
     # the overflow rows as flags (the backward's) and as a list (the dense backup's, no scan of M flags)
-    overflow = (torch.empty(m, dtype=torch.int32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
+    overflow = new_row_list(m, x.device)
     twell_train_forward(x, values, columns, counts, up_weight, down_t, tile=tile, gated=gated, out=y,
                         u_out=u_slots if gated else None, row_l1_out=row_l1, overflow_out=row_flags,
                         overflow_list=overflow, deterministic=deterministic)

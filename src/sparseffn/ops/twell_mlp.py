@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
 from sparseffn.kernels.gate_twell import gate_twell
+from sparseffn.kernels.row_split import new_row_list
 from sparseffn.kernels.twell_up_down import prepare_up_down_weight, twell_up_down
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -125,8 +126,7 @@ def twell_mlp(
     theta = threshold_vector(threshold, h, x.device)
     values, columns, counts = gate_twell(x, weights.first_weight, theta, tile=tile, slots=slots)
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
-    # the overflow rows, listed by the up/down launch's classification (count zeroed here)
-    overflow = (torch.empty(m, dtype=torch.int32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
+    overflow = new_row_list(m, x.device)  # the overflow rows, listed by the up/down launch's classification
     twell_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y, overflow_list=overflow,
                   deterministic=deterministic)
     if weights.gate_weight is not None:  # up_down [H, 2, D] holds up and down^T
