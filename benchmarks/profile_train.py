@@ -66,8 +66,8 @@ def timed(name, fn):
     return wrapper
 
 
-for name in ("gate_twell", "twell_train_forward", "dense_rows_mlp", "twell_train_backward", "slots_by_unit",
-             "unit_weight_grads", "dense_rows_mlp_backward", "sparse_mlp_train_fwd", "sparse_mlp_train_bwd"):
+for name in ("gate_twell", "twell_train_forward", "launch_dense_rows", "twell_train_backward", "launch_slots_by_unit",
+             "launch_unit_weight_grads", "launch_dense_rows_backward", "sparse_mlp_train_fwd", "sparse_mlp_train_bwd"):
     setattr(train_mlp, name, timed(name, getattr(train_mlp, name)))
 step(providers["sparse"])
 spent.clear()

@@ -16,7 +16,7 @@ import triton
 import sparseffn.ops.train_mlp as train_mlp
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.kernels import unit_grads
-from sparseffn.kernels.unit_grads import UnitGradsConfig, slots_by_unit, unit_weight_grads
+from sparseffn.kernels.unit_grads import UnitGradsConfig, launch_slots_by_unit, launch_unit_weight_grads
 from sparseffn.ops.sparse_mlp import sparse_mlp
 
 m = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
@@ -29,15 +29,15 @@ captured = {}
 
 def capture(*args, **kwargs):
     captured["args"], captured["kwargs"] = args, kwargs
-    return unit_weight_grads(*args, **kwargs)
+    return launch_unit_weight_grads(*args, **kwargs)
 
 
 def capture_slots(*args, **kwargs):
     captured["slots"] = args, kwargs
-    return slots_by_unit(*args, **kwargs)
+    return launch_slots_by_unit(*args, **kwargs)
 
 
-train_mlp.unit_weight_grads, train_mlp.slots_by_unit = capture, capture_slots
+train_mlp.launch_unit_weight_grads, train_mlp.launch_slots_by_unit = capture, capture_slots
 y, l1 = sparse_mlp(*params, mode="sparse", return_l1=True)
 torch.autograd.grad([y, l1], params, [dy, torch.ones((), device="cuda")])
 args, kwargs = captured["args"], captured["kwargs"]
@@ -63,7 +63,7 @@ print(f"{torch.cuda.get_device_name()}, git {sha}, M = {m}, D = 2048, H = 5632, 
 base = None
 for config in configs:
     def run(config=config):
-        unit_weight_grads(*args, **{**kwargs, "config": config})
+        launch_unit_weight_grads(*args, **{**kwargs, "config": config})
     run()
     torch.cuda.synchronize()
     result = [o.clone() for o in outs]
@@ -72,9 +72,9 @@ for config in configs:
     print(f"{1e3 * triton.testing.do_bench(run, warmup=5, rep=60):8.1f} us  diff {diff:.1e}  {config}", flush=True)
 
 slot_args, slot_kwargs = captured["slots"]
-want = slots_by_unit(*slot_args, **slot_kwargs).offsets
+want = launch_slots_by_unit(*slot_args, **slot_kwargs).offsets
 for warps in (4, 2, 1):
     unit_grads._SLOT_WARPS = warps
-    same = torch.equal(slots_by_unit(*slot_args, **slot_kwargs).offsets, want)
-    ms = triton.testing.do_bench(lambda: slots_by_unit(*slot_args, **slot_kwargs), warmup=5, rep=60)
+    same = torch.equal(launch_slots_by_unit(*slot_args, **slot_kwargs).offsets, want)
+    ms = triton.testing.do_bench(lambda: launch_slots_by_unit(*slot_args, **slot_kwargs), warmup=5, rep=60)
     print(f"slots_by_unit on {warps} warps: {1e3 * ms:7.1f} us (the whole call), offsets equal {same}", flush=True)

@@ -14,7 +14,7 @@ import sparseffn
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.ops.reference import sparse_mlp_reference
 from sparseffn.ops.sparse_mlp import ModeDecision, choose_mode
-from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp
+from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp, twell_mlp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the module (sparseffn.ops exports its `sparse_mlp` function under the same name)
@@ -84,6 +84,35 @@ def test_prepared_weights_must_match():
     other = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight.clone(), mlp.down_weight)
     with pytest.raises(ValueError, match="prepared was built from other weight tensors"):
         sparseffn.sparse_mlp(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, mode="sparse", prepared=other)
+
+
+@needs_kernels
+def test_hand_built_weights_are_checked_before_the_unchecked_launches():
+    """twell_mlp checks x, the first weight, θ, tile and slots through gate_twell, then launches the
+    up/down and dense-rows kernels unchecked: a SparseMLPWeights built by hand with the wrong
+    interleaved weight or unit count must fail with an error naming it, not read out of bounds."""
+    mlp = synthetic_mlp(4, 64, 128, 5, device=DEVICE)
+    good = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    g, u, d = mlp.gate_weight, mlp.up_weight, mlp.down_weight
+    cases = [
+        (SparseMLPWeights(g, u, d, good.up_down[:64]), ValueError, r"weights.up_down must be .* shape \[128, 2, 64\]"),
+        (SparseMLPWeights(g, u, d, good.up_down[:, :1]), ValueError, "weights.up_down must be"),
+        (SparseMLPWeights(g, u, d, good.up_down.float()), ValueError, "weights.up_down must be a torch.bfloat16"),
+        (SparseMLPWeights(g, u, d, good.up_down.transpose(0, 1).contiguous().transpose(0, 1)), ValueError,
+         "weights.up_down must be contiguous"),
+        (SparseMLPWeights(g, u, d, "up_down"), TypeError, "weights.up_down must be a torch.Tensor"),
+        (SparseMLPWeights(g[:64], u, d, good.up_down), ValueError, "weights.gate_weight must have up_weight's 128 units"),
+    ]
+    for weights, error, match in cases:
+        with pytest.raises(error, match=match):
+            twell_mlp(mlp.x, weights, tile=64, slots=8)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        twell_mlp(mlp.x, good, tile=64, slots=8, deterministic=1)
+    with pytest.raises(NotImplementedError, match="tile must be one of"):
+        twell_mlp(mlp.x, good, tile=48, slots=8)
+    torch.testing.assert_close(twell_mlp(mlp.x, good, tile=64, slots=8),
+                               sparseffn.sparse_mlp(mlp.x, g, u, d, mode="sparse", prepared=good, tile=64, slots=8),
+                               rtol=0, atol=0)
 
 
 def test_mode_decisions_are_explained_and_overridable():
@@ -242,8 +271,8 @@ def test_deterministic_flag_reaches_the_up_down_kernel(monkeypatch, deterministi
     from sparseffn.ops.sparse_mlp import _twell_mlp_op
 
     seen = []
-    real = twell_ops.twell_up_down
-    monkeypatch.setattr(twell_ops, "twell_up_down", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    real = twell_ops.launch_up_down
+    monkeypatch.setattr(twell_ops, "launch_up_down", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
     mlp = synthetic_mlp(12, 64, 128, 6, device=DEVICE, seed=13)
     args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
     w = SparseMLPWeights.prepare(*args[1:])

@@ -451,6 +451,26 @@ def dense_rows_mlp(
     g, u, h and y are fp32, y is rounded once. `config` overrides `default_config(D)`. Returns out.
     """
     _check_inputs(x, row_flags, gate_weight, up_weight, down_weight_t, threshold, out, row_l1, config, row_list)
+    return launch_dense_rows(x, row_flags, gate_weight, up_weight, down_weight_t, threshold, out, row_l1=row_l1,
+                             config=config, row_list=row_list)
+
+
+def launch_dense_rows(
+    x: torch.Tensor,
+    row_flags: torch.Tensor | None,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight_t: torch.Tensor,
+    threshold: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    row_l1: torch.Tensor | None = None,
+    config: DenseRowsConfig | None = None,
+    row_list: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`dense_rows_mlp` on arguments that meet its contract, unchecked: for the sparse MLP ops, whose
+    kernels before it checked x and the weights and which allocate out, row_l1 and the row list.
+    On slow hosts the checks cost more host time than the launch (usually of no flagged row)."""
     m, d = x.shape
     h = up_weight.shape[0]
     cuda = x.is_cuda

@@ -659,6 +659,31 @@ def dense_rows_mlp_backward(
     """
     _check_inputs(x, dy, row_flags, gate_weight, up_weight, down_weight_t, threshold, l1_grad,
                   dx_out, grad_gate_acc, grad_up_acc, grad_down_t_acc, config)
+    return launch_dense_rows_backward(x, dy, row_flags, gate_weight, up_weight, down_weight_t, threshold, l1_grad,
+                                      dx_out=dx_out, grad_gate_acc=grad_gate_acc, grad_up_acc=grad_up_acc,
+                                      grad_down_t_acc=grad_down_t_acc, config=config)
+
+
+def launch_dense_rows_backward(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    row_flags: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight_t: torch.Tensor,
+    threshold: torch.Tensor | None,
+    l1_grad: torch.Tensor | None,
+    *,
+    dx_out: torch.Tensor,
+    grad_gate_acc: torch.Tensor | None,
+    grad_up_acc: torch.Tensor,
+    grad_down_t_acc: torch.Tensor,
+    config: DenseRowsBackwardConfig | None = None,
+) -> torch.Tensor:
+    """`dense_rows_mlp_backward` on arguments that meet its contract, unchecked: for the training op,
+    whose token-major backward launch checked x, dy and the weights and which allocates the flags,
+    dx and the accumulators (on slow hosts the checks cost more host time than these launches,
+    which usually find no flagged row)."""
     m, d = x.shape
     h = up_weight.shape[0]
     cuda = x.is_cuda

@@ -682,6 +682,7 @@ def _check_tensor(t: object, name: str, shape: tuple[int, ...], dtype: torch.dty
     return t
 
 
+@functools.lru_cache(maxsize=None)  # one dict per variant, built once (UpDownConfig is frozen)
 def _constexprs(config: UpDownConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
                 aligned: bool, deterministic: bool = False) -> dict[str, object]:
     """The kernel's meta-parameters for a launch; they depend on the config, D, n_tiles and slots,
@@ -743,7 +744,7 @@ def twell_up_down(
     _check_tensor(packed_weight, "packed_weight", tuple(packed_weight.shape), x.dtype, x.device)
     if not packed_weight.is_contiguous():
         raise ValueError("packed_weight must be contiguous (use prepare_up_down_weight)")
-    h, n_mat = packed_weight.shape[0], packed_weight.shape[1]
+    h = packed_weight.shape[0]
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() != 3:
@@ -778,6 +779,29 @@ def twell_up_down(
         raise TypeError(f"config must be an UpDownConfig or None, got {type(config).__name__}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    return launch_up_down(x, values, columns, counts, packed_weight, tile=tile, out=out, overflow_out=overflow_out,
+                          overflow_list=overflow_list, config=config, deterministic=deterministic)
+
+
+def launch_up_down(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    columns: torch.Tensor,
+    counts: torch.Tensor,
+    packed_weight: torch.Tensor,
+    *,
+    tile: int,
+    out: torch.Tensor,
+    overflow_out: torch.Tensor | None,
+    overflow_list: tuple[torch.Tensor, torch.Tensor] | None,
+    config: UpDownConfig,
+    deterministic: bool,
+) -> torch.Tensor:
+    """`twell_up_down` on arguments that meet its contract, unchecked: for callers that built them
+    (ops/twell_mlp.py: the TwELL from `gate_twell`, out and the list allocated there). The checks
+    of every argument cost more host time than the launch on slow hosts. Returns out."""
+    m, d = x.shape
+    n_tiles, slots = values.shape[1], values.shape[2]
     if m == 0:
         return out
     rows = prepare_launch(counts, slots, piece=config.split_slots, cap=config.split_cap,
@@ -808,7 +832,8 @@ def twell_up_down(
         x, values, columns, counts, packed_weight, out, *split_ptrs,
         m, d, n_tiles, tile, slots, cap, max_pieces,
         x.stride(0), packed_weight.stride(0), out.stride(0),
-        **_constexprs(config, d, n_tiles, slots, gated=n_mat == 2, aligned=aligned, deterministic=deterministic),
+        **_constexprs(config, d, n_tiles, slots, gated=packed_weight.shape[1] == 2, aligned=aligned,
+                      deterministic=deterministic),
         num_warps=config.num_warps,
         maxnreg=config.max_regs,
     )

@@ -533,7 +533,28 @@ def slots_by_unit(
     dev = columns.device
     _check(columns, "columns", (m, n_tiles, slots), torch.int16, dev, contiguous=True)
     _check(counts, "counts", (m, n_tiles), torch.int32, dev, contiguous=True)
-    n_coef = 0 if coefficients is None else _check_coefficients(coefficients, m, n_tiles, slots, dev)
+    if coefficients is not None:
+        _check_coefficients(coefficients, m, n_tiles, slots, dev)
+    return launch_slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic,
+                                coefficients=coefficients)
+
+
+def launch_slots_by_unit(
+    columns: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    tile: int,
+    h: int,
+    slots: int,
+    deterministic: bool,
+    coefficients: SlotCoefficients | None = None,
+) -> SlotsByUnit:
+    """`slots_by_unit` on arguments that meet its contract, unchecked: for the training op, which
+    holds the TwELL of its forward and allocates the per-slot coefficients."""
+    m = columns.shape[0]
+    n_tiles = cdiv(h, tile)
+    dev = columns.device
+    n_coef = 0 if coefficients is None else (2 if coefficients.u_slots is None else 3)
     n = m * n_tiles * slots
     index = _index_dtype(n)
     offsets = torch.zeros(h + 1, dtype=index, device=dev)
@@ -689,17 +710,38 @@ def unit_weight_grads(
         grads.insert(0, ("grad_gate_out", grad_gate_out))
     for name, t in grads:
         _check(t, name, (h, d), torch.float32, dev, unit_stride=True)
+    if config is not None and not isinstance(config, UnitGradsConfig):
+        raise TypeError(f"config must be a UnitGradsConfig or None, got {type(config).__name__}")
+    launch_unit_weight_grads(x, dy, by_unit, gated=gated, grad_gate_out=grad_gate_out, grad_up_out=grad_up_out,
+                             grad_down_t_out=grad_down_t_out, config=config)
+
+
+def launch_unit_weight_grads(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    by_unit: SlotsByUnit,
+    *,
+    gated: bool,
+    grad_gate_out: torch.Tensor | None,
+    grad_up_out: torch.Tensor,
+    grad_down_t_out: torch.Tensor,
+    config: UnitGradsConfig | None = None,
+) -> None:
+    """`unit_weight_grads` on arguments that meet its contract, unchecked: for the training op, which
+    built by_unit and the gradient buffers and whose token-major backward launch checked x and dy."""
+    m, d = x.shape
+    offsets, entries, coef = by_unit
+    h = offsets.shape[0] - 1
+    grads = (grad_gate_out, grad_up_out, grad_down_t_out) if gated else (grad_up_out, grad_down_t_out)
     if config is None:
         config = default_unit_grads_config(d, m)
-    elif not isinstance(config, UnitGradsConfig):
-        raise TypeError(f"config must be a UnitGradsConfig or None, got {type(config).__name__}")
     if d > 1 and x.stride(1) != 1:
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
     aligned = (d % 8 == 0 and config.block_d >= 8
                and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                        for t in (x, dy)))
     if m == 0:  # no token rows to gather (the kernel's dead lanes read row 0)
-        for _, t in grads:
+        for t in grads:
             t.zero_()
         return
     shared_rows = x.stride(0) == dy.stride(0) and m * x.stride(0) < 2**31

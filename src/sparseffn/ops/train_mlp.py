@@ -39,12 +39,12 @@ import torch
 
 from sparseffn.kernels._runtime import cdiv
 from sparseffn.kernels.convert import convert
-from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
-from sparseffn.kernels.dense_rows_mlp_backward import dense_rows_mlp_backward
+from sparseffn.kernels.dense_rows_mlp import cuda_supported, launch_dense_rows
+from sparseffn.kernels.dense_rows_mlp_backward import launch_dense_rows_backward
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.kernels.row_split import new_row_list
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
-from sparseffn.kernels.unit_grads import SlotCoefficients, slots_by_unit, unit_weight_grads
+from sparseffn.kernels.unit_grads import SlotCoefficients, launch_slots_by_unit, launch_unit_weight_grads
 from sparseffn.ops.dispatch import eager_call
 
 
@@ -89,7 +89,8 @@ def _train_forward(
     twell_train_forward(x, values, columns, counts, up_weight, down_t, tile=tile, gated=gated, out=y,
                         u_out=u_slots if gated else None, row_l1_out=row_l1, overflow_out=row_flags,
                         overflow_list=overflow, deterministic=deterministic)
-    dense_rows_mlp(x, None, gate_weight, up_weight, down_t, threshold, y, row_l1=row_l1, row_list=overflow)
+    # x, the weights and θ were checked by the two launches above; y, row_l1 and the list are ours
+    launch_dense_rows(x, None, gate_weight, up_weight, down_t, threshold, y, row_l1=row_l1, row_list=overflow)
     l1 = row_l1.sum() / m if m else row_l1.sum() * float("nan")
     return y, l1, values, columns, counts, u_slots, row_flags
 
@@ -149,18 +150,20 @@ def _train_backward(
     twell_train_backward(dy, values, columns, counts, u_slots if gated else None, gate_weight, up_weight, down_t,
                          l1_grad, tile=tile, gated=gated, dx_out=dx, du_out=du_slots, dg_out=dg_slots,
                          deterministic=deterministic)
+    # The launches below run unchecked: twell_train_backward checked dy, x, the weights and the saved
+    # TwELL; the rest is allocated here (on slow hosts the checks cost more than these launches).
     coefficients = SlotCoefficients(values, dg_slots, u_slots if gated else None, du_slots)
-    by_unit = slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic,
-                            coefficients=coefficients)
+    by_unit = launch_slots_by_unit(columns, counts, tile=tile, h=h, slots=slots, deterministic=deterministic,
+                                   coefficients=coefficients)
     del coefficients, du_slots, dg_slots  # moved into by_unit's entry order
     grad_gate = torch.empty(h, d, dtype=torch.float32, device=x.device) if gated else None
     grad_up = torch.empty(h, d, dtype=torch.float32, device=x.device)
     grad_down_t = torch.empty(h, d, dtype=torch.float32, device=x.device)
-    unit_weight_grads(x, dy, by_unit, n_tiles=n_tiles, slots=slots, gated=gated, grad_gate_out=grad_gate,
-                      grad_up_out=grad_up, grad_down_t_out=grad_down_t)
+    launch_unit_weight_grads(x, dy, by_unit, gated=gated, grad_gate_out=grad_gate, grad_up_out=grad_up,
+                             grad_down_t_out=grad_down_t)
     del by_unit
-    dense_rows_mlp_backward(x, dy, row_flags, gate_weight, up_weight, down_t, threshold, l1_grad, dx_out=dx,
-                            grad_gate_acc=grad_gate, grad_up_acc=grad_up, grad_down_t_acc=grad_down_t)
+    launch_dense_rows_backward(x, dy, row_flags, gate_weight, up_weight, down_t, threshold, l1_grad, dx_out=dx,
+                               grad_gate_acc=grad_gate, grad_up_acc=grad_up, grad_down_t_acc=grad_down_t)
     # Round each fp32 accumulator and free it before the next is rounded: the peak holds three fp32
     # accumulators and one rounded gradient, not all six.
     del down_t

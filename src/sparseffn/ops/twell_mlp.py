@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sparseffn.kernels.dense_rows_mlp import cuda_supported, dense_rows_mlp
+from sparseffn.kernels.dense_rows_mlp import cuda_supported, launch_dense_rows
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.kernels.row_split import new_row_list
-from sparseffn.kernels.twell_up_down import prepare_up_down_weight, twell_up_down
+from sparseffn.kernels.twell_up_down import default_config, launch_up_down, prepare_up_down_weight
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -110,6 +110,24 @@ def dense_mlp_inference(
     return F.linear(h, down_weight)
 
 
+def _check_up_down(weights: SparseMLPWeights, h: int, d: int, x: torch.Tensor) -> None:
+    """The interleaved weight of `SparseMLPWeights` (built by `prepare`, or by hand) and the first
+    weight's unit count: what the up/down and dense-rows launches rely on without checking."""
+    if weights.first_weight.shape[0] != h:
+        raise ValueError(f"weights.gate_weight must have up_weight's {h} units, got "
+                         f"{list(weights.first_weight.shape)}")
+    up_down = weights.up_down
+    shape = (h, 1 if weights.gate_weight is None else 2, d)
+    if not isinstance(up_down, torch.Tensor):
+        raise TypeError(f"weights.up_down must be a torch.Tensor, got {type(up_down).__name__}")
+    if up_down.shape != shape or up_down.dtype != x.dtype or up_down.device != x.device:
+        raise ValueError(f"weights.up_down must be a {x.dtype} tensor of shape {list(shape)} on {x.device} "
+                         f"(SparseMLPWeights.prepare builds it), got {up_down.dtype} {list(up_down.shape)} "
+                         f"on {up_down.device}")
+    if not up_down.is_contiguous():
+        raise ValueError("weights.up_down must be contiguous (SparseMLPWeights.prepare builds it)")
+
+
 def twell_mlp(
     x: torch.Tensor,
     weights: SparseMLPWeights,
@@ -121,20 +139,25 @@ def twell_mlp(
 ) -> torch.Tensor:
     """Sparse MLP of x [M, D] (bf16/fp16, on the kernels' device) -> y [M, D], exact for every input.
     deterministic: the same bits on every run for any number of long rows (kernels/row_split.py)."""
-    m, d = x.shape
     h = weights.up_weight.shape[0]
     theta = threshold_vector(threshold, h, x.device)
+    # gate_twell checks x, the first weight, θ, tile and slots; the launches after it take what it
+    # returned and what is allocated here, so only the interleaved weight is left to check
     values, columns, counts = gate_twell(x, weights.first_weight, theta, tile=tile, slots=slots)
+    m, d = x.shape
+    _check_up_down(weights, h, d, x)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     overflow = new_row_list(m, x.device)  # the overflow rows, listed by the up/down launch's classification
-    twell_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y, overflow_list=overflow,
-                  deterministic=deterministic)
+    launch_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y, overflow_out=None,
+                   overflow_list=overflow, config=default_config(d, m), deterministic=deterministic)
     if weights.gate_weight is not None:  # up_down [H, 2, D] holds up and down^T
         up, down_t = weights.up_down[:, 0], weights.up_down[:, 1]
     else:  # up_down [H, 1, D] holds down^T
         up, down_t = weights.up_weight, weights.up_down[:, 0]
     if not x.is_cuda or cuda_supported(d, weights.first_weight, up, down_t):
-        return dense_rows_mlp(x, None, weights.gate_weight, up, down_t, theta, y, row_list=overflow)
+        return launch_dense_rows(x, None, weights.gate_weight, up, down_t, theta, y, row_list=overflow)
     # D % 8 != 0 or unaligned weights on a GPU: the backup kernel refuses them; torch GEMMs on the
     # gathered rows instead, at the price of one host synchronisation (not graph-capturable).
     ids, count = overflow
