@@ -43,21 +43,16 @@ torch.autograd.grad([y, l1], params, [dy, torch.ones((), device="cuda")])
 args, kwargs = captured["args"], captured["kwargs"]
 outs = [kwargs["grad_gate_out"], kwargs["grad_up_out"], kwargs["grad_down_t_out"]]
 
-def C(**fields):  # every field but the default D slice spelled out (defaults change)
-    return UnitGradsConfig(**{"block_e": 32, "num_stages": 7, "units_per_program": 8, **fields})
+def C(**fields):  # every field spelled out (defaults change)
+    return UnitGradsConfig(**{"block_e": 8, "block_d": 1024, "num_warps": 4, "num_stages": 1, "units_per_program": 8,
+                              "max_regs": None, **fields})
 
 
 configs = [
-    C(num_warps=8, max_regs=128), C(num_warps=4, max_regs=None), C(num_warps=4, max_regs=168),
-    C(num_warps=8, max_regs=128, units_per_program=16), C(num_warps=8, max_regs=128, units_per_program=4),
-    C(num_warps=8, max_regs=128, num_stages=4), C(num_warps=8, max_regs=128, num_stages=10),
-    C(num_warps=8, max_regs=128, block_e=16, num_stages=10), C(num_warps=8, block_e=64, num_stages=4, max_regs=None),
-    C(num_warps=4, block_d=128, max_regs=128), C(num_warps=4, block_d=128, max_regs=None),
-    C(num_warps=8, max_regs=None),
-    # 4 warps, uncapped
-    *(C(num_warps=4, max_regs=None, num_stages=s) for s in (4, 5, 10)),
-    *(C(num_warps=4, max_regs=None, units_per_program=u) for u in (4, 16)),
-    C(num_warps=4, max_regs=None, block_e=64, num_stages=4),
+    C(), C(block_e=4), C(block_e=16), C(block_d=2048, num_warps=8), C(block_d=2048, num_warps=8, block_e=4),
+    C(num_stages=2), C(units_per_program=4), C(units_per_program=16),
+    # warps left over for the entries: the sums over a step cross warps
+    C(num_warps=8), C(block_d=512),
 ]
 print(f"{torch.cuda.get_device_name()}, git {sha}, M = {m}, D = 2048, H = 5632, nnz 29; do_bench median")
 base = None

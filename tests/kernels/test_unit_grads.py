@@ -8,9 +8,8 @@ slot read that should not happen, or a row left unwritten, shows.
 
 Tolerances: the CSR is compared exactly (entry order too when deterministic); weight gradients
 (fp32 accumulation of fp32 terms) per element at fp32 slack of the magnitude of their terms, and
-by the flash-attention rule against torch's own fp32 computation. The kernel multiplies on tensor
-cores with each fp32 coefficient split into three terms of x's dtype, which is exact: units with
-a single entry are checked to within three fp32 roundings, which a two-term split would fail.
+by the flash-attention rule against torch's own fp32 computation. The kernel multiplies and adds
+in fp32 on CUDA cores: units with a single entry are checked to within fp32 roundings.
 """
 
 from __future__ import annotations
@@ -367,8 +366,8 @@ HOT_CONFIGS = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_unit_weight_grads_hot_units_wide_range(dtype, gated, config):
     """Hot units walk several steps (and share programs with short and empty units), and the
-    per-slot coefficients span 2^-30 .. 2^30: fp16's range without the kernel's power-of-two
-    scaling would overflow and flush them. Same tolerances as everywhere."""
+    per-slot coefficients span 2^-30 .. 2^30, beyond fp16's range: the kernel's fp32 products and
+    sums take them as they are. Same tolerances as everywhere."""
     m, d, h, tile, slots = 72, 48, 64, 32, 8
     prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=5, hot=(0, 1, 2, 40), spread=30)
     by_unit = _by_unit(prob, gated, h, tile, True)
@@ -381,9 +380,9 @@ def test_unit_weight_grads_hot_units_wide_range(dtype, gated, config):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_single_entry_units_are_exact_to_fp32_rounding(dtype):
-    """The coefficient split is exact (three terms of x's dtype; module docstring): a unit with one
-    entry e gets c_e * x[m_e] up to the fp32 roundings of h = p u and of the sum of the three rows
-    (<= 3 * 2^-24 relative). A two-term hi + lo split (~2^-17 .. 2^-16 relative) fails this."""
+    """A unit with one entry e gets c_e * x[m_e] up to the fp32 roundings of h = p u and of the
+    product (<= 2 * 2^-24 relative): the coefficients reach the product with all their fp32 bits
+    (a kernel that rounded them to x's dtype, or to a two-term hi + lo split, fails this)."""
     m, d, h, tile, slots = 24, 64, 100, 64, 16
     prob = _grad_problem(m, d, h, tile, slots, dtype, True, seed=8, spread=12)
     by_unit = _by_unit(prob, True, h, tile, True)
@@ -486,8 +485,6 @@ def test_slots_by_unit_coefficient_errors(change, error, match):
 def test_config_validation_and_default():
     with pytest.raises(ValueError, match="block_e"):
         UnitGradsConfig(block_e=3)
-    with pytest.raises(ValueError, match="block_e must be >= 16"):
-        UnitGradsConfig(block_e=8)
     with pytest.raises(ValueError, match="block_d must be >= 16"):
         UnitGradsConfig(block_d=8)
     with pytest.raises(ValueError, match="num_warps"):
@@ -499,22 +496,19 @@ def test_config_validation_and_default():
     with pytest.raises(ValueError, match="max_regs"):
         UnitGradsConfig(max_regs=300)
     assert default_unit_grads_config(2048) == UnitGradsConfig(
-        block_e=32, block_d=256, num_warps=4, num_stages=5, units_per_program=8, max_regs=None)
-    # few tokens: short units take steps of 16 entries (the large-M default above is m=None)
-    assert default_unit_grads_config(2048, 4096) == dataclasses.replace(default_unit_grads_config(2048), block_e=16)
-    assert default_unit_grads_config(2048, 16384) == default_unit_grads_config(2048)
-    assert default_unit_grads_config(100) == UnitGradsConfig(
-        block_e=16, block_d=64, num_warps=4, num_stages=1, max_regs=None)
-    assert default_unit_grads_config(40).block_d == 64 and default_unit_grads_config(40).num_warps == 4
-    assert default_unit_grads_config(1).block_d == 16
+        block_e=8, block_d=1024, num_warps=4, num_stages=1, units_per_program=8, max_regs=None)
+    # a slice of up to 1024 columns, one warp per 256 of them: the threads span the slice
+    assert default_unit_grads_config(4096) == default_unit_grads_config(2048)
+    assert default_unit_grads_config(100) == dataclasses.replace(default_unit_grads_config(2048), block_d=128,
+                                                                 num_warps=1)
+    assert (default_unit_grads_config(512).block_d, default_unit_grads_config(512).num_warps) == (512, 2)
+    assert default_unit_grads_config(1).block_d == 16 and default_unit_grads_config(1).num_warps == 1
 
 
-def test_m_adds_no_specialization_past_two_buckets():
+def test_m_adds_no_specialization():
     for kernel in (_unit_histogram_kernel, _unit_scatter_kernel):
         assert "M" in do_not_specialize(kernel)
-    assert positional_args(default_unit_grads_config) == ("d", "m")
-    for d in (2048, 100):  # few tokens / many tokens: at most two configs per shape
-        assert len({default_unit_grads_config(d, m) for m in (None, 1, 100, 4096, 8192, 8193, 16384, 10**6)}) <= 2
+    assert positional_args(default_unit_grads_config) == ("d",)  # the weight-gradient config: D only
 
 
 def test_sm90_compile_specs_cover_launcher_variants():
@@ -526,13 +520,10 @@ def test_sm90_compile_specs_cover_launcher_variants():
     grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"], c["SHARED_ROWS"])
              for fn, s, c, _ in specs if fn.__name__ == "_unit_weight_grads_kernel"}
     assert len(grads) == 16
-    assert {c["BLOCK_E"] for fn, _, c, _ in specs  # both M buckets of the aligned path
-            if fn.__name__ == "_unit_weight_grads_kernel" and c["ALIGNED"]} == {16, 32}
-    for fn, s, c, options in specs:  # the launcher's pipelining and register cap are compiled too
-        if fn.__name__ == "_unit_weight_grads_kernel":
-            assert not c["DOT_IN_FP32"]
-            if c["ALIGNED"]:
-                assert options["num_stages"] > 1 and options["num_warps"] == 4 and "maxnreg" not in options
+    for fn, s, c, options in specs:  # the launcher's options are compiled too
+        if fn.__name__ == "_unit_weight_grads_kernel" and c["ALIGNED"]:
+            assert (c["BLOCK_E"], c["BLOCK_D"]) == (8, 1024)
+            assert options == {"num_warps": 4, "num_stages": 1}
     for _, signature, constexprs, _ in specs:
         assert set(constexprs) == {k for k, v in signature.items() if v == "constexpr"}
 

@@ -50,37 +50,28 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
        array, the obvious alternative, moves ~24x more keys than there are entries at the paper's
        sparsity).
 
-2. `unit_weight_grads`: per unit j and D slice, a reduction over the unit's entries on tensor
-   cores. One step takes BLOCK_E entries e of the unit, gathers the token rows X = x[m_e, slice] and
-   DY = dy[m_e, slice] ([BLOCK_E, BLOCK_D] in x's dtype, straight into shared memory: see
-   "Pipeline") and the entries' fp32 coefficients (contiguous, entry order), and adds
-       acc_x  [16, BLOCK_D] += A_x  [16, BLOCK_E] @ X     rows 0-2: dg terms, rows 3-5: du terms
-       acc_dy [16, BLOCK_D] += A_dy [16, BLOCK_E] @ DY    rows 0-2: h terms (non-gated: row 0 = p)
-   (other rows of A are 0). At the unit's last step the rows are summed in fp32 (grad_gate = rows
-   0 + 1 + 2 of acc_x, grad_up = rows 3 + 4 + 5 (non-gated: grad_up = rows 0-2), grad_down_t = the
-   rows of acc_dy) and stored, and the accumulators restart at 0 for the program's next unit.
-   Precision. Tensor cores take x's dtype, so each fp32 coefficient c is written as three terms of
-   that dtype, c = c0 + c1 + c2 with c0 = rnd(c), c1 = rnd(c - c0), c2 = rnd(c - c0 - c1) (each
-   difference is exact in fp32). 3 x 8 significant bits (bf16) / 3 x 11 (fp16) >= fp32's 24, so
-   the split is EXACT for normal c (bf16 has fp32's exponent range; only terms below 2^-126, i.e.
-   |c| < ~2^-110, lose bits to subnormals), and each product c_k * x is exact in the MMA's fp32
-   (8 x 8 / 11 x 11 significant bits). What rounds is only the fp32 accumulation, as in an fp32
-   FMA loop (the summation order differs: per MMA, then per step, then across the three rows).
-   Two terms (the hi + lo of kernels/dense_rows_mlp.py) would keep ~16 bits (2^-16 relative per
-   term, above the tests' fp32 slack); the third term costs nothing, since the A rows are free (the
-   MMA is 16 rows tall whatever we put in them). fp16's range is small (65504 down to 2^-24), so
-   for fp16 each coefficient kind (dg, du, h) of a unit is multiplied by 2^14 / s, s a running
-   power of two = max over the unit's steps so far of 2^e(max|c| of the step), at least 2^-100
-   (exact; scaled |c| < 2^15); the accumulator rows are kept in units of s * 2^-14 (multiplied by
-   s_old / s_new <= 1 when s grows: exact, never an overflow) and multiplied by s * 2^-14 when
-   stored. Coefficients within 2^-6 of the unit's maximum keep all 24 bits; smaller ones lose bits
-   only below 2^-39 * max|c| (c2 in fp16 subnormals), far under an fp32 rounding of the sum.
-   bf16 needs no scale. Non-gated h = p is already in x's dtype: one row, exact. Non-finite
-   coefficients give non-finite results (inf turns into NaN through c - c0; the old FMA loop gave
-   inf or NaN), as do inf / NaN in x or dy. When D % BLOCK_D == 0 the dead lanes of a unit's
+2. `unit_weight_grads`: per unit j and D slice, a reduction over the unit's entries on CUDA cores
+   in fp32. One step takes BLOCK_E entries e of the unit, gathers the token rows X = x[m_e, slice]
+   and DY = dy[m_e, slice] ([BLOCK_E, BLOCK_D], 16-byte vectors when ALIGNED, converted to fp32)
+   and the entries' fp32 coefficients (contiguous, entry order), and adds
+       acc_first [BLOCK_D] += Σ_e dg_e X[e]      (grad_gate gated; grad_up non-gated)
+       acc_up    [BLOCK_D] += Σ_e du_e X[e]      (gated only)
+       acc_down  [BLOCK_D] += Σ_e h_e DY[e]      (h = p u gated, p non-gated)
+   The layout covers the slice with the program's threads (8 columns of 16 bytes per thread; 4 warps
+   span 1024 columns), so the sum over a step's entries stays in each thread's registers. At the
+   unit's last step the accumulators are stored and restart at 0 for the program's next unit.
+   Precision: fp32 products and fp32 sums, as an fp32 FMA loop (the order: the step's entries, then
+   the steps); no range limit of x's dtype applies to the coefficients (fp16 included). Non-finite
+   coefficients, x or dy give non-finite results. When D % BLOCK_D == 0 the dead lanes of a unit's
    partial last step gather token 0's rows unmasked (their coefficients are 0, so finite rows add
    exact zeros: bitwise the masked result); a non-finite value in x[0] or dy[0] then reaches those
    units too, as dense torch's GEMMs (0 * inf = NaN) spread it to every unit.
+   Why CUDA cores. The work is ~3 FMAs per gathered element (~0.7 GFMA at M = 4096, D = 2048,
+   nnz 29: tens of µs at the H200's fp32 rate); what costs is the per-step work and the gathers.
+   The tensor-core version this replaced (16-row MMAs [16, BLOCK_E] @ [BLOCK_E, 256], each fp32
+   coefficient split into three terms of x's dtype, fp16 range scaling) was issue-bound at small
+   slices: 0.40 / 0.86 ms at M = 4096 / 16384 against 0.157 / 0.599 ms for this one (H200, one
+   training step's inputs, do_bench, L2 flushed; `benchmarks/sweep_unit_grads.py`).
    Programs. Units run hottest first (a stable device argsort of the H counts: longest-processing-
    time order). The grid is (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes the sorted
    positions g, 2G-1-g, 2G+g, 4G-1-g, ... (a snake over rounds of G, so every program gets one unit
@@ -88,26 +79,12 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one empty step that stores its
    zeros). The step -> (unit, first entry) map is a handful of reductions over the program's UNITS
    slots (one-hot on first_step <= i < last_step), so no work depends on data-dependent control
-   flow and short units (median ~3 steps at the paper's shapes) do not pay a pipeline fill each.
-   A unit's sum is never split across programs: deterministic given the entry order, no atomics, no
-   scratch. The D slice is the slow grid axis: all units of one slice run together, so the x / dy
-   slices (2 * M * BLOCK_D * 2 bytes: 16 MB at M = 16384, BLOCK_D = 256) stay in L2 while every
-   unit of a token reads them.
-   Pipeline. The flat loop is software-pipelined by Triton (num_stages): the entry indices are
-   fetched with cp.async two steps ahead, the row gathers X, DY (16-byte vectors when ALIGNED) and
-   the coefficients one step later into a ring of shared-memory buffers (num_stages 5 -> 2 buffers:
-   one step, 32 KB at BLOCK_E 32, BLOCK_D 256, in flight per program while the MMAs of the current
-   step run; 7 -> 3 buffers, two steps), so the gather latency is overlapped without holding tiles
-   in registers. The depth hardly matters on the H200 (the kernel is issue-bound, see
-   `default_unit_grads_config`: 4 / 5 / 7 stages 0.955 / 0.952 / 0.974 ms at M = 16384). Bytes moved:
-   2 rows of BLOCK_D per entry and slice, gathered from L2, and 12 (gated) / 8 bytes of
-   coefficients per entry and slice, read contiguously: ~4 GB per call at M = 16384, D = 2048, 475k
-   entries. With D % BLOCK_D == 0 the gathers are unmasked: the dead lanes of a partial step read
-   token 0's rows (L2-resident, ~14% more gathered bytes at the paper's density), which drops the
-   per-lane predicates (and 32 registers) from every step: the kernel is issue-bound, not
-   bandwidth-bound (ptxas, bf16 gated: 365 -> 297 instructions per warp and step).
-   D % 8 != 0 or misaligned x / dy: element loads (cp.async needs 4 bytes), not pipelined, smaller
-   tiles (a correctness path; real models have D % 8 == 0).
+   flow. A unit's sum is never split across programs: deterministic given the entry order, no
+   atomics, no scratch. The D slice is the slow grid axis: all units of one slice run together, so
+   the x / dy slices (2 * M * BLOCK_D * 2 bytes: 32 MB at M = 8192, BLOCK_D = 1024) tend to stay in
+   L2 while the units of a token read them. Bytes moved: 2 rows of BLOCK_D per entry and slice,
+   gathered from L2, and 12 (gated) / 8 bytes of coefficients per entry and slice, read
+   contiguously.
 
 Layouts:
     columns   [M, n_tiles, slots]  int16 tile-local, contiguous;  counts [M, n_tiles] int32, contiguous
@@ -120,9 +97,7 @@ Layouts:
 Constraints: any M >= 0, D >= 1, H >= 1, 1 <= slots <= tile <= 32768, n_tiles = cdiv(H, tile).
 The weight-gradient kernel takes `slots_by_unit`'s result, built with the coefficients.
 
-Interpreter (TRITON_INTERPRET=1, CPU tensors): dot operands are cast to fp32 (DOT_IN_FP32), since
-its low-precision `tl.dot` is wrong; the three-term split still runs (exact with the interpreter's
-truncating bf16 casts too: each residual keeps at most 16, then 8 significant bits).
+Interpreter (TRITON_INTERPRET=1, CPU tensors): the same kernels (no tl.dot).
 """
 
 from __future__ import annotations
@@ -137,7 +112,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import (
-    DTYPES, TL_DTYPES, cdiv, check_config_fields, check_matrix, interpreting, mma, next_power_of_2,
+    DTYPES, TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2,
 )
 from sparseffn.kernels.launch import Launcher
 from sparseffn.kernels.twell_train import _check, _check_gated
@@ -157,7 +132,6 @@ _MIN_DET_ROWS = 16      # ... and rows per block at least
 _SLOT_LANES = 2048      # [BLOCK_T, BLOCK_S] slots per step of the slot kernels
 _SLOT_WARPS = 2        # one row per program, ~29 valid slots: small programs, more rows in flight per SM
                        # (H200, M = 16384, cold L2: slots_by_unit 0.215 ms on 2 warps, 0.316 ms on 4)
-_S_FLOOR: tl.constexpr = tl.constexpr(7.888609052210118e-31)  # 2^-100: fp16 scales start here
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -272,46 +246,6 @@ _unit_scatter_launch = Launcher(_unit_scatter_kernel)
 
 
 @triton.jit
-def _pow2_of_max(c):
-    """2^e with max|c| in [2^e, 2^(e+1)); 0 when max|c| is 0, subnormal, >= 2^127 or not finite."""
-    bits = tl.max(tl.abs(c), 0).to(tl.int32, bitcast=True) & 0x7F800000
-    return tl.where((bits > 0) & (bits < 0x7F000000), bits.to(tl.float32, bitcast=True), 0.0)
-
-
-@triton.jit
-def _inv_pow2(s):
-    """1 / s, exactly, for s = 2^e with -126 <= e <= 126."""
-    return (0x7F000000 - s.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _rescale(c, s_run):
-    """fp16 range: (c * 2^14 / s_new, s_old / s_new, s_new) with s_new = max(s_run, 2^e of max|c|)
-    the unit's running power-of-two scale (s_run starts at 2^-100). Scaled |c| < 2^15 <= fp16's
-    65504, and the third term of a coefficient within 2^-6 of the maximum stays a normal fp16.
-    The accumulator rows, kept in units of s_run * 2^-14, are multiplied by s_old / s_new <= 1:
-    exact (or an underflow of contributions 2^-126 below the new ones), never an overflow, and no
-    second product tile (registers)."""
-    s_new = tl.maximum(s_run, _pow2_of_max(c))
-    inv = _inv_pow2(s_new)
-    return c * (inv * 16384.0), s_run * inv, s_new
-
-
-@triton.jit
-def _three_term_rows(rows, first: tl.constexpr, c, other, LOW: tl.constexpr):
-    """[16, BLOCK_E] fp32: rows first, first + 1, first + 2 hold the three LOW-dtype terms of the fp32
-    coefficients c [BLOCK_E] (c = c0 + c1 + c2, module docstring); `other` elsewhere."""
-    c0 = c.to(LOW)
-    r1 = c - c0.to(tl.float32)  # exact
-    c1 = r1.to(LOW)
-    c2 = (r1 - c1.to(tl.float32)).to(LOW)  # the residual is exact; its rounding is exact in
-    # normal range (<= 8 / 11 significant bits left)
-    return tl.where(rows == first, c0.to(tl.float32)[None, :],
-                    tl.where(rows == first + 1, c1.to(tl.float32)[None, :],
-                             tl.where(rows == first + 2, c2.to(tl.float32)[None, :], other)))
-
-
-@triton.jit
 def _unit_weight_grads_kernel(
     x_ptr, dy_ptr, dg_ptr, h_ptr, du_ptr, offsets_ptr, entries_ptr, order_ptr,
     grad_gate_ptr, grad_up_ptr, grad_down_ptr,
@@ -322,15 +256,12 @@ def _unit_weight_grads_kernel(
     SHARED_ROWS: tl.constexpr,    # x and dy have one row stride and M * stride < 2**31: one int32
                                   # row offset per entry serves both gathers
     EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D on the gathers
-    BLOCK_E: tl.constexpr,        # entries (token rows) per step, >= 16 (the MMA's K)
-    BLOCK_D: tl.constexpr,        # gradient columns per program (the D slice), >= 16
+    BLOCK_E: tl.constexpr,        # entries (token rows) per step
+    BLOCK_D: tl.constexpr,        # gradient columns per program (the D slice)
     UNITS: tl.constexpr,          # units per program (snake over the hottest-first order)
-    DOT_IN_FP32: tl.constexpr,    # interpreter: its low-precision tl.dot is wrong
 ):
     """Program (g, s): the rows of the units at sorted positions g, 2G-1-g, 2G+g, ... (G = n_groups)
-    in D slice s, one flat pipelined loop over all their steps (module docstring)."""
-    LOW: tl.constexpr = x_ptr.dtype.element_ty
-    SCALE: tl.constexpr = LOW == tl.float16  # fp16: per-step power-of-two scaling (docstring)
+    in D slice s, one flat loop over all their steps (module docstring)."""
     g = tl.program_id(0)
     pid_d = tl.program_id(1)
 
@@ -353,15 +284,9 @@ def _unit_weight_grads_kernel(
     if ALIGNED:
         mask_d = tl.max_constancy(mask_d, 8)
     lanes = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    rows = tl.arange(0, 16)[:, None]  # [16, 1] rows of the A operands / accumulators
-    acc_x = tl.zeros([16, BLOCK_D], dtype=tl.float32)   # [16, BLOCK_D] fp32 rows: dg terms, du terms
-    acc_dy = tl.zeros([16, BLOCK_D], dtype=tl.float32)  # [16, BLOCK_D] fp32 rows: h terms
-    # running power-of-two scales of the current unit's coefficients (fp16; 1 for bf16); the
-    # accumulator rows are in units of s * out_scale
-    out_scale = 6.103515625e-05 if SCALE else 1.0  # 2^-14
-    s_dg = _S_FLOOR if SCALE else 1.0
-    s_du = _S_FLOOR if SCALE else 1.0
-    s_h = _S_FLOOR if SCALE else 1.0
+    acc_first = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32: Σ dg x
+    acc_up = tl.zeros([BLOCK_D], dtype=tl.float32)     # [BLOCK_D] fp32: Σ du x (gated)
+    acc_down = tl.zeros([BLOCK_D], dtype=tl.float32)   # [BLOCK_D] fp32: Σ h dy
     for i in range(0, total):
         at = (first_of <= i) & (i < last_of)  # [UNITS] one-hot: the slot step i belongs to
         j = tl.sum(tl.where(at, unit_of, 0), 0)  # int64 unit
@@ -380,58 +305,34 @@ def _unit_weight_grads_kernel(
         if ALIGNED:
             x_rows = tl.multiple_of(x_rows, 16)
             dy_rows = tl.multiple_of(dy_rows, 16)
-        # [BLOCK_E, BLOCK_D] gathered token rows in x's dtype. EVEN_D: no mask at all; a dead lane
-        # (m = 0 from the masked entry load) gathers row 0, which its zero coefficients cancel
-        # (module docstring, "Pipeline")
+        # [BLOCK_E, BLOCK_D] gathered token rows, fp32. EVEN_D: no mask at all; a dead lane (m = 0
+        # from the masked entry load) gathers row 0, which its zero coefficients cancel
         if EVEN_D:
-            xv = tl.load(x_rows[:, None] + offs_d[None, :])
-            dyv = tl.load(dy_rows[:, None] + offs_d[None, :])
+            xv = tl.load(x_rows[:, None] + offs_d[None, :]).to(tl.float32)
+            dyv = tl.load(dy_rows[:, None] + offs_d[None, :]).to(tl.float32)
         else:
             rmask = live[:, None] & mask_d[None, :]  # [BLOCK_E, BLOCK_D]
-            xv = tl.load(x_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
-            dyv = tl.load(dy_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0)
+            xv = tl.load(x_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
+            dyv = tl.load(dy_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
         # [BLOCK_E] fp32 coefficients, stored in entry order: contiguous per unit
         dg = tl.load(dg_ptr + e0 + lanes, mask=live, other=0.0)
         h = tl.load(h_ptr + e0 + lanes, mask=live, other=0.0)
+        acc_first += tl.sum(dg[:, None] * xv, 0)
         if GATED:
             du = tl.load(du_ptr + e0 + lanes, mask=live, other=0.0)
-            if SCALE:
-                dg, keep_dg, s_dg = _rescale(dg, s_dg)
-                du, keep_du, s_du = _rescale(du, s_du)
-                h, keep_h, s_h = _rescale(h, s_h)
-                acc_x = acc_x * tl.where(rows < 3, keep_dg, keep_du)
-                acc_dy = acc_dy * keep_h
-            # [16, BLOCK_E] A operands: the coefficients' terms in rows, zeros elsewhere
-            a_x = _three_term_rows(rows, 0, dg, _three_term_rows(rows, 3, du, 0.0, LOW), LOW)
-            a_dy = _three_term_rows(rows, 0, h, 0.0, LOW)
-        else:
-            if SCALE:
-                dg, keep_dg, s_dg = _rescale(dg, s_dg)
-                acc_x = acc_x * keep_dg
-            a_x = _three_term_rows(rows, 0, dg, 0.0, LOW)
-            a_dy = tl.where(rows == 0, h[None, :], 0.0)  # h = p, of x's dtype: exact in one row
-        acc_x = mma(a_x.to(LOW), xv, acc_x, DOT_IN_FP32)  # [16, BLOCK_D] fp32
-        acc_dy = mma(a_dy.to(LOW), dyv, acc_dy, DOT_IN_FP32)
+            acc_up += tl.sum(du[:, None] * xv, 0)
+        acc_down += tl.sum(h[:, None] * dyv, 0)
         if unit_done:
-            # [BLOCK_D] fp32 slices of row j: the terms' rows summed once per unit (fp16: times the
-            # unit's power-of-two scale, exact)
+            # [BLOCK_D] fp32 slices of row j
             if GATED:
-                tl.store(grad_gate_ptr + j * stride_gg + offs_d,
-                         tl.sum(tl.where(rows < 3, acc_x, 0.0), 0) * (s_dg * out_scale), mask=mask_d)
-                tl.store(grad_up_ptr + j * stride_gu + offs_d,
-                         tl.sum(tl.where(rows < 3, 0.0, acc_x), 0) * (s_du * out_scale), mask=mask_d)
-                tl.store(grad_down_ptr + j * stride_gd + offs_d, tl.sum(acc_dy, 0) * (s_h * out_scale),
-                         mask=mask_d)
+                tl.store(grad_gate_ptr + j * stride_gg + offs_d, acc_first, mask=mask_d)
+                tl.store(grad_up_ptr + j * stride_gu + offs_d, acc_up, mask=mask_d)
             else:
-                tl.store(grad_up_ptr + j * stride_gu + offs_d, tl.sum(acc_x, 0) * (s_dg * out_scale),
-                         mask=mask_d)
-                tl.store(grad_down_ptr + j * stride_gd + offs_d, tl.sum(acc_dy, 0), mask=mask_d)
-            acc_x = tl.zeros([16, BLOCK_D], dtype=tl.float32)
-            acc_dy = tl.zeros([16, BLOCK_D], dtype=tl.float32)
-            if SCALE:
-                s_dg = _S_FLOOR
-                s_du = _S_FLOOR
-                s_h = _S_FLOOR
+                tl.store(grad_up_ptr + j * stride_gu + offs_d, acc_first, mask=mask_d)
+            tl.store(grad_down_ptr + j * stride_gd + offs_d, acc_down, mask=mask_d)
+            acc_first = tl.zeros([BLOCK_D], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_D], dtype=tl.float32)
+            acc_down = tl.zeros([BLOCK_D], dtype=tl.float32)
 
 
 _unit_weight_grads_launch = Launcher(_unit_weight_grads_kernel)
@@ -597,64 +498,40 @@ def launch_slots_by_unit(
 @dataclass(frozen=True)
 class UnitGradsConfig:
     """Launch parameters of `_unit_weight_grads_kernel`. block_e, block_d, num_warps and
-    units_per_program are powers of two; block_e and block_d >= 16 (the MMA's K and N)."""
+    units_per_program are powers of two; block_d >= 16 (two 16-byte vectors of bf16 / fp16)."""
 
-    block_e: int = 32            # entries (gathered token rows) per step
-    block_d: int = 256           # gradient columns per program (the D slice)
+    block_e: int = 8             # entries (gathered token rows) per step
+    block_d: int = 1024          # gradient columns per program (the D slice)
     num_warps: int = 4
-    num_stages: int = 5          # software pipeline (5 -> 2 shared-memory buffers of x / dy rows)
+    num_stages: int = 1
     units_per_program: int = 8   # units per program (UNITS)
     max_regs: int | None = None  # register cap per thread (ptxas .maxnreg); None: no cap
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_e", "block_d", "num_warps", "num_stages", "units_per_program"),
                             powers_of_two=("block_e", "block_d", "num_warps", "units_per_program"),
-                            at_least=((("block_e", "block_d"), 16, "an MMA dimension"),))
-
-
-# Calls of at most this many tokens take 16 entries per step (D % 8 == 0): their units are short
-# (~21 entries at M = 4096 at the paper's density, one mostly full step of 32), and the shorter step
-# cost less there. H200, bf16, D = 2048 / H = 5632, nnz 29, one training step's inputs (configs
-# timed as benchmarks/sweep_unit_grads.py does, L2 flushed, git 6f497c9): 16 / 32 entries per step
-# 0.450 / 0.515 ms at M = 4096, 0.916 / 0.886 ms at M = 16384 (not measured in between).
-SHORT_UNITS_MAX_TOKENS = 8192
-
-
-def default_unit_grads_config(d: int, m: int | None = None) -> UnitGradsConfig:
-    """The launch heuristic for hidden size d and m tokens (m=None: the large-M config); two buckets
-    of m, so at most two compiled variants per shape."""
-    return _unit_grads_config(d, m is not None and m <= SHORT_UNITS_MAX_TOKENS)
+                            at_least=((("block_d",), 16, "two 16-byte vectors"),))
 
 
 @functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def _unit_grads_config(d: int, short_units: bool) -> UnitGradsConfig:
-    """D % 8 == 0: 32 entries per step (16 with short_units, see SHORT_UNITS_MAX_TOKENS); a 256-column slice (x + dy slices of 1 KB per token: 16
-    MB at M = 16384, in the H200's L2) on 4 warps; 5 stages = 2 buffers of [32, 256] x and dy
-    rows (64 KB shared memory); 8 units per program; no register cap (ptxas, sm_90a, D = 2048:
-    156-168 registers for bf16, 158-202 for fp16, no spills; ~68 KB shared memory: two programs
-    per SM; D = 100: 102-134). The kernel is issue-bound (ncu at M = 16384, then on 8 warps: 7.2
-    cycles per issued instruction with 4 warps per scheduler, L2 throughput 33%), and much of a
-    step's work (the step -> unit reductions, the coefficients' three-term split, the A
-    operands) is repeated by every warp, so fewer warps did better on the H200
-    (benchmarks/sweep_unit_grads.py at M = 16384, D = 2048; results/h200/unit_grads_sweep.txt):
-    4 warps uncapped 0.97 ms; 8 warps capped at 128 registers 1.08 ms, uncapped 1.31 ms; 4 warps
-    capped at 168 1.02 ms; 16 / 4 units per program 1.10 / 1.12 ms; 4 / 10 stages 1.05 / 1.50 ms
-    (8 warps); at 4 warps, 4 / 5 / 7 / 10 stages 0.955 / 0.952 / 0.974 / 1.42 ms, 4 / 16 units
-    per program 0.99 / 0.97 ms, 64 entries per step on 4 stages 0.952 ms. Smaller D: one slice
-    of next_power_of_2(D) (>= 16). D % 8 != 0 (element loads: nothing to pipeline, one address
-    register per element): 16 x 64 steps, 1 stage (a correctness path, not timed)."""
-    if d % 8:
-        return UnitGradsConfig(block_e=16, block_d=min(64, max(16, next_power_of_2(d))),
-                               num_warps=4, num_stages=1, max_regs=None)
-    block_e = 16 if short_units else 32
-    return UnitGradsConfig(block_e=block_e, block_d=min(256, max(16, next_power_of_2(d))), num_warps=4, max_regs=None)
+def default_unit_grads_config(d: int) -> UnitGradsConfig:
+    """From D only (M adds no compiled variant): 8 entries per step, a slice of up to 1024 columns
+    and one warp per 256 of them (up to 4), so that each thread holds 8 columns of every entry of a
+    step and the sums over entries stay in registers; 8 units per program, no pipelining stages.
+    H200, bf16, D = 2048 / H = 5632, nnz 29, one training step's inputs (do_bench, L2 flushed), at
+    M = 4096 / 16384 (entries per step, slice, warps): 8, 1024, 4: 0.157 / 0.599 ms; 4, 1024, 4:
+    0.187 / 0.782; 8, 2048, 8: 0.176 / 0.663; 4, 2048, 8: 0.217 / 0.824 (2 stages: the same); with
+    warps left over for the entries (8, 1024, 8 or 8, 512, 4) the sums cross warps through shared
+    memory on every step: 1.09 / 3.85 and 1.07 / 3.76 ms."""
+    block_d = min(1024, max(16, next_power_of_2(d)))
+    return UnitGradsConfig(block_e=8, block_d=block_d, num_warps=min(4, max(1, block_d // 256)), num_stages=1,
+                           units_per_program=8, max_regs=None)
 
 
-def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, aligned: bool, shared_rows: bool,
-                           dot_in_fp32: bool) -> dict[str, object]:
+def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, aligned: bool,
+                           shared_rows: bool) -> dict[str, object]:
     return dict(GATED=gated, ALIGNED=aligned, SHARED_ROWS=shared_rows, EVEN_D=d % config.block_d == 0,
-                BLOCK_E=config.block_e, BLOCK_D=config.block_d,
-                UNITS=config.units_per_program, DOT_IN_FP32=dot_in_fp32)
+                BLOCK_E=config.block_e, BLOCK_D=config.block_d, UNITS=config.units_per_program)
 
 
 def _unit_grads_options(config: UnitGradsConfig) -> dict[str, object]:
@@ -680,7 +557,7 @@ def unit_weight_grads(
     """Overwrite the fp32 [H, D] weight gradients from `slots_by_unit`'s result, built with the
     coefficients (see the module docstring for the math). Non-gated: `grad_gate_out` must be None
     and grad_up_out receives the first weight's gradient. `config` overrides
-    `default_unit_grads_config(D, M)`. No host synchronisation."""
+    `default_unit_grads_config(D)`. No host synchronisation."""
     gated = _check_gated(gated)
     m, d = check_matrix(x, "x")
     dev = x.device
@@ -734,7 +611,7 @@ def launch_unit_weight_grads(
     h = offsets.shape[0] - 1
     grads = (grad_gate_out, grad_up_out, grad_down_t_out) if gated else (grad_up_out, grad_down_t_out)
     if config is None:
-        config = default_unit_grads_config(d, m)
+        config = default_unit_grads_config(d)
     if d > 1 and x.stride(1) != 1:
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
     aligned = (d % 8 == 0 and config.block_d >= 8
@@ -755,8 +632,7 @@ def launch_unit_weight_grads(
         d, h, n_groups,
         x.stride(0), dy.stride(0), (grad_gate_out if gated else grad_up_out).stride(0),
         grad_up_out.stride(0), grad_down_t_out.stride(0),
-        **_unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=shared_rows,
-                                 dot_in_fp32=interpreting()),
+        **_unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=shared_rows),
         **_unit_grads_options(config),
     )
 
@@ -769,10 +645,10 @@ def sm90_compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for the slot histogram and both scatters
     (int32 and int64 indices; tile 256 / slots 32 and tile 64 / slots 4 blocks; without
     coefficients, with the non-gated and with the gated ones: bf16 values with int32 indices, fp16
-    with int64), and the weight-
-    gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64 entries, D = 2048 (aligned,
-    one shared int32 row offset, the default config: BLOCK_D 256, 4 warps, 5 stages) and
-    D = 100 (unaligned, masked along D, separate int64 row offsets), with the launcher's options."""
+    with int64), and the weight-gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64
+    entries, D = 2048 (aligned, one shared int32 row offset, the default config: 8 entries per step,
+    BLOCK_D 1024, 4 warps) and D = 100 (unaligned, masked along D, separate int64 row offsets), with
+    the launcher's options."""
     specs = []
 
     def add(fn, signature, constexprs, options):
@@ -808,10 +684,8 @@ def sm90_compile_specs(with_options: bool = False):
             "stride_xm": "i32", "stride_dym": "i32", "stride_gg": "i32", "stride_gu": "i32",
             "stride_gd": "i32",
         }
-        # the large-M default and the short-units one of few tokens
-        for config in dict.fromkeys((default_unit_grads_config(d), default_unit_grads_config(d, 1))):
-            add(_unit_weight_grads_kernel, dict(signature),
-                _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=aligned,
-                                       dot_in_fp32=False),
-                _unit_grads_options(config))
+        config = default_unit_grads_config(d)
+        add(_unit_weight_grads_kernel, signature,
+            _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=aligned),
+            _unit_grads_options(config))
     return specs
