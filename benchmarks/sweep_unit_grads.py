@@ -51,6 +51,7 @@ def C(**fields):  # every field spelled out (defaults change)
 configs = [
     C(), C(block_e=4), C(block_e=16), C(block_d=2048, num_warps=8), C(block_d=2048, num_warps=8, block_e=4),
     C(num_stages=2), C(units_per_program=4), C(units_per_program=16),
+    C(block_d=512, num_warps=2), C(block_d=256, num_warps=1),
     # warps left over for the entries: the sums over a step cross warps
     C(num_warps=8), C(block_d=512),
 ]
