@@ -70,8 +70,9 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    nnz 29: tens of µs at the H200's fp32 rate); what costs is the per-step work and the gathers.
    The tensor-core version this replaced (16-row MMAs [16, BLOCK_E] @ [BLOCK_E, 256], each fp32
    coefficient split into three terms of x's dtype, fp16 range scaling) was issue-bound at small
-   slices: 0.40 / 0.86 ms at M = 4096 / 16384 against 0.157 / 0.599 ms for this one (H200, one
-   training step's inputs, do_bench, L2 flushed; `benchmarks/sweep_unit_grads.py`).
+   slices: 0.40 / 0.89 ms at M = 4096 / 16384 against 0.157 / 0.599 ms for this one (H200, one
+   training step's inputs, the kernel alone, do_bench, L2 flushed; the whole call with its argsort
+   of units: 0.449 -> 0.205 ms at M = 4096, benchmarks/results/h200/unit_grads_sweep.txt).
    Programs. Units run hottest first (a stable device argsort of the H counts: longest-processing-
    time order). The grid is (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes the sorted
    positions g, 2G-1-g, 2G+g, 4G-1-g, ... (a snake over rounds of G, so every program gets one unit
