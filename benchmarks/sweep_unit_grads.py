@@ -1,5 +1,5 @@
-"""Time `unit_weight_grads` under several launch configs, and `slots_by_unit` at several warp counts,
-on the inputs of one real training step.
+"""Time `unit_weight_grads` under several launch configs and program orders, and `slots_by_unit` at
+several warp counts, on the inputs of one real training step.
 
 Not part of the package: `python3 benchmarks/sweep_unit_grads.py [M] [GIT_SHA]` on the GPU machine.
 The inputs (x, dy, the unit-major CSR with its coefficients; columns, counts and the per-slot
@@ -74,3 +74,15 @@ for warps in (4, 2, 1):
     same = torch.equal(launch_slots_by_unit(*slot_args, **slot_kwargs).offsets, want)
     ms = triton.testing.do_bench(lambda: launch_slots_by_unit(*slot_args, **slot_kwargs), warmup=5, rep=60)
     print(f"slots_by_unit on {warps} warps: {1e3 * ms:7.1f} us (the whole call), offsets equal {same}", flush=True)
+
+# the program order: slots_by_unit's count buckets against an exact stable argsort of the counts and
+# against plain unit ids (the default config)
+by_unit = args[2]
+counts = by_unit.offsets[1:] - by_unit.offsets[:-1]
+orders = {"count buckets": by_unit.order,
+          "exact argsort": torch.argsort(counts, descending=True, stable=True).to(torch.int32),
+          "unit ids": torch.arange(counts.numel(), dtype=torch.int32, device=counts.device)}
+for name, order in orders.items():
+    def run(order=order):
+        launch_unit_weight_grads(args[0], args[1], by_unit._replace(order=order), *args[3:], **kwargs)
+    print(f"{1e3 * triton.testing.do_bench(run, warmup=5, rep=60):8.1f} us  order: {name}", flush=True)

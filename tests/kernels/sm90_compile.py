@@ -28,7 +28,7 @@ H200 = GPUTarget("cuda", 90, 32)
 REQUIRED = {
     "twell_train._twell_train_forward_kernel",
     "twell_train._twell_train_backward_kernel",
-    "unit_grads._unit_histogram_kernel",
+    "unit_grads._unit_histogram_kernel", "unit_grads._block_prefix_kernel", "unit_grads._unit_offsets_kernel",
     "unit_grads._unit_scatter_kernel",
     "unit_grads._unit_weight_grads_kernel",
     "convert._convert_kernel",

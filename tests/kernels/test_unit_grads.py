@@ -74,10 +74,22 @@ def _reference_csr(columns, counts, overflow, tile, h, with_slots=False):
 
 
 def _run_csr(columns, counts, tile, h, slots, deterministic):
-    offsets, entries, coefficients = slots_by_unit(columns.to(DEVICE), counts.to(DEVICE), tile=tile,
-                                                   h=h, slots=slots, deterministic=deterministic)
+    offsets, entries, order, coefficients = slots_by_unit(columns.to(DEVICE), counts.to(DEVICE), tile=tile,
+                                                          h=h, slots=slots, deterministic=deterministic)
     assert coefficients is None
+    _assert_hottest_first(offsets.cpu(), order.cpu())
     return offsets.cpu(), entries.cpu()
+
+
+def _assert_hottest_first(offsets, order):
+    """order is a permutation of the units by count bucket (0; 1; 2-3; 4-7; ... ; 2**14 and up),
+    hottest first, ascending unit ids within a bucket."""
+    h = offsets.shape[0] - 1
+    assert order.dtype == torch.int32 and order.shape == (h,)
+    count = (offsets[1:] - offsets[:-1]).long()
+    bucket = torch.where(count > 0, torch.floor(torch.log2(count.clamp(min=1).double())).long() + 1, 0).clamp(max=15)
+    want = sorted(range(h), key=lambda j: (-int(bucket[j]), j))
+    assert order.tolist() == want
 
 
 def _assert_csr(offsets, entries, ref_offsets, ref_entries, deterministic):
@@ -109,8 +121,12 @@ def test_slots_by_unit_matches_reference(shape, deterministic):
 def test_slots_by_unit_many_blocks_int64_and_reproducible(monkeypatch):
     """The deterministic path with many row blocks (2 rows each) and int64 indices (forced: the
     real switch is M * n_tiles * slots >= 2**31) gives the exact ordered CSR, twice bit for bit;
-    the fast path gives the same CSR up to the order inside units."""
+    the fast path gives the same CSR up to the order inside units. Small scan blocks: the block
+    prefix takes several steps over blocks and programs over units, the unit offsets and order
+    several steps over units."""
     monkeypatch.setattr(unit_grads, "_MIN_DET_ROWS", 2)
+    monkeypatch.setattr(unit_grads, "_PREFIX_BLOCKS", 4)
+    monkeypatch.setattr(unit_grads, "_ORDER_UNITS", 32)
     monkeypatch.setattr(unit_grads, "_index_dtype", lambda n: torch.int64)
     m, h, tile, slots = 23, 100, 32, 8
     _, _, columns, counts, overflow = _packed(m, h, tile, slots, torch.float16, seed=9)
@@ -127,10 +143,12 @@ def test_slots_by_unit_many_blocks_int64_and_reproducible(monkeypatch):
 
 def test_slots_by_unit_edge_cases():
     # no rows
-    offsets, entries, _ = slots_by_unit(torch.empty(0, 2, 4, dtype=torch.int16, device=DEVICE),
-                                        torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
-                                        tile=64, h=100, slots=4, deterministic=True)
-    assert offsets.shape == (101,) and (offsets == 0).all().item() and entries.numel() == 0
+    for det in (False, True):
+        offsets, entries, order, _ = slots_by_unit(torch.empty(0, 2, 4, dtype=torch.int16, device=DEVICE),
+                                                   torch.empty(0, 2, dtype=torch.int32, device=DEVICE),
+                                                   tile=64, h=100, slots=4, deterministic=det)
+        assert offsets.shape == (101,) and (offsets == 0).all().item() and entries.numel() == 0
+        assert order.cpu().tolist() == list(range(100))
     # only empty and overflow rows: no entries at all
     columns = torch.full((3, 2, 4), -1, dtype=torch.int16)
     counts = torch.tensor([[0, 0], [5, 0], [0, 0]], dtype=torch.int32)
@@ -349,7 +367,8 @@ def test_grad_tolerance_rejects_a_missing_entry():
     entries, coefficients = by_unit.entries.clone(), by_unit.coefficients.clone()
     entries[e], coefficients[:, e] = entries[e + 1], coefficients[:, e + 1]  # an entry counted twice
     with pytest.raises(AssertionError):
-        _assert_grads(_run_grads(prob, True, SlotsByUnit(by_unit.offsets, entries, coefficients)), prob, True)
+        moved = SlotsByUnit(by_unit.offsets, entries, by_unit.order, coefficients)
+        _assert_grads(_run_grads(prob, True, moved), prob, True)
 
 
 # several steps per unit (hot units), units of one program of every length, D off the slice width
@@ -403,7 +422,7 @@ def test_slots_by_unit_moves_coefficients_into_entry_order(dtype, gated, determi
     for bit; the CSR itself is the one built without them."""
     m, d, h, tile, slots = 33, 16, 100, 32, 4
     prob = _grad_problem(m, d, h, tile, slots, dtype, gated, seed=6)
-    offsets, entries, coefficients = (t.cpu() for t in _by_unit(prob, gated, h, tile, deterministic))
+    offsets, entries, _, coefficients = (t.cpu() for t in _by_unit(prob, gated, h, tile, deterministic))
     ref_offsets, ref_entries, ref_flat = _reference_csr(prob["columns"], prob["counts"], prob["overflow"],
                                                         tile, h, with_slots=True)
     _assert_csr(offsets, entries, ref_offsets, ref_entries, deterministic)
@@ -426,6 +445,7 @@ def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
         x=torch.randn(m, d).to(dtype), dy=torch.randn(m, d).to(dtype),
         offsets=torch.zeros(h + 1, dtype=torch.int32),
         entries=torch.zeros(m * n_tiles * slots, dtype=torch.int32),
+        order=torch.arange(h, dtype=torch.int32),
         coefficients=torch.zeros(3, m * n_tiles * slots),
         n_tiles=n_tiles, slots=slots, gated=True,
         grad_gate_out=torch.zeros(h, d), grad_up_out=torch.zeros(h, d),
@@ -443,6 +463,8 @@ def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
     (dict(gated=False, coefficients=torch.zeros(2, 24)), ValueError, "grad_gate_out must be None"),
     (dict(offsets=torch.zeros(101, dtype=torch.int64)), TypeError, "offsets must have dtype"),
     (dict(entries=torch.zeros(23, dtype=torch.int32)), ValueError, "entries must have shape"),
+    (dict(order=torch.arange(100)), TypeError, "order must have dtype"),
+    (dict(order=torch.arange(99, dtype=torch.int32)), ValueError, "order must have shape"),
     (dict(grad_up_out=torch.zeros(100, 64, dtype=torch.bfloat16)), TypeError, "grad_up_out"),
     (dict(grad_down_t_out=torch.zeros(64, 100).t()), ValueError, "grad_down_t_out must have unit"),
     (dict(grad_gate_out=torch.zeros(99, 64)), ValueError, "grad_gate_out must have shape"),
@@ -451,14 +473,14 @@ def _grad_args(m=3, d=64, h=100, n_tiles=2, slots=4, dtype=torch.bfloat16):
 ])
 def test_unit_weight_grads_input_errors(change, error, match):
     args = dict(_grad_args(), **change)
-    by_unit = SlotsByUnit(args.pop("offsets"), args.pop("entries"), args.pop("coefficients"))
+    by_unit = SlotsByUnit(args.pop("offsets"), args.pop("entries"), args.pop("order"), args.pop("coefficients"))
     with pytest.raises(error, match=match):
         unit_weight_grads(by_unit=by_unit, **args)
 
 
 def test_unit_weight_grads_takes_only_a_by_unit():
     args = _grad_args()
-    plain = (args.pop("offsets"), args.pop("entries"), args.pop("coefficients"))
+    plain = (args.pop("offsets"), args.pop("entries"), args.pop("order"), args.pop("coefficients"))
     with pytest.raises(TypeError, match="by_unit must be a SlotsByUnit"):
         unit_weight_grads(by_unit=plain, **args)
 
@@ -514,7 +536,9 @@ def test_m_adds_no_specialization():
 def test_sm90_compile_specs_cover_launcher_variants():
     specs = sm90_compile_specs(with_options=True)
     names = {fn.__name__ for fn, *_ in specs}
-    assert names == {"_unit_histogram_kernel", "_unit_scatter_kernel", "_unit_weight_grads_kernel"}
+    assert names == {"_unit_histogram_kernel", "_block_prefix_kernel", "_unit_offsets_kernel", "_unit_scatter_kernel",
+                     "_unit_weight_grads_kernel"}
+    assert {c["COUNTS_IN_OFFSETS"] for fn, _, c, _ in specs if "COUNTS_IN_OFFSETS" in c} == {False, True}
     assert {(c["SERIAL"], c["COEFFICIENTS"]) for fn, _, c, _ in specs if "SERIAL" in c} == {
         (serial, n) for serial in (True, False) for n in (0, 1, 2)}
     grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"], c["SHARED_ROWS"])

@@ -384,9 +384,10 @@ def _twell_train_forward_kernel(
             if ordinary:
                 x_row, xv = _token_row(x_ptr, m64, stride_xm, offs_d, mask_d, GATED and ONE_D_BLOCK, ALIGNED,
                                        EVEN_D, BLOCK_D, EVICT)
-                if PIECE_ORDER:
+                if PIECE_ORDER and nnz > PIECE:
                     # deterministic mode: a long row the split list had no room for adds its pieces' sums in
-                    # piece order, as a listed row does (row_split.py, "Bits")
+                    # piece order, as a listed row does (row_split.py, "Bits"). A row of one piece runs whole:
+                    # the same sum (0 + the piece's), where the loop cost ~20% of the kernel at M = 16384
                     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
                     l1 = tl.full([], 0.0, tl.float32)
                     for p0 in range(0, nnz, PIECE):

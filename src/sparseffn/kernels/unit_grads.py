@@ -31,24 +31,28 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    contiguously per unit. Read there at the flat slot index instead, every entry of every D slice
    cost up to four scattered 4-byte reads from [M, n_tiles, slots] arrays that do not fit in L2
    (46 MB each at M = 16384), which also evicted the x / dy slices the gathers reuse.
-   fast (deterministic=False): a Triton histogram (one program per row, atomics into [H]) ->
-       torch.cumsum -> a Triton scatter in which every valid slot takes its position from a
-       per-unit atomic cursor. Each row is one program, so the order inside a unit is whatever
-       order the atomics ran in. Cost ~ the valid slots (masked loads touch only their columns),
-       two small launches and two cumsums over H.
+       order    [H] int32            the units hottest first, the weight-gradient kernel's program
+                                     order (step 2)
+   Launches: a histogram of the valid slots per unit (one program per row, integer atomics), one
+   program that scans the counts into offsets and orders the units, and a scatter in which every
+   valid slot takes its place among its unit's entries from a cursor:
+   fast (deterministic=False): one shared cursor row, the histogram itself counted down by atomics
+       (entry = offsets[j] + the count left). Each row is one program, so the order inside a unit
+       is whatever order the atomics ran in. Cost ~ the valid slots (masked loads touch only their
+       columns) and three launches.
    deterministic=True: a counting sort by row blocks. The rows are cut into n_blocks blocks of
        consecutive rows (at most _MAX_DET_BLOCKS blocks, at least _MIN_DET_ROWS rows each); the
-       histogram is per block ([n_blocks, H], integer atomics: exact); a cumsum over the blocks
-       turns it into each block's starting cursor per unit; then one program per block walks its
-       rows in order with plain loads/stores of its own cursors and a barrier between rows. Each
-       row holds a unit at most once, so within a unit the entries come out in ascending token
-       order (ascending flat slot index): the result does not depend on scheduling. Cost
-       over the fast path: a [n_blocks, H] index scratch (<= 1024 * H * 4 bytes: 23 MB at H =
-       5632), a cumsum over it, and a scatter whose programs are serial over their rows (~1-2 µs
-       of dependent load latency per row, so ~ rows_per_block µs: ~100 µs at M = 65536, untimed);
-       no sort of the fixed-size [M * n_tiles * slots] slot array (a stable radix sort of that
-       array, the obvious alternative, moves ~24x more keys than there are entries at the paper's
-       sparsity).
+       histogram is per block ([n_blocks, H], integer atomics: exact); a prefix over the blocks
+       (one more launch, in place, the unit totals into offsets) turns it into each block's first
+       place per unit; then one program per block walks its rows in order with plain loads/stores
+       of its own cursors and a barrier between rows. Each row holds a unit at most once, so
+       within a unit the entries come out in ascending token order (ascending flat slot index):
+       the result does not depend on scheduling. Cost over the fast path: a [n_blocks, H] index
+       scratch (<= 1024 * H * 4 bytes: 23 MB at H = 5632), its prefix, and a scatter whose
+       programs are serial over their rows; no sort of the fixed-size [M * n_tiles * slots] slot
+       array (a stable radix sort of that array, the obvious alternative, moves ~24x more keys
+       than there are entries at the paper's sparsity). Measured: see `sparse_mlp`'s docs
+       (README, "Deterministic mode").
 
 2. `unit_weight_grads`: per unit j and D slice, a reduction over the unit's entries on CUDA cores
    in fp32. One step takes BLOCK_E entries e of the unit, gathers the token rows X = x[m_e, slice]
@@ -73,10 +77,12 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    slices: 0.40 / 0.89 ms at M = 4096 / 16384 against 0.157 / 0.599 ms for this one (H200, one
    training step's inputs, the kernel alone, do_bench, L2 flushed; the whole call with its argsort
    of units: 0.449 -> 0.205 ms at M = 4096, benchmarks/results/h200/unit_grads_sweep.txt).
-   Programs. Units run hottest first (a stable device argsort of the H counts: longest-processing-
-   time order). The grid is (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes the sorted
-   positions g, 2G-1-g, 2G+g, 4G-1-g, ... (a snake over rounds of G, so every program gets one unit
-   of each round: balanced totals) and walks all their steps in ONE flat loop of sum_j
+   Programs. Units run hottest first: longest-processing-time order by count bucket (0, 1, 2-3,
+   4-7, ..., 2**14 and up; ascending ids within a bucket), from `slots_by_unit`'s one-program scan.
+   A stable device argsort of the counts cost ~8 torch calls of host work per step. The grid is
+   (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes the ordered positions g, 2G-1-g,
+   2G+g, 4G-1-g, ... (a snake over rounds of G, so every program gets one unit of each round:
+   balanced totals) and walks all their steps in ONE flat loop of sum_j
    max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one empty step that stores its
    zeros). The step -> (unit, first entry) map is a handful of reductions over the program's UNITS
    slots (one-hot on first_step <= i < last_step), so no work depends on data-dependent control
@@ -132,6 +138,10 @@ _MAX_DET_BLOCKS = 1024  # deterministic slots_by_unit: row blocks at most ([n_bl
 _MIN_DET_ROWS = 16      # ... and rows per block at least
 _SLOT_LANES = 2048      # [BLOCK_T, BLOCK_S] slots per step of the slot kernels
 _SLOT_WARPS = 2        # one row per program, ~29 valid slots: small programs, more rows in flight per SM
+_PREFIX_BLOCKS = 64    # [blocks, units] tile of _block_prefix_kernel: 64 x 32 int32, 128-byte rows
+_PREFIX_UNITS = 32
+_ORDER_BUCKETS = 16    # count buckets of the hottest-first unit order (powers of two, 2**14+ together)
+_ORDER_UNITS = 512     # units per step of _unit_offsets_kernel (one program)
                        # (H200, M = 16384, cold L2: slots_by_unit 0.215 ms on 2 warps, 0.316 ms on 4)
 
 
@@ -192,9 +202,73 @@ def _unit_histogram_kernel(
 _unit_histogram_launch = Launcher(_unit_histogram_kernel)
 
 
+@triton.jit(do_not_specialize=["M", "rows_per_block"])
+def _block_prefix_kernel(hist_ptr, offsets_ptr, n_blocks, H, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Per unit column j of hist [n_blocks, H], in place: hist[b, j] = Σ_{b' < b} hist[b', j] (the
+    block's first place among the unit's entries), and offsets[j + 1] = Σ_b hist[b, j] (the
+    unit's count, scanned over units by _unit_offsets_kernel)."""
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] units
+    live = cols < H
+    carry = tl.zeros([BLOCK_H], dtype=hist_ptr.dtype.element_ty)
+    for b0 in range(0, n_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        ptrs = hist_ptr + blocks.to(tl.int64)[:, None] * H + cols[None, :]  # [BLOCK_B, BLOCK_H]
+        mask = (blocks < n_blocks)[:, None] & live[None, :]
+        counts = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, tl.cumsum(counts, 0) - counts + carry[None, :], mask=mask)
+        carry += tl.sum(counts, 0)
+    tl.store(offsets_ptr + 1 + cols, carry, mask=live)
+
+
+@triton.jit
+def _count_bucket(count, BUCKETS: tl.constexpr):
+    """[BLOCK] bucket of each count: 0 for 0, k for 2**(k-1) <= count < 2**k, capped at BUCKETS - 1."""
+    k = tl.arange(0, BUCKETS)
+    below = (count[:, None] >= (1 << k)[None, :]) & (k < BUCKETS - 1)[None, :]  # [BLOCK, BUCKETS]
+    return tl.sum(below.to(tl.int32), 1)
+
+
+@triton.jit
+def _unit_offsets_kernel(counts_ptr, offsets_ptr, order_ptr, H,
+                         COUNTS_IN_OFFSETS: tl.constexpr,  # the counts are offsets[1:] (in place)
+                         BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: offsets[j + 1] = Σ_{j' <= j} counts[j'] (offsets[0] = 0), and `order`, the units
+    hottest count bucket first (_count_bucket: powers of two), ascending ids within a bucket."""
+    lanes = tl.arange(0, BLOCK)
+    buckets = tl.arange(0, BUCKETS)
+    if COUNTS_IN_OFFSETS:
+        counts_ptr = offsets_ptr + 1
+    total = tl.full([], 0, offsets_ptr.dtype.element_ty)
+    tl.store(offsets_ptr, total)
+    per_bucket = tl.zeros([BUCKETS], dtype=tl.int32)
+    for j0 in range(0, H, BLOCK):
+        units = j0 + lanes
+        live = units < H
+        count = tl.load(counts_ptr + units, mask=live, other=0)
+        tl.store(offsets_ptr + 1 + units, tl.cumsum(count, 0) + total, mask=live)
+        total += tl.sum(count, 0)
+        hit = (_count_bucket(count, BUCKETS)[:, None] == buckets[None, :]) & live[:, None]
+        per_bucket += tl.sum(hit.to(tl.int32), 0)
+    tl.debug_barrier()  # the offsets' stores before the second pass reads them back
+    # the first place of each bucket in the order: the hotter buckets' units come before it
+    start = tl.sum(per_bucket, 0) - tl.cumsum(per_bucket, 0)  # [BUCKETS]
+    for j0 in range(0, H, BLOCK):
+        units = j0 + lanes
+        live = units < H
+        count = tl.load(offsets_ptr + 1 + units, mask=live, other=0) - tl.load(offsets_ptr + units, mask=live, other=0)
+        hit = ((_count_bucket(count, BUCKETS)[:, None] == buckets[None, :]) & live[:, None]).to(tl.int32)
+        place = tl.sum((tl.cumsum(hit, 0) - hit + start[None, :]) * hit, 1)  # [BLOCK]
+        tl.store(order_ptr + place, units, mask=live)
+        start += tl.sum(hit, 0)
+
+
+_block_prefix_launch = Launcher(_block_prefix_kernel)
+_unit_offsets_launch = Launcher(_unit_offsets_kernel)
+
+
 @triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _unit_scatter_kernel(
-    columns_ptr, counts_ptr, cursor_ptr, entries_ptr,
+    columns_ptr, counts_ptr, offsets_ptr, cursor_ptr, entries_ptr,
     values_ptr, u_ptr, du_ptr, dg_ptr, dg_out_ptr, h_out_ptr, du_out_ptr,
     M, H, n_tiles, tile, slots, rows_per_program,
     SERIAL: tl.constexpr,         # True: program b owns cursor row b, rows in order (deterministic)
@@ -202,11 +276,13 @@ def _unit_scatter_kernel(
     BLOCK_T: tl.constexpr,        # tiles per step (power of two)
     BLOCK_S: tl.constexpr,        # slots per step (power of two)
 ):
-    """entries[cursor[j]++] = row m, for every valid slot (unit j) of the ordinary rows m =
-    pid * rows_per_program ... SERIAL: the program's own cursor row, plain loads and stores, one
-    row after the other (a row holds each unit at most once; the barrier orders rows). Otherwise
-    one shared cursor row and atomics. COEFFICIENTS: the slot's weight-gradient coefficients, read
-    token-major (contiguous), are written at the same entry position."""
+    """entries[offsets[j] + place] = row m, for every valid slot (unit j) of the ordinary rows m =
+    pid * rows_per_program ... SERIAL: place = cursor[pid, j]++ (the block's first place from
+    _block_prefix_kernel), plain loads and stores of the program's own cursor row, one row after
+    the other (a row holds each unit at most once; the barrier orders rows). Otherwise place =
+    --cursor[j] on one shared row holding the counts (atomics: the unit's places counted down).
+    COEFFICIENTS: the slot's weight-gradient coefficients, read token-major (contiguous), are
+    written at the same entry position."""
     pid = tl.program_id(0)
     m_first = pid * rows_per_program
     if SERIAL:
@@ -225,10 +301,11 @@ def _unit_scatter_kernel(
                                                     tile, slots, BLOCK_T, BLOCK_S)
                     if SERIAL:
                         # .cg: the cursors live in L2, where the previous row's stores went
-                        pos = tl.load(cursor_row + unit, mask=valid, other=0, cache_modifier=".cg")
-                        tl.store(cursor_row + unit, pos + 1, mask=valid)
+                        place = tl.load(cursor_row + unit, mask=valid, other=0, cache_modifier=".cg")
+                        tl.store(cursor_row + unit, place + 1, mask=valid)
                     else:
-                        pos = tl.atomic_add(cursor_row + unit, 1, mask=valid, sem="relaxed")
+                        place = tl.atomic_add(cursor_row + unit, -1, mask=valid, sem="relaxed") - 1
+                    pos = tl.load(offsets_ptr + unit, mask=valid, other=0) + place
                     tl.store(entries_ptr + pos, tl.full(pos.shape, m64, entries_ptr.dtype.element_ty),
                              mask=valid)
                     if COEFFICIENTS > 0:
@@ -270,7 +347,7 @@ def _unit_weight_grads_kernel(
     slot = tl.arange(0, UNITS)  # [UNITS]
     pos = slot * n_groups + tl.where(slot % 2 == 0, g, n_groups - 1 - g)  # snake over rounds of G
     has = pos < H  # only the last round can run past H
-    unit_of = tl.load(order_ptr + pos, mask=has, other=0)  # [UNITS] int64 unit ids
+    unit_of = tl.load(order_ptr + pos, mask=has, other=0).to(tl.int64)  # [UNITS] unit ids
     start_of = tl.load(offsets_ptr + unit_of, mask=has, other=0)  # [UNITS] index dtype
     end_of = tl.load(offsets_ptr + unit_of + 1, mask=has, other=0)
     # a unit without entries takes one empty step (it stores its zeros); absent slots take none
@@ -376,12 +453,15 @@ class SlotsByUnit(NamedTuple):
 
     offsets       [H + 1]             index dtype; offsets[H] = E, the number of entries (on device)
     entries       [capacity]          index dtype; tokens (rows), unit j's at offsets[j]:offsets[j+1]
+    order         [H]                 int32; the units hottest first (the weight-gradient kernel's
+                                      program order; module docstring, step 2)
     coefficients  [n, capacity] fp32  entry order (None when not asked for): row 0 dg, row 1 h (p u
                                       gated, p non-gated), row 2 du (gated only)
     capacity = M * n_tiles * slots (E is unknown on the host); entries past E are unspecified."""
 
     offsets: torch.Tensor
     entries: torch.Tensor
+    order: torch.Tensor
     coefficients: torch.Tensor | None = None
 
 
@@ -459,37 +539,38 @@ def launch_slots_by_unit(
     n_coef = 0 if coefficients is None else (2 if coefficients.u_slots is None else 3)
     n = m * n_tiles * slots
     index = _index_dtype(n)
-    offsets = torch.zeros(h + 1, dtype=index, device=dev)
+    offsets = torch.empty(h + 1, dtype=index, device=dev)
+    order = torch.empty(h, dtype=torch.int32, device=dev)
     entries = torch.empty(n, dtype=index, device=dev)
     coef = torch.empty(n_coef, n, dtype=torch.float32, device=dev) if n_coef else None
-    if m == 0:
-        return SlotsByUnit(offsets, entries, coef)
-    rows_per_block = _det_rows_per_block(m) if deterministic else m
-    n_blocks = cdiv(m, rows_per_block)
-    hist = torch.zeros(n_blocks, h, dtype=index, device=dev)  # [n_blocks, H] per-block counts
+    rows_per_block = _det_rows_per_block(m) if deterministic else max(m, 1)
+    n_blocks = max(cdiv(m, rows_per_block), 1)
+    # [n_blocks, H] per-block counts; then the per-block cursors (deterministic) or the shared one
+    hist = torch.zeros(n_blocks, h, dtype=index, device=dev)
     block_t, block_s = _slot_blocks(n_tiles, slots)
     meta = dict(BLOCK_T=block_t, BLOCK_S=block_s, num_warps=_SLOT_WARPS)
-    _unit_histogram_launch[(m,)](columns, counts, hist, m, h, n_tiles, tile, slots,
-                                 rows_per_block, **meta)
-    torch.cumsum(hist.sum(0, dtype=index), 0, dtype=index, out=offsets[1:])
+    if m > 0:
+        _unit_histogram_launch[(m,)](columns, counts, hist, m, h, n_tiles, tile, slots,
+                                     rows_per_block, **meta)
     if deterministic:
-        # cursor[b, j] = offsets[j] + entries of unit j in the blocks before b
-        cursor = torch.cumsum(hist, 0, dtype=index).sub_(hist).add_(offsets[:-1])
-        grid, rows_per_program = (n_blocks,), rows_per_block
-    else:
-        cursor = offsets[:-1].clone()
-        grid, rows_per_program = (m,), 1
+        _block_prefix_launch[(cdiv(h, _PREFIX_UNITS),)](hist, offsets, n_blocks, h, BLOCK_B=_PREFIX_BLOCKS,
+                                                        BLOCK_H=_PREFIX_UNITS, num_warps=4)
+    _unit_offsets_launch[(1,)](hist, offsets, order, h, COUNTS_IN_OFFSETS=deterministic,
+                               BUCKETS=_ORDER_BUCKETS, BLOCK=_ORDER_UNITS, num_warps=8)
+    if m == 0:
+        return SlotsByUnit(offsets, entries, order, coef)
     if coef is None:
-        moved = (cursor,) * 7  # unused pointers
+        moved = (hist,) * 7  # unused pointers
     else:  # (values, u, du, dg) -> (dg, h, du) rows; non-gated: dg stands in for the unused u, du
         c = coefficients
         gated = n_coef == 3
         moved = (c.values, c.u_slots if gated else c.dg_slots, c.du_slots if gated else c.dg_slots,
                  c.dg_slots, coef[0], coef[1], coef[2] if gated else coef[1])
-    _unit_scatter_launch[grid](columns, counts, cursor, entries, *moved, m, h, n_tiles, tile, slots,
+    grid, rows_per_program = ((n_blocks,), rows_per_block) if deterministic else ((m,), 1)
+    _unit_scatter_launch[grid](columns, counts, offsets, hist, entries, *moved, m, h, n_tiles, tile, slots,
                                rows_per_program, SERIAL=deterministic, COEFFICIENTS=max(n_coef - 1, 0),
                                **meta)
-    return SlotsByUnit(offsets, entries, coef)
+    return SlotsByUnit(offsets, entries, order, coef)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -568,7 +649,7 @@ def unit_weight_grads(
     _check(dy, "dy", (m, d), x.dtype, dev, unit_stride=True)
     if not isinstance(by_unit, SlotsByUnit):
         raise TypeError(f"by_unit must be a SlotsByUnit (from slots_by_unit), got {type(by_unit).__name__}")
-    offsets, entries, coef = by_unit
+    offsets, entries, order, coef = by_unit
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dim() != 1 or offsets.shape[0] < 2:
@@ -578,6 +659,7 @@ def unit_weight_grads(
     index = _index_dtype(capacity)
     _check(offsets, "offsets", (h + 1,), index, dev, contiguous=True)
     _check(entries, "entries", (capacity,), index, dev, contiguous=True)
+    _check(order, "order", (h,), torch.int32, dev, contiguous=True)
     if coef is None:
         raise ValueError("by_unit.coefficients is None: build it with slots_by_unit(..., coefficients=...)")
     _check(coef, "coefficients", (3 if gated else 2, capacity), torch.float32, dev, contiguous=True)
@@ -608,7 +690,7 @@ def launch_unit_weight_grads(
     """`unit_weight_grads` on arguments that meet its contract, unchecked: for the training op, which
     built by_unit and the gradient buffers and whose token-major backward launch checked x and dy."""
     m, d = x.shape
-    offsets, entries, coef = by_unit
+    offsets, entries, order, coef = by_unit
     h = offsets.shape[0] - 1
     grads = (grad_gate_out, grad_up_out, grad_down_t_out) if gated else (grad_up_out, grad_down_t_out)
     if config is None:
@@ -623,8 +705,6 @@ def launch_unit_weight_grads(
             t.zero_()
         return
     shared_rows = x.stride(0) == dy.stride(0) and m * x.stride(0) < 2**31
-    # longest-processing-time order: the unit with the most entries first (stable: reproducible)
-    order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True)
     n_groups = cdiv(h, config.units_per_program)
     grid = (n_groups, cdiv(d, config.block_d))
     _unit_weight_grads_launch[grid](
@@ -643,13 +723,14 @@ def launch_unit_weight_grads(
 
 
 def sm90_compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) for the slot histogram and both scatters
-    (int32 and int64 indices; tile 256 / slots 32 and tile 64 / slots 4 blocks; without
-    coefficients, with the non-gated and with the gated ones: bf16 values with int32 indices, fp16
-    with int64), and the weight-gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64
-    entries, D = 2048 (aligned, one shared int32 row offset, the default config: 8 entries per step,
-    BLOCK_D 1024, 4 warps) and D = 100 (unaligned, masked along D, separate int64 row offsets), with
-    the launcher's options."""
+    """(jit_function, signature, constexprs[, options]) for the slot histogram, the block prefix,
+    the unit offsets / order (counts apart and in place) and both scatters (int32 and int64
+    indices; tile 256 / slots 32 and tile 64 / slots 4 blocks; without coefficients, with the
+    non-gated and with the gated ones: bf16 values with int32 indices, fp16 with int64), and the
+    weight-gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64 entries, D = 2048
+    (aligned, one shared int32 row offset, the default config: 8 entries per step, BLOCK_D 1024,
+    4 warps) and D = 100 (unaligned, masked along D, separate int64 row offsets), with the
+    launcher's options."""
     specs = []
 
     def add(fn, signature, constexprs, options):
@@ -661,6 +742,14 @@ def sm90_compile_specs(with_options: bool = False):
         block_t, block_s = _slot_blocks(n_tiles, slots)
         common = {"columns_ptr": "*i16", "counts_ptr": "*i32"}
         sizes = {"M": "i32", "H": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32"}
+        if (n_tiles, slots) == (22, 32):  # the scans over units do not depend on the slot blocks
+            add(_block_prefix_kernel, {"hist_ptr": f"*{ty}", "offsets_ptr": f"*{ty}", "n_blocks": "i32", "H": "i32"},
+                {"BLOCK_B": _PREFIX_BLOCKS, "BLOCK_H": _PREFIX_UNITS}, {"num_warps": 4})
+            for in_offsets in (False, True):
+                add(_unit_offsets_kernel, {"counts_ptr": f"*{ty}", "offsets_ptr": f"*{ty}", "order_ptr": "*i32",
+                                           "H": "i32"},
+                    {"COUNTS_IN_OFFSETS": in_offsets, "BUCKETS": _ORDER_BUCKETS, "BLOCK": _ORDER_UNITS},
+                    {"num_warps": 8})
         add(_unit_histogram_kernel,
             {**common, "hist_ptr": f"*{ty}", **sizes, "rows_per_block": "i32"},
             {"BLOCK_T": block_t, "BLOCK_S": block_s}, {"num_warps": _SLOT_WARPS})
@@ -670,7 +759,7 @@ def sm90_compile_specs(with_options: bool = False):
             moved.update({name: "*fp32" if coefficients else f"*{ty}" for name in (
                 "u_ptr", "du_ptr", "dg_ptr", "dg_out_ptr", "h_out_ptr", "du_out_ptr")})
             add(_unit_scatter_kernel,
-                {**common, "cursor_ptr": f"*{ty}", "entries_ptr": f"*{ty}", **moved, **sizes,
+                {**common, "offsets_ptr": f"*{ty}", "cursor_ptr": f"*{ty}", "entries_ptr": f"*{ty}", **moved, **sizes,
                  "rows_per_program": "i32"},
                 {"SERIAL": serial, "COEFFICIENTS": coefficients, "BLOCK_T": block_t, "BLOCK_S": block_s},
                 {"num_warps": _SLOT_WARPS})
@@ -679,7 +768,7 @@ def sm90_compile_specs(with_options: bool = False):
         signature = {
             "x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "dg_ptr": "*fp32", "h_ptr": "*fp32",
             "du_ptr": "*fp32", "offsets_ptr": f"*{index}",
-            "entries_ptr": f"*{index}", "order_ptr": "*i64",
+            "entries_ptr": f"*{index}", "order_ptr": "*i32",
             "grad_gate_ptr": "*fp32", "grad_up_ptr": "*fp32", "grad_down_ptr": "*fp32",
             "D": "i32", "H": "i32", "n_groups": "i32",
             "stride_xm": "i32", "stride_dym": "i32", "stride_gg": "i32", "stride_gu": "i32",
