@@ -8,6 +8,7 @@ mean nnz 29; each config is checked against the first one (max relative differen
 gradients; equal offsets) and timed with triton's do_bench (L2 flushed between runs).
 """
 
+import itertools
 import sys
 
 import torch
@@ -44,13 +45,13 @@ args, kwargs = captured["args"], captured["kwargs"]
 outs = [kwargs["grad_gate_out"], kwargs["grad_up_out"], kwargs["grad_down_t_out"]]
 
 def C(**fields):  # every field spelled out (defaults change)
-    return UnitGradsConfig(**{"block_e": 8, "block_d": 1024, "num_warps": 4, "num_stages": 1, "units_per_program": 8,
+    return UnitGradsConfig(**{"block_e": 8, "block_d": 1024, "num_warps": 4, "num_stages": 1, "units_per_program": 4,
                               "max_regs": None, **fields})
 
 
 configs = [
     C(), C(block_e=4), C(block_e=16), C(block_d=2048, num_warps=8), C(block_d=2048, num_warps=8, block_e=4),
-    C(num_stages=2), C(units_per_program=4), C(units_per_program=16),
+    C(num_stages=2), C(units_per_program=8), C(units_per_program=16),
     C(block_d=512, num_warps=2), C(block_d=256, num_warps=1),
     # warps left over for the entries: the sums over a step cross warps
     C(num_warps=8), C(block_d=512),
@@ -75,14 +76,16 @@ for warps in (4, 2, 1):
     ms = triton.testing.do_bench(lambda: launch_slots_by_unit(*slot_args, **slot_kwargs), warmup=5, rep=60)
     print(f"slots_by_unit on {warps} warps: {1e3 * ms:7.1f} us (the whole call), offsets equal {same}", flush=True)
 
-# the program order: slots_by_unit's count buckets against an exact stable argsort of the counts and
-# against plain unit ids (the default config)
+# the program order: slots_by_unit's against an exact stable argsort of the counts and against plain
+# unit ids, at 8 and 4 units per program
 by_unit = args[2]
 counts = by_unit.offsets[1:] - by_unit.offsets[:-1]
-orders = {"count buckets": by_unit.order,
+orders = {"slots_by_unit": by_unit.order,
           "exact argsort": torch.argsort(counts, descending=True, stable=True).to(torch.int32),
           "unit ids": torch.arange(counts.numel(), dtype=torch.int32, device=counts.device)}
-for name, order in orders.items():
-    def run(order=order):
-        launch_unit_weight_grads(args[0], args[1], by_unit._replace(order=order), *args[3:], **kwargs)
-    print(f"{1e3 * triton.testing.do_bench(run, warmup=5, rep=60):8.1f} us  order: {name}", flush=True)
+for (name, order), units in itertools.product(orders.items(), (8, 4)):
+    def run(order=order, units=units):
+        launch_unit_weight_grads(args[0], args[1], by_unit._replace(order=order), *args[3:],
+                                 **{**kwargs, "config": C(units_per_program=units)})
+    print(f"{1e3 * triton.testing.do_bench(run, warmup=5, rep=60):8.1f} us  order: {name}, {units} units per program",
+          flush=True)

@@ -82,14 +82,11 @@ def _run_csr(columns, counts, tile, h, slots, deterministic):
 
 
 def _assert_hottest_first(offsets, order):
-    """order is a permutation of the units by count bucket (0; 1; 2-3; 4-7; ... ; 2**14 and up),
-    hottest first, ascending unit ids within a bucket."""
+    """order is the units by count, most entries first, ties by ascending unit id."""
     h = offsets.shape[0] - 1
     assert order.dtype == torch.int32 and order.shape == (h,)
-    count = (offsets[1:] - offsets[:-1]).long()
-    bucket = torch.where(count > 0, torch.floor(torch.log2(count.clamp(min=1).double())).long() + 1, 0).clamp(max=15)
-    want = sorted(range(h), key=lambda j: (-int(bucket[j]), j))
-    assert order.tolist() == want
+    count = (offsets[1:] - offsets[:-1]).tolist()
+    assert order.tolist() == sorted(range(h), key=lambda j: (-count[j], j))
 
 
 def _assert_csr(offsets, entries, ref_offsets, ref_entries, deterministic):
@@ -123,10 +120,12 @@ def test_slots_by_unit_many_blocks_int64_and_reproducible(monkeypatch):
     real switch is M * n_tiles * slots >= 2**31) gives the exact ordered CSR, twice bit for bit;
     the fast path gives the same CSR up to the order inside units. Small scan blocks: the block
     prefix takes several steps over blocks and programs over units, the unit offsets and order
-    several steps over units."""
+    several steps over units; then both through torch's scan and argsort (H above the rank
+    kernel's limit)."""
     monkeypatch.setattr(unit_grads, "_MIN_DET_ROWS", 2)
     monkeypatch.setattr(unit_grads, "_PREFIX_BLOCKS", 4)
-    monkeypatch.setattr(unit_grads, "_ORDER_UNITS", 32)
+    monkeypatch.setattr(unit_grads, "_ORDER_UNITS", 16)
+    monkeypatch.setattr(unit_grads, "_ORDER_STEP", 32)
     monkeypatch.setattr(unit_grads, "_index_dtype", lambda n: torch.int64)
     m, h, tile, slots = 23, 100, 32, 8
     _, _, columns, counts, overflow = _packed(m, h, tile, slots, torch.float16, seed=9)
@@ -139,6 +138,10 @@ def test_slots_by_unit_many_blocks_int64_and_reproducible(monkeypatch):
     n = int(ref[0][-1])
     assert torch.equal(first[0], second[0]) and torch.equal(first[1][:n], second[1][:n])
     _assert_csr(*_run_csr(columns, counts, tile, h, slots, False), *ref, False)
+    # more units than the rank kernel takes: torch's cumsum and argsort, the same CSR and order
+    monkeypatch.setattr(unit_grads, "_RANK_MAX_UNITS", h - 1)
+    for det in (True, False):
+        _assert_csr(*_run_csr(columns, counts, tile, h, slots, det), *ref, det)
 
 
 def test_slots_by_unit_edge_cases():
@@ -518,7 +521,7 @@ def test_config_validation_and_default():
     with pytest.raises(ValueError, match="max_regs"):
         UnitGradsConfig(max_regs=300)
     assert default_unit_grads_config(2048) == UnitGradsConfig(
-        block_e=8, block_d=1024, num_warps=4, num_stages=1, units_per_program=8, max_regs=None)
+        block_e=8, block_d=1024, num_warps=4, num_stages=1, units_per_program=4, max_regs=None)
     # a slice of up to 1024 columns, one warp per 256 of them: the threads span the slice
     assert default_unit_grads_config(4096) == default_unit_grads_config(2048)
     assert default_unit_grads_config(100) == dataclasses.replace(default_unit_grads_config(2048), block_d=128,
@@ -538,7 +541,6 @@ def test_sm90_compile_specs_cover_launcher_variants():
     names = {fn.__name__ for fn, *_ in specs}
     assert names == {"_unit_histogram_kernel", "_block_prefix_kernel", "_unit_offsets_kernel", "_unit_scatter_kernel",
                      "_unit_weight_grads_kernel"}
-    assert {c["COUNTS_IN_OFFSETS"] for fn, _, c, _ in specs if "COUNTS_IN_OFFSETS" in c} == {False, True}
     assert {(c["SERIAL"], c["COEFFICIENTS"]) for fn, _, c, _ in specs if "SERIAL" in c} == {
         (serial, n) for serial in (True, False) for n in (0, 1, 2)}
     grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"], c["SHARED_ROWS"])

@@ -33,13 +33,14 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    (46 MB each at M = 16384), which also evicted the x / dy slices the gathers reuse.
        order    [H] int32            the units hottest first, the weight-gradient kernel's program
                                      order (step 2)
-   Launches: a histogram of the valid slots per unit (one program per row, integer atomics), one
-   program that scans the counts into offsets and orders the units, and a scatter in which every
-   valid slot takes its place among its unit's entries from a cursor:
+   Launches: a histogram of the valid slots per unit (one program per row, integer atomics), the
+   offsets and order of the units (_unit_offsets_kernel: each unit's rank from comparisons with all
+   H counts, up to _RANK_MAX_UNITS units; torch's cumsum and stable argsort above), and a scatter in
+   which every valid slot takes its place among its unit's entries from a cursor:
    fast (deterministic=False): one shared cursor row, the histogram itself counted down by atomics
        (entry = offsets[j] + the count left). Each row is one program, so the order inside a unit
        is whatever order the atomics ran in. Cost ~ the valid slots (masked loads touch only their
-       columns) and three launches.
+       columns) and three launches (H200, M = 16384, the paper's shape: 156 µs in all).
    deterministic=True: a counting sort by row blocks. The rows are cut into n_blocks blocks of
        consecutive rows (at most _MAX_DET_BLOCKS blocks, at least _MIN_DET_ROWS rows each); the
        histogram is per block ([n_blocks, H], integer atomics: exact); a prefix over the blocks
@@ -77,13 +78,13 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    slices: 0.40 / 0.89 ms at M = 4096 / 16384 against 0.157 / 0.599 ms for this one (H200, one
    training step's inputs, the kernel alone, do_bench, L2 flushed; the whole call with its argsort
    of units: 0.449 -> 0.205 ms at M = 4096, benchmarks/results/h200/unit_grads_sweep.txt).
-   Programs. Units run hottest first: longest-processing-time order by count bucket (0, 1, 2-3,
-   4-7, ..., 2**14 and up; ascending ids within a bucket), from `slots_by_unit`'s one-program scan.
-   A stable device argsort of the counts cost ~8 torch calls of host work per step. The grid is
-   (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes the ordered positions g, 2G-1-g,
-   2G+g, 4G-1-g, ... (a snake over rounds of G, so every program gets one unit of each round:
-   balanced totals) and walks all their steps in ONE flat loop of sum_j
-   max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one empty step that stores its
+   Programs. Units run hottest first (longest-processing-time order: most entries first, ties by
+   id). The order must be exact: by powers-of-two buckets of the counts the kernel took 10% / 14%
+   longer at M = 16384 / 65536, in unit-id order 32% / 33% longer (H200, the paper's shape, 8
+   units per program). The grid is (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes
+   the ordered positions g, 2G-1-g, 2G+g, 4G-1-g, ... (a snake over rounds of G, so every program
+   gets one unit of each round: balanced totals) and walks all their steps in ONE flat loop of
+   sum_j max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one empty step that stores its
    zeros). The step -> (unit, first entry) map is a handful of reductions over the program's UNITS
    slots (one-hot on first_step <= i < last_step), so no work depends on data-dependent control
    flow. A unit's sum is never split across programs: deterministic given the entry order, no
@@ -140,8 +141,13 @@ _SLOT_LANES = 2048      # [BLOCK_T, BLOCK_S] slots per step of the slot kernels
 _SLOT_WARPS = 2        # one row per program, ~29 valid slots: small programs, more rows in flight per SM
 _PREFIX_BLOCKS = 64    # [blocks, units] tile of _block_prefix_kernel: 64 x 32 int32, 128-byte rows
 _PREFIX_UNITS = 32
-_ORDER_BUCKETS = 16    # count buckets of the hottest-first unit order (powers of two, 2**14+ together)
-_ORDER_UNITS = 512     # units per step of _unit_offsets_kernel (one program)
+_ORDER_UNITS = 16      # units per program of _unit_offsets_kernel ([16, 512] comparisons per step)
+_ORDER_STEP = 512
+# Up to this many units the offsets and the order come from _unit_offsets_kernel: H * H comparisons
+# on the H200 took 14 µs at H = 5632 and 54 µs at 14336 (1.0 ms at 65536), torch's cumsum + stable
+# radix argsort ~20 µs of GPU time at any H, but ~8 torch calls of host work (~0.25 ms per step on
+# the lent hosts).
+_RANK_MAX_UNITS = 8192
                        # (H200, M = 16384, cold L2: slots_by_unit 0.215 ms on 2 warps, 0.316 ms on 4)
 
 
@@ -203,10 +209,10 @@ _unit_histogram_launch = Launcher(_unit_histogram_kernel)
 
 
 @triton.jit(do_not_specialize=["M", "rows_per_block"])
-def _block_prefix_kernel(hist_ptr, offsets_ptr, n_blocks, H, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Per unit column j of hist [n_blocks, H], in place: hist[b, j] = Σ_{b' < b} hist[b', j] (the
-    block's first place among the unit's entries), and offsets[j + 1] = Σ_b hist[b, j] (the
-    unit's count, scanned over units by _unit_offsets_kernel)."""
+def _block_prefix_kernel(hist_ptr, n_blocks, H, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Per unit column j of hist [n_blocks + 1, H], in place: hist[b, j] = Σ_{b' < b} hist[b', j]
+    for b < n_blocks (the block's first place among the unit's entries), and the unit's count
+    Σ_b hist[b, j] into the spare row hist[n_blocks, j]."""
     cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] units
     live = cols < H
     carry = tl.zeros([BLOCK_H], dtype=hist_ptr.dtype.element_ty)
@@ -217,49 +223,33 @@ def _block_prefix_kernel(hist_ptr, offsets_ptr, n_blocks, H, BLOCK_B: tl.constex
         counts = tl.load(ptrs, mask=mask, other=0)
         tl.store(ptrs, tl.cumsum(counts, 0) - counts + carry[None, :], mask=mask)
         carry += tl.sum(counts, 0)
-    tl.store(offsets_ptr + 1 + cols, carry, mask=live)
+    tl.store(hist_ptr + n_blocks.to(tl.int64) * H + cols, carry, mask=live)
 
 
 @triton.jit
-def _count_bucket(count, BUCKETS: tl.constexpr):
-    """[BLOCK] bucket of each count: 0 for 0, k for 2**(k-1) <= count < 2**k, capped at BUCKETS - 1."""
-    k = tl.arange(0, BUCKETS)
-    below = (count[:, None] >= (1 << k)[None, :]) & (k < BUCKETS - 1)[None, :]  # [BLOCK, BUCKETS]
-    return tl.sum(below.to(tl.int32), 1)
-
-
-@triton.jit
-def _unit_offsets_kernel(counts_ptr, offsets_ptr, order_ptr, H,
-                         COUNTS_IN_OFFSETS: tl.constexpr,  # the counts are offsets[1:] (in place)
-                         BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: offsets[j + 1] = Σ_{j' <= j} counts[j'] (offsets[0] = 0), and `order`, the units
-    hottest count bucket first (_count_bucket: powers of two), ascending ids within a bucket."""
-    lanes = tl.arange(0, BLOCK)
-    buckets = tl.arange(0, BUCKETS)
-    if COUNTS_IN_OFFSETS:
-        counts_ptr = offsets_ptr + 1
-    total = tl.full([], 0, offsets_ptr.dtype.element_ty)
-    tl.store(offsets_ptr, total)
-    per_bucket = tl.zeros([BUCKETS], dtype=tl.int32)
-    for j0 in range(0, H, BLOCK):
-        units = j0 + lanes
-        live = units < H
-        count = tl.load(counts_ptr + units, mask=live, other=0)
-        tl.store(offsets_ptr + 1 + units, tl.cumsum(count, 0) + total, mask=live)
-        total += tl.sum(count, 0)
-        hit = (_count_bucket(count, BUCKETS)[:, None] == buckets[None, :]) & live[:, None]
-        per_bucket += tl.sum(hit.to(tl.int32), 0)
-    tl.debug_barrier()  # the offsets' stores before the second pass reads them back
-    # the first place of each bucket in the order: the hotter buckets' units come before it
-    start = tl.sum(per_bucket, 0) - tl.cumsum(per_bucket, 0)  # [BUCKETS]
-    for j0 in range(0, H, BLOCK):
-        units = j0 + lanes
-        live = units < H
-        count = tl.load(offsets_ptr + 1 + units, mask=live, other=0) - tl.load(offsets_ptr + units, mask=live, other=0)
-        hit = ((_count_bucket(count, BUCKETS)[:, None] == buckets[None, :]) & live[:, None]).to(tl.int32)
-        place = tl.sum((tl.cumsum(hit, 0) - hit + start[None, :]) * hit, 1)  # [BLOCK]
-        tl.store(order_ptr + place, units, mask=live)
-        start += tl.sum(hit, 0)
+def _unit_offsets_kernel(counts_ptr, offsets_ptr, order_ptr, H, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Units j of program p (BLOCK_J of them): offsets[j + 1] = Σ_{k <= j} counts[k] (offsets[0] = 0)
+    and order[rank_j] = j, rank_j = #{k: counts[k] > counts[j], or equal with k < j} (hottest
+    first, ties by id: a stable descending sort), from one pass over all H counts. The comparisons
+    add up elementwise in a [BLOCK_J, BLOCK_K] tile, reduced once at the end."""
+    pid = tl.program_id(0)
+    first = pid * BLOCK_J
+    units = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+    live = units < H
+    count = tl.load(counts_ptr + units, mask=live, other=0)
+    ahead = tl.zeros([BLOCK_J, BLOCK_K], dtype=tl.int32)  # units ranked before each of ours
+    before = tl.zeros([BLOCK_K], dtype=offsets_ptr.dtype.element_ty)  # counts of the units before `first`
+    for k0 in range(0, H, BLOCK_K):
+        others = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        other = tl.load(counts_ptr + others, mask=others < H, other=-1)  # -1: never ahead, adds nothing
+        hotter = (other[None, :] > count[:, None]) | ((other[None, :] == count[:, None])
+                                                      & (others[None, :] < units[:, None]))
+        ahead += hotter.to(tl.int32)
+        before += tl.where(others < first, other, 0)
+    total_before = tl.sum(before, 0)
+    tl.store(offsets_ptr + 1 + units, tl.cumsum(count, 0) + total_before, mask=live)
+    tl.store(offsets_ptr, total_before, mask=pid == 0)  # 0: no program before the first
+    tl.store(order_ptr + tl.sum(ahead, 1), units, mask=live)
 
 
 _block_prefix_launch = Launcher(_block_prefix_kernel)
@@ -545,18 +535,25 @@ def launch_slots_by_unit(
     coef = torch.empty(n_coef, n, dtype=torch.float32, device=dev) if n_coef else None
     rows_per_block = _det_rows_per_block(m) if deterministic else max(m, 1)
     n_blocks = max(cdiv(m, rows_per_block), 1)
-    # [n_blocks, H] per-block counts; then the per-block cursors (deterministic) or the shared one
-    hist = torch.zeros(n_blocks, h, dtype=index, device=dev)
+    # [n_blocks, H] per-block counts, then the per-block cursors (deterministic: the units' counts
+    # go to a spare last row) or the shared cursor row (counted down)
+    hist = torch.zeros(n_blocks + deterministic, h, dtype=index, device=dev)
     block_t, block_s = _slot_blocks(n_tiles, slots)
     meta = dict(BLOCK_T=block_t, BLOCK_S=block_s, num_warps=_SLOT_WARPS)
     if m > 0:
         _unit_histogram_launch[(m,)](columns, counts, hist, m, h, n_tiles, tile, slots,
                                      rows_per_block, **meta)
     if deterministic:
-        _block_prefix_launch[(cdiv(h, _PREFIX_UNITS),)](hist, offsets, n_blocks, h, BLOCK_B=_PREFIX_BLOCKS,
+        _block_prefix_launch[(cdiv(h, _PREFIX_UNITS),)](hist, n_blocks, h, BLOCK_B=_PREFIX_BLOCKS,
                                                         BLOCK_H=_PREFIX_UNITS, num_warps=4)
-    _unit_offsets_launch[(1,)](hist, offsets, order, h, COUNTS_IN_OFFSETS=deterministic,
-                               BUCKETS=_ORDER_BUCKETS, BLOCK=_ORDER_UNITS, num_warps=8)
+    unit_counts = hist[n_blocks] if deterministic else hist[0]
+    if h <= _RANK_MAX_UNITS:
+        _unit_offsets_launch[(cdiv(h, _ORDER_UNITS),)](unit_counts, offsets, order, h, BLOCK_J=_ORDER_UNITS,
+                                                        BLOCK_K=_ORDER_STEP, num_warps=4)
+    else:  # the same offsets and order from torch
+        offsets[0] = 0
+        torch.cumsum(unit_counts, 0, dtype=index, out=offsets[1:])
+        order = torch.argsort(unit_counts, descending=True, stable=True).to(torch.int32)
     if m == 0:
         return SlotsByUnit(offsets, entries, order, coef)
     if coef is None:
@@ -586,7 +583,7 @@ class UnitGradsConfig:
     block_d: int = 1024          # gradient columns per program (the D slice)
     num_warps: int = 4
     num_stages: int = 1
-    units_per_program: int = 8   # units per program (UNITS)
+    units_per_program: int = 4   # units per program (UNITS)
     max_regs: int | None = None  # register cap per thread (ptxas .maxnreg); None: no cap
 
     def __post_init__(self) -> None:
@@ -599,15 +596,17 @@ class UnitGradsConfig:
 def default_unit_grads_config(d: int) -> UnitGradsConfig:
     """From D only (M adds no compiled variant): 8 entries per step, a slice of up to 1024 columns
     and one warp per 256 of them (up to 4), so that each thread holds 8 columns of every entry of a
-    step and the sums over entries stay in registers; 8 units per program, no pipelining stages.
-    H200, bf16, D = 2048 / H = 5632, nnz 29, one training step's inputs (do_bench, L2 flushed), at
-    M = 4096 / 16384 (entries per step, slice, warps): 8, 1024, 4: 0.157 / 0.599 ms; 4, 1024, 4:
+    step and the sums over entries stay in registers; 4 units per program, no pipelining stages.
+    H200, bf16, D = 2048 / H = 5632, nnz 29, one training step's inputs (do_bench, L2 flushed):
+    4 / 8 units per program at M = 16384 / 65536: 0.555 / 0.600 and 2.75 / 2.85 ms (16 took 25% /
+    13% longer than 8 in a run with a coarser order). At 8 units per program and M = 4096 / 16384
+    (entries per step, slice, warps): 8, 1024, 4: 0.157 / 0.599 ms; 4, 1024, 4:
     0.187 / 0.782; 8, 2048, 8: 0.176 / 0.663; 4, 2048, 8: 0.217 / 0.824 (2 stages: the same); with
     warps left over for the entries (8, 1024, 8 or 8, 512, 4) the sums cross warps through shared
     memory on every step: 1.09 / 3.85 and 1.07 / 3.76 ms."""
     block_d = min(1024, max(16, next_power_of_2(d)))
     return UnitGradsConfig(block_e=8, block_d=block_d, num_warps=min(4, max(1, block_d // 256)), num_stages=1,
-                           units_per_program=8, max_regs=None)
+                           units_per_program=4, max_regs=None)
 
 
 def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, aligned: bool,
@@ -724,7 +723,7 @@ def launch_unit_weight_grads(
 
 def sm90_compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for the slot histogram, the block prefix,
-    the unit offsets / order (counts apart and in place) and both scatters (int32 and int64
+    the unit offsets / order and both scatters (int32 and int64
     indices; tile 256 / slots 32 and tile 64 / slots 4 blocks; without coefficients, with the
     non-gated and with the gated ones: bf16 values with int32 indices, fp16 with int64), and the
     weight-gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64 entries, D = 2048
@@ -743,13 +742,11 @@ def sm90_compile_specs(with_options: bool = False):
         common = {"columns_ptr": "*i16", "counts_ptr": "*i32"}
         sizes = {"M": "i32", "H": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32"}
         if (n_tiles, slots) == (22, 32):  # the scans over units do not depend on the slot blocks
-            add(_block_prefix_kernel, {"hist_ptr": f"*{ty}", "offsets_ptr": f"*{ty}", "n_blocks": "i32", "H": "i32"},
+            add(_block_prefix_kernel, {"hist_ptr": f"*{ty}", "n_blocks": "i32", "H": "i32"},
                 {"BLOCK_B": _PREFIX_BLOCKS, "BLOCK_H": _PREFIX_UNITS}, {"num_warps": 4})
-            for in_offsets in (False, True):
-                add(_unit_offsets_kernel, {"counts_ptr": f"*{ty}", "offsets_ptr": f"*{ty}", "order_ptr": "*i32",
-                                           "H": "i32"},
-                    {"COUNTS_IN_OFFSETS": in_offsets, "BUCKETS": _ORDER_BUCKETS, "BLOCK": _ORDER_UNITS},
-                    {"num_warps": 8})
+            add(_unit_offsets_kernel,
+                {"counts_ptr": f"*{ty}", "offsets_ptr": f"*{ty}", "order_ptr": "*i32", "H": "i32"},
+                {"BLOCK_J": _ORDER_UNITS, "BLOCK_K": _ORDER_STEP}, {"num_warps": 4})
         add(_unit_histogram_kernel,
             {**common, "hist_ptr": f"*{ty}", **sizes, "rows_per_block": "i32"},
             {"BLOCK_T": block_t, "BLOCK_S": block_s}, {"num_warps": _SLOT_WARPS})
