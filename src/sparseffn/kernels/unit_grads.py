@@ -208,7 +208,7 @@ def _unit_histogram_kernel(
 _unit_histogram_launch = Launcher(_unit_histogram_kernel)
 
 
-@triton.jit(do_not_specialize=["M", "rows_per_block"])
+@triton.jit(do_not_specialize=["n_blocks"])  # n_blocks == 1 (M <= 16) stays a runtime int
 def _block_prefix_kernel(hist_ptr, n_blocks, H, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr):
     """Per unit column j of hist [n_blocks + 1, H], in place: hist[b, j] = Σ_{b' < b} hist[b', j]
     for b < n_blocks (the block's first place among the unit's entries), and the unit's count
