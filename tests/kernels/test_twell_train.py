@@ -472,7 +472,7 @@ def test_config_validation_and_defaults():
     with pytest.raises(ValueError, match="split_cap"):
         TwellTrainConfig(split_cap=0)
     fwd, bwd = default_forward_config(2048), default_backward_config(2048)
-    assert (fwd.split_slots, fwd.split_cap, bwd.max_regs) == (128, 256, 168)
+    assert (fwd.split_slots, fwd.split_cap, fwd.max_regs, bwd.max_regs) == (128, 256, 128, 168)
     assert (fwd.block_d, fwd.block_u, fwd.num_warps) == (2048, 4, 4)
     assert (bwd.block_d, bwd.block_u, bwd.num_warps) == (2048, 4, 4)
     assert default_forward_config(100).block_d == 128 and default_backward_config(100).block_u == 4
