@@ -66,7 +66,19 @@ def _check(mlp, threshold=None, expect_overflow=None):
     gated = mlp.gate_weight is not None
     params = _params(mlp)
     r = torch.randn(mlp.x.shape, dtype=torch.float64, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
-    y, l1, grads = _step(_sparse, params, gated, r, threshold)
+    grads = _assert_matches_reference(mlp, params, r, threshold, _step(_sparse, params, gated, r, threshold))
+    if expect_overflow is not None:
+        _, _, _, _, counts, _, flags = sparse_mlp_train_fwd(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight,
+                                                            None if threshold is None else _theta(threshold, mlp),
+                                                            64, 8, False)
+        assert bool(flags.any()) == expect_overflow
+    return grads
+
+
+def _assert_matches_reference(mlp, params, r, threshold, sparse):
+    """The sparse step's (y, l1, grads) within twice dense torch's error of the fp64 reference."""
+    gated = mlp.gate_weight is not None
+    y, l1, grads = sparse
     y_d, l1_d, grads_d = _step(_dense, params, gated, r, threshold)
     y_r, l1_r, grads_r = _reference(params, gated, r, threshold)
     floor = torch.finfo(mlp.x.dtype).eps / 2
@@ -76,11 +88,6 @@ def _check(mlp, threshold=None, expect_overflow=None):
     for name, g, g_d, g_r in zip(("x", "gate", "up", "down") if gated else ("x", "up", "down"), grads, grads_d, grads_r):
         assert g.dtype == mlp.x.dtype and g.shape == g_r.shape, name
         assert _err(g, g_r) <= 2 * _err(g_d, g_r) + floor, (name, _err(g, g_r), _err(g_d, g_r))
-    if expect_overflow is not None:
-        _, _, _, _, counts, _, flags = sparse_mlp_train_fwd(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight,
-                                                            None if threshold is None else _theta(threshold, mlp),
-                                                            64, 8, False)
-        assert bool(flags.any()) == expect_overflow
     return grads
 
 
@@ -127,14 +134,21 @@ def test_every_row_dense():
 
 @needs_kernels
 def test_deterministic_mode_is_bitwise_repeatable():
+    """Two runs give the same bits, and they match the reference with torch's NaN fill of new
+    memory on (deterministic mode's default): no unwritten scratch reaches a result."""
     mlp = synthetic_mlp(24, 64, 128, 8, device=DEVICE, seed=9, heavy_fraction=0.1)
     r = torch.randn(mlp.x.shape, dtype=torch.float64, device=DEVICE)
-    was = torch.are_deterministic_algorithms_enabled()
+    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    params = _params(mlp)
     try:
-        runs = [_step(_sparse, _params(mlp), True, r, None)[2] for _ in range(2)]
+        runs = [_step(_sparse, params, True, r, None) for _ in range(2)]
     finally:
         torch.use_deterministic_algorithms(was)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    _assert_matches_reference(mlp, params, r, None, runs[0])  # dense torch's cuBLAS GEMMs outside the mode
+    runs = [grads for _, _, grads in runs]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
