@@ -229,6 +229,39 @@ def test_torch_compile_fullgraph_training_step():
 
 
 @needs_cuda
+@pytest.mark.parametrize("rank_kernel", [True, False], ids=["rank-kernel", "torch-argsort"])
+def test_training_step_replays_in_a_cuda_graph(monkeypatch, rank_kernel):
+    """A captured step (no host synchronisation, no host copies) replays to the eager step's
+    gradients, with the unit order from the rank kernel and from torch's argsort (H above
+    _RANK_MAX_UNITS)."""
+    import sparseffn.kernels.unit_grads as unit_grads
+
+    if not rank_kernel:
+        monkeypatch.setattr(unit_grads, "_RANK_MAX_UNITS", 64)
+    mlp = synthetic_mlp(512, 256, 1024, 12, device="cuda", seed=16)
+    params = _params(mlp)
+    dy = torch.randn_like(mlp.x)
+
+    def step():
+        y, l1 = sparseffn.sparse_mlp(*params, mode="sparse", return_l1=True)
+        return torch.autograd.grad([y, l1], params, [dy, torch.ones_like(l1)])
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up off the default stream, as capture requires
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert _err(b, a) < 1e-2
+
+
+@needs_cuda
 def test_realistic_size_on_gpu():
     mlp = synthetic_mlp(4096, 2048, 5632, 29, device="cuda", seed=14)
     _check(mlp)

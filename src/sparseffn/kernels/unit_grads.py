@@ -550,8 +550,8 @@ def launch_slots_by_unit(
     if h <= _RANK_MAX_UNITS:
         _unit_offsets_launch[(cdiv(h, _ORDER_UNITS),)](unit_counts, offsets, order, h, BLOCK_J=_ORDER_UNITS,
                                                         BLOCK_K=_ORDER_STEP, num_warps=4)
-    else:  # the same offsets and order from torch
-        offsets[0] = 0
+    else:  # the same offsets and order from torch (a device fill: no host copy under graph capture)
+        offsets[:1].zero_()
         torch.cumsum(unit_counts, 0, dtype=index, out=offsets[1:])
         order = torch.argsort(unit_counts, descending=True, stable=True).to(torch.int32)
     if m == 0:
