@@ -76,16 +76,16 @@ Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on 
    The tensor-core version this replaced (16-row MMAs [16, BLOCK_E] @ [BLOCK_E, 256], each fp32
    coefficient split into three terms of x's dtype, fp16 range scaling) was issue-bound at small
    slices: 0.40 / 0.89 ms at M = 4096 / 16384 against 0.157 / 0.599 ms for this one (H200, one
-   training step's inputs, the kernel alone, do_bench, L2 flushed; the whole call with its argsort
-   of units: 0.449 -> 0.205 ms at M = 4096, benchmarks/results/h200/unit_grads_sweep.txt).
+   training step's inputs, the kernel alone, do_bench, L2 flushed; the whole call with the argsort
+   of units it then ran: 0.449 -> 0.205 ms at M = 4096, benchmarks/results/h200/unit_grads_sweep.txt).
    Programs. Units run hottest first (longest-processing-time order: most entries first, ties by
    id). The order must be exact: by powers-of-two buckets of the counts the kernel took 10% / 14%
    longer at M = 16384 / 65536, in unit-id order 32% / 33% longer (H200, the paper's shape, 8
    units per program). The grid is (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes
    the ordered positions g, 2G-1-g, 2G+g, 4G-1-g, ... (a snake over rounds of G, so every program
    gets one unit of each round: balanced totals) and walks all their steps in ONE flat loop of
-   sum_j max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one empty step that stores its
-   zeros). The step -> (unit, first entry) map is a handful of reductions over the program's UNITS
+   sum_j max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one empty step that stores
+   its zeros). The step -> (unit, first entry) map is a handful of reductions over the program's UNITS
    slots (one-hot on first_step <= i < last_step), so no work depends on data-dependent control
    flow. A unit's sum is never split across programs: deterministic given the entry order, no
    atomics, no scratch. The D slice is the slow grid axis: all units of one slice run together, so
@@ -139,6 +139,7 @@ _MAX_DET_BLOCKS = 1024  # deterministic slots_by_unit: row blocks at most ([n_bl
 _MIN_DET_ROWS = 16      # ... and rows per block at least
 _SLOT_LANES = 2048      # [BLOCK_T, BLOCK_S] slots per step of the slot kernels
 _SLOT_WARPS = 2        # one row per program, ~29 valid slots: small programs, more rows in flight per SM
+                       # (H200, M = 16384, cold L2: slots_by_unit 0.215 ms on 2 warps, 0.316 ms on 4)
 _PREFIX_BLOCKS = 64    # [blocks, units] tile of _block_prefix_kernel: 64 x 32 int32, 128-byte rows
 _PREFIX_UNITS = 32
 _ORDER_UNITS = 16      # units per program of _unit_offsets_kernel ([16, 512] comparisons per step)
@@ -148,7 +149,6 @@ _ORDER_STEP = 512
 # radix argsort ~20 µs of GPU time at any H, but ~8 torch calls of host work (~0.25 ms per step on
 # the lent hosts).
 _RANK_MAX_UNITS = 8192
-                       # (H200, M = 16384, cold L2: slots_by_unit 0.215 ms on 2 warps, 0.316 ms on 4)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -723,13 +723,12 @@ def launch_unit_weight_grads(
 
 def sm90_compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for the slot histogram, the block prefix,
-    the unit offsets / order and both scatters (int32 and int64
-    indices; tile 256 / slots 32 and tile 64 / slots 4 blocks; without coefficients, with the
-    non-gated and with the gated ones: bf16 values with int32 indices, fp16 with int64), and the
-    weight-gradient kernel for bf16 / fp16, gated / non-gated, int32 / int64 entries, D = 2048
-    (aligned, one shared int32 row offset, the default config: 8 entries per step, BLOCK_D 1024,
-    4 warps) and D = 100 (unaligned, masked along D, separate int64 row offsets), with the
-    launcher's options."""
+    the unit offsets / order and both scatters (int32 and int64 indices; tile 256 / slots 32 and
+    tile 64 / slots 4 blocks; without coefficients, with the non-gated and with the gated ones:
+    bf16 values with int32 indices, fp16 with int64), and the weight-gradient kernel for bf16 /
+    fp16, gated / non-gated, int32 / int64 entries, D = 2048 (aligned, one shared int32 row offset,
+    the default config: 8 entries per step, BLOCK_D 1024, 4 warps) and D = 100 (unaligned, masked
+    along D, separate int64 row offsets), with the launcher's options."""
     specs = []
 
     def add(fn, signature, constexprs, options):
@@ -756,8 +755,8 @@ def sm90_compile_specs(with_options: bool = False):
             moved.update({name: "*fp32" if coefficients else f"*{ty}" for name in (
                 "u_ptr", "du_ptr", "dg_ptr", "dg_out_ptr", "h_out_ptr", "du_out_ptr")})
             add(_unit_scatter_kernel,
-                {**common, "offsets_ptr": f"*{ty}", "cursor_ptr": f"*{ty}", "entries_ptr": f"*{ty}", **moved, **sizes,
-                 "rows_per_program": "i32"},
+                {**common, "offsets_ptr": f"*{ty}", "cursor_ptr": f"*{ty}", "entries_ptr": f"*{ty}", **moved,
+                 **sizes, "rows_per_program": "i32"},
                 {"SERIAL": serial, "COEFFICIENTS": coefficients, "BLOCK_T": block_t, "BLOCK_S": block_s},
                 {"num_warps": _SLOT_WARPS})
     for ty, gated, (d, aligned), index in itertools.product(
