@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import sparseffn
 from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.bench.timing import cuda_graphed
 from sparseffn.ops.reference import mlp_activation_reference
 from sparseffn.ops.sparse_mlp import choose_mode
 from sparseffn.ops.train_mlp import sparse_mlp_train_bwd, sparse_mlp_train_fwd
@@ -247,15 +248,7 @@ def test_training_step_replays_in_a_cuda_graph(monkeypatch, rank_kernel):
         return torch.autograd.grad([y, l1], params, [dy, torch.ones_like(l1)])
 
     eager = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up off the default stream, as capture requires
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
+    captured = cuda_graphed(step, torch.device("cuda"))()
     torch.cuda.synchronize()
     for a, b in zip(eager, captured):
         assert _err(b, a) < 1e-2

@@ -530,7 +530,6 @@ def launch_slots_by_unit(
     n = m * n_tiles * slots
     index = _index_dtype(n)
     offsets = torch.empty(h + 1, dtype=index, device=dev)
-    order = torch.empty(h, dtype=torch.int32, device=dev)
     entries = torch.empty(n, dtype=index, device=dev)
     coef = torch.empty(n_coef, n, dtype=torch.float32, device=dev) if n_coef else None
     rows_per_block = _det_rows_per_block(m) if deterministic else max(m, 1)
@@ -548,6 +547,7 @@ def launch_slots_by_unit(
                                                         BLOCK_H=_PREFIX_UNITS, num_warps=4)
     unit_counts = hist[n_blocks] if deterministic else hist[0]
     if h <= _RANK_MAX_UNITS:
+        order = torch.empty(h, dtype=torch.int32, device=dev)
         _unit_offsets_launch[(cdiv(h, _ORDER_UNITS),)](unit_counts, offsets, order, h, BLOCK_J=_ORDER_UNITS,
                                                         BLOCK_K=_ORDER_STEP, num_warps=4)
     else:  # the same offsets and order from torch (a device fill: no host copy under graph capture)
