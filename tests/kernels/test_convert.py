@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseffn.kernels.convert import convert, sm90_compile_specs
+from sparseffn.kernels.convert import convert, compile_specs
 
 pytestmark = pytest.mark.filterwarnings(  # triton's interpreter turns 1-element arrays into ints
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
@@ -63,8 +63,8 @@ def test_convert_input_errors(args, error, match):
         convert(torch.zeros(2, 2), torch.bfloat16, transpose=1)
 
 
-def test_sm90_compile_specs_cover_both_dtypes_and_layouts():
-    specs = sm90_compile_specs(with_options=True)
+def test_compile_specs_cover_both_dtypes_and_layouts():
+    specs = compile_specs(with_options=True)
     pairs = [("*fp32", "*bf16"), ("*fp32", "*fp16"), ("*bf16", "*bf16"), ("*fp16", "*fp16")]
     assert {(s["src_ptr"], s["dst_ptr"], c["TRANSPOSE"]) for _, s, c, _ in specs} == {
         (a, b, t) for a, b in pairs for t in (False, True)}

@@ -28,7 +28,7 @@ from sparseffn.kernels.dense_rows_mlp import (
     _compact_rows_kernel,
     default_config,
     dense_rows_mlp,
-    sm90_compile_specs,
+    compile_specs,
 )
 from tests.kernels.jit import do_not_specialize, positional_args
 
@@ -563,12 +563,12 @@ def test_config_validation_and_default():
         assert c.block_dy * c.block_r // (32 * c.num_warps) <= 32
 
 
-def test_sm90_compile_specs_cover_launcher_variants():
-    """The sm_90a compile list (tests/kernels/sm90_compile.py) has the scan and the MLP kernel for
+def test_compile_specs_cover_launcher_variants():
+    """The GPU compile list (tests/kernels/gpu_compile.py) has the scan and the MLP kernel for
     both dtypes, gated and not, threshold on and off, aligned and generic loads, and the row_l1
     variants (aligned) of the training forward."""
     seen = set()
-    for fn, signature, constexprs in sm90_compile_specs():
+    for fn, signature, constexprs in compile_specs():
         assert set(constexprs) <= {k for k, v in signature.items() if v == "constexpr"}
         if fn is _compact_rows_kernel:
             seen.add("scan")
@@ -579,7 +579,7 @@ def test_sm90_compile_specs_cover_launcher_variants():
     for ty, gated, thr, aligned in itertools.product(("*bf16", "*fp16"), (True, False), (True, False), (True, False)):
         assert (ty, gated, thr, aligned, False) in seen
         assert not aligned or (ty, gated, thr, aligned, True) in seen
-    assert all(len(spec) == 4 for spec in sm90_compile_specs(with_options=True))
+    assert all(len(spec) == 4 for spec in compile_specs(with_options=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -34,7 +34,7 @@ from sparseffn.kernels.dense_rows_mlp_backward import (
     _dense_rows_mlp_backward_dx_kernel,
     default_backward_config,
     dense_rows_mlp_backward,
-    sm90_compile_specs,
+    compile_specs,
 )
 from tests.kernels.jit import do_not_specialize, positional_args
 
@@ -601,11 +601,11 @@ def test_config_validation_and_default():
     assert default_backward_config(16, cuda=True).block_dx == 64  # the wgmma minimum
 
 
-def test_sm90_compile_specs_cover_launcher_variants():
-    """The sm_90a compile list has both kernels for both dtypes, gated and not, threshold on and
+def test_compile_specs_cover_launcher_variants():
+    """The GPU compile list has both kernels for both dtypes, gated and not, threshold on and
     off, with and without l1_grad, aligned (the only CUDA path)."""
     seen = set()
-    for fn, signature, constexprs in sm90_compile_specs():
+    for fn, signature, constexprs in compile_specs():
         assert set(constexprs) <= {k for k, v in signature.items() if v == "constexpr"}
         assert constexprs["ALIGNED"] and not constexprs["DOT_IN_FP32"]
         seen.add((fn.__name__, signature["x_ptr"], constexprs["GATED"], constexprs["HAS_THRESHOLD"],
@@ -614,7 +614,7 @@ def test_sm90_compile_specs_cover_launcher_variants():
         for ty, gated, thr in itertools.product(("*bf16", "*fp16"), (True, False), (True, False)):
             assert (fn.__name__, ty, gated, thr, True) in seen
             assert (fn.__name__, ty, gated, True, False) in seen
-    assert all(len(spec) == 4 for spec in sm90_compile_specs(with_options=True))
+    assert all(len(spec) == 4 for spec in compile_specs(with_options=True))
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

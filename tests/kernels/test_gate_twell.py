@@ -405,3 +405,33 @@ def test_gpu_variants(dtype, tile, slots):
     strided.copy_(x)
     _run(strided, w, theta, tile, slots)
     _run(x[:, ::2].contiguous().T.contiguous().T, w[:, ::2].contiguous(), theta, tile, slots)
+
+
+@pytest.mark.parametrize("arch", [(8, 0), (8, 6), (8, 9)], ids=lambda a: f"sm{a[0]}{a[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_portable_path_matches_the_native_one(arch, dtype):
+    """The code path of older GPUs (bf16 compared as fp32, no TMA, configs shrunk to their shared
+    memory) forced on this device: the same packing as the native path, within the reference's
+    tolerance, and bit for bit where the config is the same (sm_80 keeps Hopper's)."""
+    gen = torch.Generator().manual_seed(23)
+    m, d, h = (300, 256, 700) if CUDA else (40, 72, 300)
+    x, w, theta = _data(m, d, h, dtype, "per_neuron", gen)
+    tile, slots = (256, 32) if CUDA else (64, 8)
+    native = _run(x, w, theta, tile, slots)
+    portable = _run(x, w, theta, tile, slots, arch=arch)
+    if arch == (8, 0) or not CUDA:
+        assert _same_packing(native, portable)
+    assert default_config(d, h, dtype, 256, cuda=True, arch=arch).num_stages >= 2
+    with pytest.raises(ValueError, match="arch must be"):
+        gate_twell(x, w, theta, tile=tile, slots=slots, arch=(12, 0))
+
+
+def test_default_configs_fit_every_generation():
+    from sparseffn.kernels._runtime import COMPILE_TARGETS
+
+    for arch, limit in COMPILE_TARGETS.items():
+        for tile in (32, 64, 128, 256):
+            cfg = default_config(2048, 5632, torch.bfloat16, tile, cuda=True, arch=arch)
+            assert cfg.num_stages * (cfg.block_m + tile) * cfg.block_k * 2 <= limit - 8 * 1024
+    assert default_config(2048, 5632, torch.bfloat16, 256, cuda=True) == \
+        default_config(2048, 5632, torch.bfloat16, 256, cuda=True, arch=(10, 0))

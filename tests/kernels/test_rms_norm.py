@@ -25,7 +25,7 @@ from sparseffn.kernels.rms_norm import (
     default_config,
     rms_norm_backward,
     rms_norm_forward,
-    sm90_compile_specs,
+    compile_specs,
 )
 from sparseffn.ops.fused_norm_rope import rms_norm, rms_norm_op, rms_norm_reference
 from tests.kernels.jit import do_not_specialize
@@ -306,8 +306,8 @@ def test_compiled_variants_do_not_depend_on_m():
     assert default_config(16384, cuda=True).block_m == 1
 
 
-def test_sm90_specs_cover_every_dtype_pair():
-    specs = sm90_compile_specs(with_options=True)
+def test_compile_specs_cover_every_dtype_pair():
+    specs = compile_specs(with_options=True)
     seen = {(fn.__name__, sig["x_ptr"], sig["weight_ptr"]) for fn, sig, _, _ in specs}
     names = {"bf16": bf16, "fp16": fp16, "fp32": fp32}
     for kernel, (x_ty, w_ty) in itertools.product((_rms_norm_forward_kernel, _rms_norm_backward_kernel),

@@ -21,7 +21,7 @@ from sparseffn.kernels.rope import (
     empty_like_layout,
     rope_backward,
     rope_forward,
-    sm90_compile_specs,
+    compile_specs,
 )
 from sparseffn.ops.fused_norm_rope import apply_rope, rope_op, rope_reference
 from tests.kernels.jit import do_not_specialize
@@ -272,8 +272,8 @@ def test_compiled_variants_do_not_depend_on_batch_or_sequence():
     assert default_config(32, 8, 64, cuda=True) == RopeConfig(block_s=2, block_hq=32, block_hk=8, num_warps=4)
 
 
-def test_sm90_specs_cover_dtypes_and_directions():
-    specs = sm90_compile_specs(with_options=True)
+def test_compile_specs_cover_dtypes_and_directions():
+    specs = compile_specs(with_options=True)
     seen = {(sig["q_ptr"], sig["cos_ptr"], sig["q_out_ptr"], cx["BACKWARD"]) for _, sig, cx, _ in specs}
     for ty in ("bf16", "fp16", "fp32"):
         for backward in (False, True):

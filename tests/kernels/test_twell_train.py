@@ -25,7 +25,7 @@ from sparseffn.kernels.twell_train import (
     _twell_train_forward_kernel,
     default_backward_config,
     default_forward_config,
-    sm90_compile_specs,
+    compile_specs,
     twell_train_backward,
     twell_train_forward,
 )
@@ -488,10 +488,10 @@ def test_m_adds_no_specialization():
         assert positional_args(fn) == ("d",)
 
 
-def test_sm90_compile_specs_cover_launcher_variants():
+def test_compile_specs_cover_launcher_variants():
     """Both kernels, both dtypes, gated and not, aligned and not, whole-D and split-D programs;
     the constexprs named in every signature; options carry the launch's warps."""
-    specs = sm90_compile_specs(with_options=True)
+    specs = compile_specs(with_options=True)
     seen = set()
     for fn, signature, constexprs, options in specs:
         assert set(constexprs) == {k for k, v in signature.items() if v == "constexpr"}
@@ -504,7 +504,7 @@ def test_sm90_compile_specs_cover_launcher_variants():
             for gated in (True, False):
                 assert {(fn, ty, gated, True, True), (fn, ty, gated, False, True),
                         (fn, ty, gated, True, False)} <= seen
-    assert len(sm90_compile_specs()[0]) == 3
+    assert len(compile_specs()[0]) == 3
 
 
 def test_small_config_exercises_every_loop():

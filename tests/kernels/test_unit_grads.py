@@ -27,7 +27,7 @@ from sparseffn.kernels.unit_grads import (
     _unit_histogram_kernel,
     _unit_scatter_kernel,
     default_unit_grads_config,
-    sm90_compile_specs,
+    compile_specs,
     SlotCoefficients,
     SlotsByUnit,
     slots_by_unit,
@@ -536,8 +536,8 @@ def test_m_adds_no_specialization():
     assert positional_args(default_unit_grads_config) == ("d",)  # the weight-gradient config: D only
 
 
-def test_sm90_compile_specs_cover_launcher_variants():
-    specs = sm90_compile_specs(with_options=True)
+def test_compile_specs_cover_launcher_variants():
+    specs = compile_specs(with_options=True)
     names = {fn.__name__ for fn, *_ in specs}
     assert names == {"_unit_histogram_kernel", "_block_prefix_kernel", "_unit_offsets_kernel", "_unit_scatter_kernel",
                      "_unit_weight_grads_kernel"}

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Activation dtypes every kernel takes, and their names in Triton signatures (sm_90a compile specs).
+# Activation dtypes every kernel takes, and their names in Triton signatures (GPU compile specs).
 DTYPES = (torch.bfloat16, torch.float16)
 TL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -41,6 +41,50 @@ def next_power_of_2(n: int) -> int:
 def interpreting() -> bool:
     """Whether Triton runs kernels on CPU tensors (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# GPU generations by compute capability. The kernels need bf16 tensor cores (8.0+); Hopper-only
+# instructions (TMA descriptors, PTX bf16 compares) sit behind `capability >= HOPPER` switches.
+MIN_CAPABILITY = (8, 0)
+HOPPER = (9, 0)
+# The GPUs whose kernels were run and timed (the H200): auto mode takes the sparse path only there.
+VALIDATED_CAPABILITIES = frozenset({HOPPER})
+# Targets every kernel spec is compiled for in CI (tests/kernels/gpu_compile.py), with the largest
+# shared memory one program may take there (opt-in limit per block, bytes): A100, A10/RTX 30, L4/L40/
+# RTX 40, H100/H200, B200, RTX 50.
+COMPILE_TARGETS = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024,
+                   (10, 0): 227 * 1024, (12, 0): 99 * 1024}
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device (cached); HOPPER for CPU tensors, which only
+    the interpreter runs (its code paths do not depend on the capability)."""
+    if device.type != "cuda":
+        return HOPPER
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+def shared_memory_limit(cap: tuple[int, int]) -> int:
+    """Shared memory one program may use on a GPU of capability `cap` (bytes; the smallest of a
+    generation's chips when the exact one is not listed)."""
+    if cap in COMPILE_TARGETS:
+        return COMPILE_TARGETS[cap]
+    same_major = [v for (major, _), v in COMPILE_TARGETS.items() if major == cap[0]]
+    return min(same_major) if same_major else min(COMPILE_TARGETS.values())
+
+
+def check_capability(device: torch.device, what: str = "the sparse kernels") -> None:
+    """NotImplementedError naming the capability when `device` is a GPU older than MIN_CAPABILITY."""
+    if device.type == "cuda" and capability(device) < MIN_CAPABILITY:
+        major, minor = capability(device)
+        raise NotImplementedError(
+            f"{what} need a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later (bf16 tensor "
+            f"cores: A100, A10, L4, H100 and newer); {torch.cuda.get_device_name(device)} is {major}.{minor}")
 
 
 @functools.lru_cache(maxsize=None)

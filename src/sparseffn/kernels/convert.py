@@ -29,7 +29,7 @@ import triton.language as tl
 from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, cdiv
 from sparseffn.kernels.launch import Launcher
 
-__all__ = ["convert", "sm90_compile_specs"]
+__all__ = ["convert", "compile_specs"]
 
 _BLOCK = 64  # BLOCK_R = BLOCK_C: a 16 KB fp32 (8 KB bf16) tile per program
 _WARPS = 4
@@ -79,7 +79,7 @@ def convert(src: torch.Tensor, dtype: torch.dtype, *, transpose: bool = False) -
     return dst
 
 
-def sm90_compile_specs(with_options: bool = False):
+def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for fp32 sources to both output dtypes and
     each dtype to itself, plain and transposed."""
     specs = []

@@ -100,12 +100,12 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import (
-    DTYPES, TL_DTYPES, cdiv, check_config_fields, interpreting, mma, next_power_of_2, num_sms,
+    DTYPES, TL_DTYPES, cdiv, check_capability, check_config_fields, interpreting, mma, next_power_of_2, num_sms,
 )
 from sparseffn.kernels.launch import Launcher
 from sparseffn.kernels.row_split import check_row_list
 
-__all__ = ["DenseRowsConfig", "compact_rows", "default_config", "dense_rows_mlp", "sm90_compile_specs"]
+__all__ = ["DenseRowsConfig", "compact_rows", "default_config", "dense_rows_mlp", "compile_specs"]
 
 _FLAG_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _COMPACT_BLOCK = 2048  # flags per step of the one-program scan
@@ -366,6 +366,7 @@ def check_rows_and_weights(x, row_flags, gate_weight, up_weight, down_weight_t, 
         raise TypeError(f"x must be torch.bfloat16 or torch.float16, got {x.dtype}")
     if not x.is_cuda and not interpreting():
         raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
+    check_capability(x.device)
     m, d = x.shape
     if m >= 2**31:
         raise ValueError(f"x must have fewer than 2**31 rows, got {m}")
@@ -576,10 +577,10 @@ def cuda_supported(d: int, *weights: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------
-# sm_90a compile coverage (tests/kernels/sm90_compile.py)
+# GPU compile coverage (tests/kernels/gpu_compile.py)
 
 
-def sm90_compile_specs(with_options: bool = False):
+def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs) for what the launcher runs on a Hopper GPU: the
     compaction scan, and the MLP kernel for bf16/fp16 x gated/non-gated x threshold on/off at the
     default configs of D = 2048 (aligned: 16-byte vectors; BLOCK_DY 512, 8 warps), D = 72
@@ -587,7 +588,7 @@ def sm90_compile_specs(with_options: bool = False):
     without row_l1, plus the row_l1 variants (the training forward) at D = 2048.
 
     with_options=True appends each variant's compile options (num_warps, num_stages) as a 4th
-    element; sm90_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
+    element; gpu_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
     """
     specs = []
 

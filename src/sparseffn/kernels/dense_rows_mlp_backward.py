@@ -128,7 +128,7 @@ __all__ = [
     "DenseRowsBackwardConfig",
     "default_backward_config",
     "dense_rows_mlp_backward",
-    "sm90_compile_specs",
+    "compile_specs",
 ]
 
 
@@ -763,10 +763,10 @@ def launch_dense_rows_backward(
 
 
 # ----------------------------------------------------------------------------------------------------
-# sm_90a compile coverage (tests/kernels/sm90_compile.py)
+# GPU compile coverage (tests/kernels/gpu_compile.py)
 
 
-def sm90_compile_specs(with_options: bool = False):
+def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs) for what the launcher runs on a Hopper GPU, aligned
     (the only CUDA path): both kernels for bf16/fp16 x gated/non-gated x threshold on/off with
     l1_grad (what the training op passes) at the default config of D = 2048 (dx slices of 256),
@@ -774,7 +774,7 @@ def sm90_compile_specs(with_options: bool = False):
     The compaction scan is compiled by kernels/dense_rows_mlp.py's list.
 
     with_options=True appends each variant's compile options (num_warps, num_stages) as a 4th
-    element; sm90_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
+    element; gpu_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
     """
     specs = []
 

@@ -72,6 +72,7 @@ low-precision `tl.dot` is wrong there; results then differ from the GPU by summa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -81,7 +82,8 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, cdiv, interpreting, num_sms
+from sparseffn.kernels._runtime import (DTYPES, HOPPER, TL_DTYPES, capability, cdiv, check_capability, interpreting,
+                                        num_sms, shared_memory_limit)
 from sparseffn.kernels.launch import Launcher
 
 SUPPORTED_TILES = (32, 64, 128, 256)
@@ -163,7 +165,8 @@ def _store_i32(ptrs, value, keep, ASM_STORES: tl.constexpr):
 
 
 @triton.jit
-def _pack_lanes(v, slot, limit, value_rows, column_rows, COL: tl.constexpr, ASM_STORES: tl.constexpr):
+def _pack_lanes(v, slot, limit, value_rows, column_rows, COL: tl.constexpr, ASM_STORES: tl.constexpr,
+                NATIVE_BF16: tl.constexpr):
     """One accumulator register per row and lane: v [BLOCK_M, 4] holds tile column COL + 2q in
     lane q. Stores the active entries whose slot < limit; returns `slot` advanced past them."""
     cols = tl.broadcast_to((tl.arange(0, 4) * 2 + COL).to(tl.int16)[None, :], v.shape)
@@ -175,13 +178,17 @@ def _pack_lanes(v, slot, limit, value_rows, column_rows, COL: tl.constexpr, ASM_
         # shared memory), and a plain `v > 0` is merged by LLVM with the counting pass into bit
         # masks that cost more to unpack per element than this compare.
         if v.dtype == tl.bfloat16:
-            test: tl.constexpr = "setp.gtu.bf16 pa, $1, zero;"  # > 0 or NaN
+            if NATIVE_BF16:  # sm_90 and later
+                test: tl.constexpr = "setp.gtu.bf16 pa, $1, zero;"  # > 0 or NaN
+            else:  # the bf16 bits as the high half of an fp32: the same value, compared as fp32
+                test: tl.constexpr = "mov.b32 wide, {zero, $1}; setp.gtu.f32 pa, wide, 0f00000000;"
         else:
             test: tl.constexpr = "setp.gtu.f16 pa, $1, zero;"
         inc = tl.inline_asm_elementwise(
             asm="""{
             .reg .pred pa, pk;
             .reg .b16 zero;
+            .reg .b32 wide;
             mov.b16 zero, 0;
             """
             + test
@@ -214,7 +221,8 @@ def _pack_lanes(v, slot, limit, value_rows, column_rows, COL: tl.constexpr, ASM_
 
 
 @triton.jit
-def _pack_columns(p, slot, limit, value_rows, column_rows, COL0: tl.constexpr, ASM_STORES: tl.constexpr):
+def _pack_columns(p, slot, limit, value_rows, column_rows, COL0: tl.constexpr, ASM_STORES: tl.constexpr,
+                  NATIVE_BF16: tl.constexpr):
     """Store the active entries of p [BLOCK_M, W] (tile columns COL0 .. COL0 + W, W >= 8 a power
     of two).
 
@@ -227,18 +235,19 @@ def _pack_columns(p, slot, limit, value_rows, column_rows, COL0: tl.constexpr, A
     W: tl.constexpr = p.shape[1]
     if W > 8:
         lo, hi = _halves(p)
-        slot = _pack_columns(lo, slot, limit, value_rows, column_rows, COL0, ASM_STORES)
-        slot = _pack_columns(hi, slot, limit, value_rows, column_rows, COL0 + W // 2, ASM_STORES)
+        slot = _pack_columns(lo, slot, limit, value_rows, column_rows, COL0, ASM_STORES, NATIVE_BF16)
+        slot = _pack_columns(hi, slot, limit, value_rows, column_rows, COL0 + W // 2, ASM_STORES, NATIVE_BF16)
     else:
         even, odd = tl.split(tl.reshape(p, (p.shape[0], 4, 2)))  # [BLOCK_M, 4]: columns COL0 + 2q, + 1
-        slot = _pack_lanes(even, slot, limit, value_rows, column_rows, COL0, ASM_STORES)
-        slot = _pack_lanes(odd, slot, limit, value_rows, column_rows, COL0 + 1, ASM_STORES)
+        slot = _pack_lanes(even, slot, limit, value_rows, column_rows, COL0, ASM_STORES, NATIVE_BF16)
+        slot = _pack_lanes(odd, slot, limit, value_rows, column_rows, COL0 + 1, ASM_STORES, NATIVE_BF16)
     return slot
 
 
 @triton.jit
 def _epilogue(p, rows, cols, pid_n, num_pid_n, values_ptr, columns_ptr, counts_ptr, M, H,
-              SLOTS: tl.constexpr, MODE: tl.constexpr, SCAN_EPILOGUE: tl.constexpr, ASM_STORES: tl.constexpr):
+              SLOTS: tl.constexpr, MODE: tl.constexpr, SCAN_EPILOGUE: tl.constexpr, ASM_STORES: tl.constexpr,
+              NATIVE_BF16: tl.constexpr):
     """Pack the [BLOCK_M, BLOCK_N] tile p (activation dtype, accumulator layout) of rows `rows`
     and N-tile pid_n. Rows past M can be active (θ < 0): every store is masked by row."""
     BLOCK_M: tl.constexpr = p.shape[0]
@@ -273,7 +282,8 @@ def _epilogue(p, rows, cols, pid_n, num_pid_n, values_ptr, columns_ptr, counts_p
         # Lane q owns slots [slot, slot + lane_counts) and walks its columns in ascending order, so
         # columns past H (counted in no lane) come last and stop at the lane's limit.
         limit = tl.minimum(tl.where(row_ok, SLOTS, 0)[:, None], slot + lane_counts)  # [BLOCK_M, 4]
-        _pack_columns(p, slot, limit, (values_ptr + slot0)[:, None], (columns_ptr + slot0)[:, None], 0, ASM_STORES)
+        _pack_columns(p, slot, limit, (values_ptr + slot0)[:, None], (columns_ptr + slot0)[:, None], 0, ASM_STORES,
+                      NATIVE_BF16)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -301,6 +311,7 @@ def _gate_twell_kernel(
     FLATTEN: tl.constexpr,  # flatten the tile and k loops (persistent grid)
     SCAN_EPILOGUE: tl.constexpr,  # reference epilogue: tl.cumsum, slots in column order
     ASM_STORES: tl.constexpr,  # epilogue stores by inline PTX (GPU) instead of tl.store
+    NATIVE_BF16: tl.constexpr,  # the PTX compares bf16 natively (sm_90+), else as fp32
     DOT_IN_FP32: tl.constexpr,  # interpreter: its low-precision tl.dot is wrong
 ):
     tl.assume(D > 0)  # one main loop, no zero-trip copy of the epilogue
@@ -347,7 +358,7 @@ def _gate_twell_kernel(
             acc = acc - theta[None, :]
         p = acc.to(out_dtype)  # [BLOCK_M, BLOCK_N] activation dtype
         _epilogue(p, rows, cols, pid_n, num_pid_n, values_ptr, columns_ptr, counts_ptr, M, H,
-                  SLOTS, MODE, SCAN_EPILOGUE, ASM_STORES)
+                  SLOTS, MODE, SCAN_EPILOGUE, ASM_STORES, NATIVE_BF16)
 
 
 _gate_twell_launch = Launcher(_gate_twell_kernel)
@@ -401,24 +412,40 @@ class GateTwellConfig:
 
 
 @functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_config(d: int, h: int, dtype: torch.dtype, tile: int, *, cuda: bool) -> GateTwellConfig:
-    """Deterministic config from (D, H, dtype, tile), never M (M must add no compiled variants).
+def default_config(d: int, h: int, dtype: torch.dtype, tile: int, *, cuda: bool,
+                   arch: tuple[int, int] = HOPPER) -> GateTwellConfig:
+    """Deterministic config from (D, H, dtype, tile, GPU generation), never M (M must add no
+    compiled variants).
 
     Hopper: BLOCK_M 128, BLOCK_K 64; 8 warps (two wgmma warpgroups, 64 rows each) for tiles 256
     and 128, whose fp32 accumulator is then 128 / 64 registers per thread; 3 stages at tile 256
-    (144 KiB of shared memory), 4 below; never more stages than k-steps. bf16 and fp16 cost the
-    same and H does not change the choice (both are kept in the signature for future rules).
-    Interpreter: big blocks, since each block operation is one numpy call.
+    (144 KiB of shared memory), 4 below; never more stages than k-steps. Other generations take the
+    same shape with fewer stages, then 64-row blocks, until the pipeline buffers fit their shared
+    memory (`_runtime.shared_memory_limit`). bf16 and fp16 cost the same and H does not change the
+    choice. Interpreter: big blocks, since each block operation is one numpy call.
     """
     del dtype, h
     if not cuda:
         return GateTwellConfig(block_m=64, block_k=64, group_m=2, num_warps=4, num_stages=1)
     k_tiles = max(1, -(-d // 64))
-    if tile == 256:
-        return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=8, num_stages=min(3, max(2, k_tiles)))
-    if tile == 128:
-        return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=8, num_stages=min(4, max(2, k_tiles)))
-    return GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=4, num_stages=min(4, max(2, k_tiles)))
+    hopper = GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=8 if tile >= 128 else 4,
+                             num_stages=min(3 if tile == 256 else 4, max(2, k_tiles)))
+    return fit_shared_memory(hopper, tile, arch)
+
+
+def fit_shared_memory(config: GateTwellConfig, tile: int, arch: tuple[int, int]) -> GateTwellConfig:
+    """`config` with fewer pipeline stages (down to 2), then 64-row blocks, until its buffers fit the
+    shared memory of a GPU of capability `arch`, with 8 KiB to spare for the epilogue and compiler."""
+    budget = shared_memory_limit(arch) - 8 * 1024
+
+    def need(c):
+        return c.num_stages * (c.block_m + tile) * c.block_k * 2
+
+    while config.num_stages > 2 and need(config) > budget:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    if need(config) > budget and config.block_m > 64:
+        config = dataclasses.replace(config, block_m=64)
+    return config
 
 
 # Few tokens (1 <= M <= FEW_TOKENS on a GPU). The packing GEMM's grid is one program per (row block
@@ -483,6 +510,7 @@ def _check_inputs(x, weight, threshold, tile, slots, mode, config):
         raise ValueError(f"weight must have unit stride along D (e.g. be contiguous), got strides {weight.stride()}")
     if not x.is_cuda and not interpreting():
         raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
+    check_capability(x.device)
     if threshold is not None:
         if not isinstance(threshold, torch.Tensor):
             raise TypeError(f"threshold must be None or a torch.Tensor, got {type(threshold).__name__}")
@@ -514,6 +542,7 @@ def gate_twell(
     config: GateTwellConfig | None = None,
     mode: str = "pack",
     few_tokens: bool | None = None,
+    arch: tuple[int, int] | None = None,
 ):
     """p = relu(x @ weight^T - threshold), packed into TwELL's (values, columns, counts).
 
@@ -526,7 +555,9 @@ def gate_twell(
     mode: "pack"; "dense" returns the dense [M, H] relu output instead of the triple (the first
     step of few-token calls, and a diagnostic); "counts" (only counts is written) is a diagnostic.
     few_tokens: pack through the dense output (FEW_TOKENS above): None = for 1 <= M <= FEW_TOKENS on
-    a GPU when mode, config, persistent and tma are left at their defaults.
+    a GPU when mode, config, persistent and tma are left at their defaults. arch: the GPU generation
+    whose code path and configs to use (None: the device's); an older one than the device runs that
+    generation's portable path (no TMA, no native bf16 compare), which is how it is tested on Hopper.
     """
     _check_inputs(x, weight, threshold, tile, slots, mode, config)
     m = x.shape[0]
@@ -536,12 +567,15 @@ def gate_twell(
     elif few_tokens and (mode != "pack" or config is not None or persistent or tma):
         raise ValueError("few_tokens=True packs with its own launches: it takes mode='pack' and no config, "
                          "persistent or tma")
+    if arch is not None and (not isinstance(arch, tuple) or len(arch) != 2 or arch > capability(x.device)):
+        raise ValueError(f"arch must be None or a (major, minor) capability no newer than the device's "
+                         f"{capability(x.device)}, got {arch!r}")
     if few_tokens and m:
-        return _pack_few_tokens(x, weight, threshold, tile, slots)
-    return _launch(x, weight, threshold, tile, slots, persistent, tma, config, mode)
+        return _pack_few_tokens(x, weight, threshold, tile, slots, arch)
+    return _launch(x, weight, threshold, tile, slots, persistent, tma, config, mode, arch)
 
 
-def _launch(x, weight, threshold, tile, slots, persistent, tma, config, mode):
+def _launch(x, weight, threshold, tile, slots, persistent, tma, config, mode, arch=None):
     """The packing GEMM (or its diagnostic modes) on checked arguments: gate_twell's contract."""
     m, d = x.shape
     h = weight.shape[0]
@@ -553,15 +587,18 @@ def _launch(x, weight, threshold, tile, slots, persistent, tma, config, mode):
         x = x.new_zeros((m, 1))
         weight = weight.new_zeros((h, 1))
         d = 1
+    cap = arch if arch is not None else capability(x.device)
     if tma is None:
-        tma = persistent and cuda and _tma_ok(x, weight)
+        tma = persistent and cuda and cap >= HOPPER and _tma_ok(x, weight)
+    elif tma and cuda and cap < HOPPER:
+        raise ValueError(f"tma=True needs a GPU of compute capability 9.0 or later (TMA), this one is {cap[0]}.{cap[1]}")
     elif tma and not _tma_ok(x, weight):
         raise ValueError(
             "tma=True needs x and weight with unit stride along D and 16-byte aligned bases and row strides, "
             f"got strides {x.stride()} and {weight.stride()}"
         )
     if config is None:
-        config = default_config(d, h, x.dtype, tile, cuda=cuda)
+        config = default_config(d, h, x.dtype, tile, cuda=cuda, arch=cap)
     if threshold is not None:
         threshold = threshold.contiguous()
 
@@ -610,6 +647,7 @@ def _launch(x, weight, threshold, tile, slots, persistent, tma, config, mode):
         FLATTEN=persistent,
         SCAN_EPILOGUE=config.scan_epilogue,
         ASM_STORES=config.asm_stores and not interpret,
+        NATIVE_BF16=cap >= HOPPER,
         DOT_IN_FP32=interpret,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -617,7 +655,7 @@ def _launch(x, weight, threshold, tile, slots, persistent, tma, config, mode):
     return values if mode == "dense" else (values, columns, counts)
 
 
-def _pack_few_tokens(x, weight, threshold, tile, slots):
+def _pack_few_tokens(x, weight, threshold, tile, slots, arch):
     """gate_twell of a few-token call: the dense relu output in N-blocks of 32 columns, then one
     packing program per (row, tile). Same TwELL (slots in column order)."""
     m, d = x.shape
@@ -625,7 +663,7 @@ def _pack_few_tokens(x, weight, threshold, tile, slots):
     n_tiles = cdiv(h, tile)
     # dense mode writes no slots (SLOTS only has to be a valid count for tile 32)
     p = _launch(x, weight, threshold, _FEW_TOKENS_BLOCK_N, _FEW_TOKENS_BLOCK_N, False, None,
-                few_tokens_config(d, m), "dense")
+                few_tokens_config(d, m), "dense", arch)
     values = torch.empty((m, n_tiles, slots), dtype=x.dtype, device=x.device)
     columns = torch.empty((m, n_tiles, slots), dtype=torch.int16, device=x.device)
     counts = torch.empty((m, n_tiles), dtype=torch.int32, device=x.device)
@@ -635,24 +673,26 @@ def _pack_few_tokens(x, weight, threshold, tile, slots):
 
 
 # ----------------------------------------------------------------------------------------------------
-# sm_90a compile coverage (tests/kernels/sm90_compile.py)
+# GPU compile coverage (tests/kernels/gpu_compile.py)
 
 
-def sm90_compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs) for every variant gate_twell launches on a Hopper GPU:
-    bf16/fp16 x threshold on/off x {persistent + TMA, one tile per program with pointers} at the
-    default tile-256 and tile-128 configs, the few-token dense output and packing kernels, plus
-    tiles 64 and 32, a slots count that is not a power of two, the persistent pointer fallback,
-    tl.store stores, the scan reference epilogue, a two-programs-per-SM config and the diagnostic
-    modes.
+def compile_specs(arch: tuple[int, int] = HOPPER, with_options: bool = False):
+    """(jit_function, signature, constexprs) for every variant gate_twell launches on a GPU of
+    capability `arch`: bf16/fp16 x threshold on/off x {persistent (+ TMA from Hopper on), one tile
+    per program with pointers} at the default tile-256 and tile-128 configs, the few-token dense
+    output and packing kernels, plus tiles 64 and 32, a slots count that is not a power of two, the
+    persistent pointer fallback, tl.store stores, the scan reference epilogue, a two-programs-per-SM
+    config and the diagnostic modes (explicit configs shrunk to the arch's shared memory).
 
     with_options=True appends the compile options (num_warps, num_stages) of each variant's config
-    as a 4th element; sm90_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
+    as a 4th element.
     """
     specs = []
 
     def add(dtype, has_threshold, tile, slots, *, persistent, tma, mode="pack", config=None):
-        cfg = config or default_config(2048, 5632, dtype, tile, cuda=True)
+        cfg = fit_shared_memory(config, tile, arch) if config else default_config(2048, 5632, dtype, tile, cuda=True,
+                                                                                  arch=arch)
+        tma = tma and arch >= HOPPER
         ty = TL_DTYPES[dtype]
         if tma:
             x_ty = f"tensordesc<{ty}[{cfg.block_m}, {cfg.block_k}]>"
@@ -685,6 +725,7 @@ def sm90_compile_specs(with_options: bool = False):
             "FLATTEN": persistent,
             "SCAN_EPILOGUE": cfg.scan_epilogue,
             "ASM_STORES": cfg.asm_stores,
+            "NATIVE_BF16": arch >= HOPPER,
             "DOT_IN_FP32": False,
         }
         if not has_threshold:

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import cdiv, interpreting, next_power_of_2, num_sms
+from sparseffn.kernels._runtime import cdiv, check_capability, interpreting, next_power_of_2, num_sms
 from sparseffn.kernels.launch import Launcher
 
 # dtypes x, weight and dy may have, and their names in Triton signatures
@@ -200,6 +200,7 @@ def _check_x_weight(x, weight, config):
         raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
     if not x.is_cuda and not interpreting():
         raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
+    check_capability(x.device)
     if config is not None:
         if not isinstance(config, RMSNormConfig):
             raise TypeError(f"config must be None or an RMSNormConfig, got {type(config).__name__}")
@@ -289,10 +290,10 @@ def rms_norm_backward(
 
 
 # ----------------------------------------------------------------------------------------------------
-# sm_90a compile coverage (tests/kernels/sm90_compile.py)
+# GPU compile coverage (tests/kernels/gpu_compile.py)
 
 
-def sm90_compile_specs(with_options: bool = False):
+def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for both kernels: every (x, weight) dtype
     pair of bf16/fp16/fp32 at D = 2048 (dy and y in their promoted dtype), and bf16 with bf16 or
     fp32 weights at D = 96 (masked, 16 rows a program), 4096, 16384 and MAX_D."""

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import cdiv, interpreting, next_power_of_2
+from sparseffn.kernels._runtime import cdiv, check_capability, interpreting, next_power_of_2
 from sparseffn.kernels.launch import Launcher
 
 ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -201,6 +201,7 @@ def _check_inputs(q, k, cos, sin, config, names=("q", "k")):
             raise ValueError(f"{name} must be [B, S, d] = {[b, s, d]} (expand a broadcast batch), got {tuple(t.shape)}")
     if not q.is_cuda and not interpreting():
         raise ValueError(f"{qn} must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {q.device}")
+    check_capability(q.device)
     if config is not None and not isinstance(config, RopeConfig):
         raise TypeError(f"config must be None or a RopeConfig, got {type(config).__name__}")
 
@@ -267,10 +268,10 @@ def rope_backward(
 
 
 # ----------------------------------------------------------------------------------------------------
-# sm_90a compile coverage (tests/kernels/sm90_compile.py)
+# GPU compile coverage (tests/kernels/gpu_compile.py)
 
 
-def sm90_compile_specs(with_options: bool = False):
+def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for forward and backward at bf16, fp16 and
     fp32 q / k with cos / sin of the same dtype, bf16 q / k with fp32 cos / sin (autocast: fp32
     outputs; its backward takes fp32 gradients to bf16), at Llama 2B heads (Hq 32, Hk 32 or 8, d 64),

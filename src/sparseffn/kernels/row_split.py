@@ -51,7 +51,7 @@ from sparseffn.kernels._runtime import cdiv, next_power_of_2
 from sparseffn.kernels.launch import Launcher
 
 __all__ = ["PARTIALS_BUDGET_BYTES", "RowSplit", "check_row_list", "classify_rows", "gather_pieces", "launch_args",
-           "list_capacity", "listed_row", "new_row_list", "prepare_launch", "sm90_compile_specs", "split_signature", "splits"]
+           "list_capacity", "listed_row", "new_row_list", "prepare_launch", "compile_specs", "split_signature", "splits"]
 
 _CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
 # The pieces' fp32 partials are sized for the longest possible row (n_tiles * slots valid slots), so
@@ -60,7 +60,7 @@ _CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
 # out run whole). The measured shapes stay under it at 256 rows: 12.6 MB at D = 2048 / H = 5632,
 # 58.7 MB at D = 4096 / H = 14336.
 PARTIALS_BUDGET_BYTES = 64 << 20
-# the split list's pointers in Triton signatures (sm_90a compile specs); the kernels that take pieces
+# the split list's pointers in Triton signatures (GPU compile specs); the kernels that take pieces
 # also get partials_ptr
 _LIST_POINTERS = {"split_flags_ptr": "*u8", "split_ids_ptr": "*i32", "split_state_ptr": "*i32"}
 
@@ -246,12 +246,12 @@ def launch_args(rows: RowSplit | None, d: int, *, scalars: bool = False) -> tupl
 
 def split_signature(split: bool) -> tuple[dict[str, str], dict[str, None]]:
     """(signature entries, constexpr None entries) of a split-aware kernel's split pointers, for the
-    sm_90a compile specs: typed pointers when split, None constexprs otherwise."""
+    GPU compile specs: typed pointers when split, None constexprs otherwise."""
     args = {**_LIST_POINTERS, "partials_ptr": "*fp32"}
     return (args, {}) if split else ({k: "constexpr" for k in args}, dict.fromkeys(args))
 
 
-def sm90_compile_specs():
+def compile_specs():
     """(jit_function, signature, constexprs) of the classification: overflow flags with and without the
     split list (the training forward, the flags alone), and the overflow list with the split list
     (inference) and alone."""

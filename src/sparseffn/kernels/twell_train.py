@@ -93,7 +93,7 @@ __all__ = [
     "TwellTrainConfig",
     "default_backward_config",
     "default_forward_config",
-    "sm90_compile_specs",
+    "compile_specs",
     "twell_train_backward",
     "twell_train_forward",
 ]
@@ -797,10 +797,10 @@ def twell_train_backward(
 
 
 # ----------------------------------------------------------------------------------------------------
-# sm_90a compile coverage (tests/kernels/sm90_compile.py)
+# GPU compile coverage (tests/kernels/gpu_compile.py)
 
 
-def sm90_compile_specs(with_options: bool = False):
+def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for both kernels, bf16 and fp16, gated and
     non-gated, at the default configs of D = 2048 (the paper's shape: H = 5632, tile 256, slots
     32, aligned; also deterministic), D = 100 (unaligned, masked along D) and D = 16384 (D split

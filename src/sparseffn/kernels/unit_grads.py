@@ -130,7 +130,7 @@ __all__ = [
     "UnitGradsConfig",
     "SlotsByUnit",
     "default_unit_grads_config",
-    "sm90_compile_specs",
+    "compile_specs",
     "slots_by_unit",
     "unit_weight_grads",
 ]
@@ -718,10 +718,10 @@ def launch_unit_weight_grads(
 
 
 # ----------------------------------------------------------------------------------------------------
-# sm_90a compile coverage (tests/kernels/sm90_compile.py)
+# GPU compile coverage (tests/kernels/gpu_compile.py)
 
 
-def sm90_compile_specs(with_options: bool = False):
+def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for the slot histogram, the block prefix,
     the unit offsets / order and both scatters (int32 and int64 indices; tile 256 / slots 32 and
     tile 64 / slots 4 blocks; without coefficients, with the non-gated and with the gated ones:
