@@ -22,8 +22,7 @@ from sparseffn.kernels.twell_up_down import (
     UpDownConfig,
     benchmark_configs,
     default_config,
-    prepare_up_down_weight,
-    sm90_compile_specs,
+    compile_specs,
     twell_up_down,
 )
 
@@ -36,9 +35,29 @@ DTYPES = [torch.bfloat16, torch.float16]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run(x, values, columns, counts, weight, *, tile, out=None, config=None, deterministic=False):
+def _weights(up, down, layout="separate"):
+    """(up or None, down_t) as the kernel takes them: two contiguous [H, D] tensors ("separate"), or
+    two views of one [H, 2, D] tensor whose rows hold a unit's up and down side by side ("interleaved")."""
+    down_t = down.t().contiguous()
+    if layout == "separate":
+        return up, down_t
+    if up is None:
+        return None, torch.stack((down_t, down_t), 1)[:, 1]
+    both = torch.stack((up, down_t), 1)
+    return both[:, 0], both[:, 1]
+
+
+def _on_device(t):
+    """t on DEVICE with its strides and storage offset kept (views of interleaved weights stay views)."""
+    if t is None or t.device.type == DEVICE:
+        return t
+    base = t._base if t._base is not None else t
+    return base.to(DEVICE).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _run(x, values, columns, counts, weights, *, tile, out=None, config=None, deterministic=False):
     """twell_up_down on DEVICE; writes into and returns `out` when given (a CPU tensor)."""
-    args = [t.to(DEVICE) for t in (x, values, columns, counts, weight)]
+    args = [t.to(DEVICE) for t in (x, values, columns, counts)] + [_on_device(w) for w in weights]
     y = twell_up_down(*args, tile=tile, out=None if out is None else out.to(DEVICE), config=config,
                       deterministic=deterministic)
     if out is None:
@@ -182,10 +201,10 @@ def test_matches_float64_reference(shape, gated, dtype):
         assert x.stride() == (d + 5, 1)
     if m >= 6:
         assert overflow.any() and not overflow.all()
-    weight = prepare_up_down_weight(up, down)
+    weights = _weights(up, down, "interleaved" if (m + d) % 2 else "separate")
     sentinel = torch.tensor(-1234.5, dtype=dtype)
     out = torch.full((m, d), sentinel.item(), dtype=dtype)
-    y = _run(x, values, columns, counts, weight, tile=tile, out=out, config=CONFIGS[name])
+    y = _run(x, values, columns, counts, weights, tile=tile, out=out, config=CONFIGS[name])
     assert y is out
     ref, mag, lowp = _reference(x, up, down, p)
     _assert_close(y, ref, mag, lowp, ~overflow, dtype)
@@ -219,7 +238,7 @@ def test_default_output_and_transposed_x(gated):
     x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, gated, 7)
     xt = x.t().contiguous().t()
     assert xt.stride(1) != 1
-    y = _run(xt, values, columns, counts, prepare_up_down_weight(up, down), tile=tile)
+    y = _run(xt, values, columns, counts, _weights(up, down), tile=tile)
     assert y.shape == (m, d) and y.dtype == dtype
     _assert_close(y, *_reference(x, up, down, p), ~overflow, dtype)
 
@@ -230,7 +249,7 @@ def test_overflow_out_flags_the_overflow_rows(flag_dtype, config):
     m, d, h, tile, slots, dtype = 13, 64, 320, 64, 4, torch.bfloat16
     x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, True, 9)
     assert overflow.any() and not overflow.all()
-    args = [t.to(DEVICE) for t in (x, values, columns, counts, prepare_up_down_weight(up, down))]
+    args = [t.to(DEVICE) for t in (x, values, columns, counts)] + [_on_device(w) for w in _weights(up, down)]
     flags = torch.full((m,), 7, dtype=torch.uint8).to(flag_dtype).to(DEVICE)
     y = twell_up_down(*args, tile=tile, overflow_out=flags, config=CONFIGS[config]).cpu()
     assert torch.equal(flags.cpu().bool(), overflow)
@@ -245,7 +264,7 @@ def test_overflow_list_names_each_overflow_row_once(config, with_flags):
     m, d, h, tile, slots, dtype = 150, 64, 320, 64, 4, torch.bfloat16  # 3 classification blocks
     x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, True, 9)
     assert 1 < int(overflow.sum()) < m
-    args = [t.to(DEVICE) for t in (x, values, columns, counts, prepare_up_down_weight(up, down))]
+    args = [t.to(DEVICE) for t in (x, values, columns, counts)] + [_on_device(w) for w in _weights(up, down)]
     ids = torch.full((m,), -1, dtype=torch.int32, device=DEVICE)
     count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     flags = torch.zeros(m, dtype=torch.bool, device=DEVICE) if with_flags else None
@@ -278,7 +297,7 @@ def test_split_list_takes_long_rows_up_to_its_capacity():
     assert int(state[cap]) == int(long_rows.sum())  # every long row counted, only cap taken
     assert torch.equal(flags.bool(), torch.isin(torch.arange(m), ids.long()))
     assert long_rows[ids.long()].all() and int(flags.sum()) == cap
-    y = _run(x, values, columns, counts, prepare_up_down_weight(up, down), tile=tile, config=config)
+    y = _run(x, values, columns, counts, _weights(up, down), tile=tile, config=config)
     _assert_close(y, *_reference(x, up, down, p), ~overflow, dtype)
 
 
@@ -290,7 +309,7 @@ def test_deterministic_long_rows_give_the_same_bits_listed_or_not():
     x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, True, 11)
     config = CONFIGS["split"]
     assert int((~overflow & (counts.sum(1) > config.split_slots)).sum()) > config.split_cap
-    weight = prepare_up_down_weight(up, down)
+    weight = _weights(up, down)
     y_two, y_all = (_run(x, values, columns, counts, weight, tile=tile, config=cfg, out=torch.zeros(m, d, dtype=dtype),
                          deterministic=True)
                     for cfg in (config, dataclasses.replace(config, split_cap=m)))
@@ -311,10 +330,10 @@ def test_deterministic_long_rows_at_scale():
     values, columns, counts = gate_twell(mlp.x, mlp.gate_weight, None, tile=tile, slots=32)
     config = default_config(d)
     assert int((counts.sum(1) > config.split_slots).sum()) > config.split_cap
-    weight = prepare_up_down_weight(mlp.up_weight, mlp.down_weight)
+    weight = (mlp.up_weight, mlp.down_weight.t().contiguous())
 
     def run(cfg, deterministic):
-        return twell_up_down(mlp.x, values, columns, counts, weight, tile=tile, config=cfg, out=torch.zeros_like(mlp.x),
+        return twell_up_down(mlp.x, values, columns, counts, *weight, tile=tile, config=cfg, out=torch.zeros_like(mlp.x),
                              deterministic=deterministic).view(torch.int16)
 
     room_for_all = dataclasses.replace(config, split_cap=m)
@@ -346,7 +365,7 @@ def test_agrees_with_twell_format_and_reference_op():
     ref = reference.twell_up_down_reference(x, packed, up, down)
     out = torch.empty(m, d, dtype=dtype)
     out[packed.overflow_rows] = ref[packed.overflow_rows]
-    _run(x, packed.values, packed.columns, packed.counts, prepare_up_down_weight(up, down),
+    _run(x, packed.values, packed.columns, packed.counts, _weights(up, down),
                   tile=packed.tile, out=out)
     # both round an fp32 result once (the interpreter truncates): at most ~1.5 ulp apart
     tol = 2 * torch.finfo(dtype).eps * ref.float().abs() + 1e-6
@@ -357,7 +376,7 @@ def test_tolerance_rejects_a_missing_unit():
     """The comparison used above fails when one active unit of one row is dropped."""
     m, d, h, tile, slots, dtype = 5, 64, 100, 64, 16, torch.bfloat16
     x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, True, 3)
-    weight = prepare_up_down_weight(up, down)
+    weight = _weights(up, down)
     y = _run(x, values, columns, counts, weight, tile=tile)
     ref, mag, lowp = _reference(x, up, down, p)
     _assert_close(y, ref, mag, lowp, ~overflow, dtype)
@@ -372,7 +391,7 @@ def test_tolerance_rejects_a_missing_unit():
 
 def test_empty_and_no_active_units():
     dtype = torch.bfloat16
-    weight = prepare_up_down_weight(torch.randn(100, 64).to(dtype), torch.randn(64, 100).to(dtype))
+    weight = _weights(torch.randn(100, 64).to(dtype), torch.randn(64, 100).to(dtype))
     y = _run(torch.empty(0, 64, dtype=dtype), torch.empty(0, 2, 4, dtype=dtype),
                       torch.empty(0, 2, 4, dtype=torch.int16), torch.empty(0, 2, dtype=torch.int32),
                       weight, tile=64)
@@ -385,23 +404,6 @@ def test_empty_and_no_active_units():
     assert torch.equal(out, torch.zeros(3, 64, dtype=dtype))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_prepare_up_down_weight_layout(dtype):
-    up, down = torch.randn(10, 6).to(dtype), torch.randn(6, 10).to(dtype)
-    packed = prepare_up_down_weight(up, down)
-    assert packed.shape == (10, 2, 6) and packed.is_contiguous()
-    assert torch.equal(packed[:, 0], up) and torch.equal(packed[:, 1], down.t())
-    packed = prepare_up_down_weight(None, down)
-    assert packed.shape == (10, 1, 6) and packed.is_contiguous()
-    assert torch.equal(packed[:, 0], down.t())
-    with pytest.raises(ValueError, match="up_weight"):
-        prepare_up_down_weight(up[:, :5], down)
-    with pytest.raises(TypeError, match="up_weight"):
-        prepare_up_down_weight(up.float(), down)
-    with pytest.raises(TypeError, match="down_weight"):
-        prepare_up_down_weight(None, down.float())
-
-
 def _valid_args(m=3, d=64, h=100, tile=64, slots=4, dtype=torch.bfloat16):
     n_tiles = -(-h // tile)
     return dict(
@@ -409,7 +411,8 @@ def _valid_args(m=3, d=64, h=100, tile=64, slots=4, dtype=torch.bfloat16):
         values=torch.zeros(m, n_tiles, slots, dtype=dtype),
         columns=torch.zeros(m, n_tiles, slots, dtype=torch.int16),
         counts=torch.zeros(m, n_tiles, dtype=torch.int32),
-        packed_weight=torch.zeros(h, 2, d, dtype=dtype),
+        up_weight=torch.zeros(h, d, dtype=dtype),
+        down_t=torch.zeros(h, d, dtype=dtype),
         tile=tile,
     )
 
@@ -424,10 +427,9 @@ def _valid_args(m=3, d=64, h=100, tile=64, slots=4, dtype=torch.bfloat16):
     (dict(columns=torch.zeros(3, 2, 5, dtype=torch.int16)), ValueError, "columns must have shape"),
     (dict(counts=torch.zeros(3, 2, dtype=torch.int64)), TypeError, "counts must have dtype"),
     (dict(counts=torch.zeros(2, 3, dtype=torch.int32).t()), ValueError, "counts must be contiguous"),
-    (dict(packed_weight=torch.zeros(100, 3, 64, dtype=torch.bfloat16)), ValueError, "packed_weight"),
-    (dict(packed_weight=torch.zeros(100, 2, 64, dtype=torch.float16)), TypeError, "packed_weight"),
-    (dict(packed_weight=torch.zeros(100, 64, 2, dtype=torch.bfloat16).transpose(1, 2)), ValueError,
-     "packed_weight must be contiguous"),
+    (dict(up_weight=torch.zeros(100, 63, dtype=torch.bfloat16)), ValueError, "up_weight must have shape"),
+    (dict(down_t=torch.zeros(100, 64, dtype=torch.float16)), TypeError, "down_t must have dtype"),
+    (dict(down_t=torch.zeros(64, 100, dtype=torch.bfloat16).t()), ValueError, "down_t must have unit stride"),
     (dict(tile=0), ValueError, "tile"),
     (dict(out=torch.zeros(3, 63, dtype=torch.bfloat16)), ValueError, "out must have shape"),
     (dict(out=torch.zeros(64, 3, dtype=torch.bfloat16).t()), ValueError, "out must have unit stride"),
@@ -500,20 +502,20 @@ def test_benchmark_configs_run_correctly():
     m, h, tile, slots, dtype = 6, 320, 32, 8, torch.bfloat16
     x, up, down, p, values, columns, counts, overflow = _problem(m, d, h, tile, slots, dtype, True, 5)
     assert counts.sum(1)[~overflow].max() > 64 and overflow.any()
-    weight = prepare_up_down_weight(up, down)
+    weight = _weights(up, down)
     ref, mag, lowp = _reference(x, up, down, p)
     for config in configs:
         _assert_close(_run(x, values, columns, counts, weight, tile=tile, config=config),
                       ref, mag, lowp, ~overflow, dtype)
 
 
-def test_sm90_compile_specs_cover_launcher_variants():
-    """The sm_90a compile list (tests/kernels/sm90_compile.py) covers both dtypes, gated and
+def test_compile_specs_cover_launcher_variants():
+    """The GPU compile list (tests/kernels/gpu_compile.py) covers both dtypes, gated and
     non-gated, aligned and not, whole-D and split-D programs, every kernel variant, and every
     benchmark config's specialization."""
     from sparseffn.kernels.twell_up_down import _constexprs
 
-    specs = sm90_compile_specs()
+    specs = compile_specs()
     assert {c["SPLIT"] for _, _, c in specs} == {True, False}
     seen = set()
     compiled = set()

@@ -11,7 +11,7 @@ import sparseffn
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.ops import train_mlp
 from sparseffn.ops.dispatch import eager_call
-from sparseffn.ops.sparse_mlp import _twell_mlp_op
+from sparseffn.ops.sparse_mlp import _decode_mlp_op, _twell_mlp_op
 from sparseffn.ops.twell_mlp import SparseMLPWeights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,11 +48,11 @@ def test_eager_call_only_outside_tracers():
 
 @needs_kernels
 def test_inference_eager_route_equals_the_op():
-    mlp = synthetic_mlp(37, 72, 200, 10, device=DEVICE, seed=3, heavy_fraction=0.1)
+    mlp = synthetic_mlp(70, 72, 200, 10, device=DEVICE, seed=3, heavy_fraction=0.1)  # > 64 tokens: TwELL
     args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
     w = SparseMLPWeights.prepare(*args[1:])
     eager = sparseffn.sparse_mlp(*args, mode="sparse", prepared=w, tile=64, slots=8)
-    via_op = _twell_mlp_op(*args, w.up_down, None, 64, 8, False)
+    via_op = _twell_mlp_op(*args, w.down_t, None, 64, 8, False)
     assert torch.equal(eager, via_op)
 
 
@@ -74,3 +74,17 @@ def test_training_eager_route_equals_the_op(gated):
         results.append((y, l1, *grads))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_eager_route_equals_the_op(gated):
+    mlp = synthetic_mlp(5, 72, 200, 10, device=DEVICE, seed=7, gated=gated)
+    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+    w = SparseMLPWeights.prepare(*args[1:])
+    eager = sparseffn.sparse_mlp(*args, mode="sparse", prepared=w)
+    first = mlp.gate_weight if gated else mlp.up_weight
+    via_op = _decode_mlp_op(mlp.x, first, mlp.up_weight if gated else None, w.down_t, None)
+    assert torch.equal(eager, via_op)
+    torch.library.opcheck(_decode_mlp_op, (mlp.x, first, mlp.up_weight if gated else None, w.down_t, None),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -4,7 +4,6 @@ On CPU the kernels run under Triton's interpreter (tests/conftest.py), so shapes
 Error rule (flash-attention): ‖y − ref‖ ≤ 2 · ‖dense torch − ref‖ + one rounding of the output.
 """
 
-import importlib
 import os
 
 import pytest
@@ -13,12 +12,11 @@ import torch
 import sparseffn
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.ops.reference import sparse_mlp_reference
-from sparseffn.ops.sparse_mlp import ModeDecision, choose_mode
+from sparseffn.ops.sparse_mlp import ModeDecision, _twell_mlp_op, choose_mode
 from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp, twell_mlp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # the module (sparseffn.ops exports its `sparse_mlp` function under the same name)
-sparse_ops = importlib.import_module("sparseffn.ops.sparse_mlp")
 needs_kernels = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or the Triton interpreter"
 )
@@ -90,18 +88,18 @@ def test_prepared_weights_must_match():
 def test_hand_built_weights_are_checked_before_the_unchecked_launches():
     """twell_mlp checks x, the first weight, θ, tile and slots through gate_twell, then launches the
     up/down and dense-rows kernels unchecked: a SparseMLPWeights built by hand with the wrong
-    interleaved weight or unit count must fail with an error naming it, not read out of bounds."""
+    down^T or up layout or unit count must fail with an error naming it, not read out of bounds."""
     mlp = synthetic_mlp(4, 64, 128, 5, device=DEVICE)
     good = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
     g, u, d = mlp.gate_weight, mlp.up_weight, mlp.down_weight
     cases = [
-        (SparseMLPWeights(g, u, d, good.up_down[:64]), ValueError, r"weights.up_down must be .* shape \[128, 2, 64\]"),
-        (SparseMLPWeights(g, u, d, good.up_down[:, :1]), ValueError, "weights.up_down must be"),
-        (SparseMLPWeights(g, u, d, good.up_down.float()), ValueError, "weights.up_down must be a torch.bfloat16"),
-        (SparseMLPWeights(g, u, d, good.up_down.transpose(0, 1).contiguous().transpose(0, 1)), ValueError,
-         "weights.up_down must be contiguous"),
-        (SparseMLPWeights(g, u, d, "up_down"), TypeError, "weights.up_down must be a torch.Tensor"),
-        (SparseMLPWeights(g[:64], u, d, good.up_down), ValueError, "weights.gate_weight must have up_weight's 128 units"),
+        (SparseMLPWeights(g, u, d, good.down_t[:64]), ValueError, r"weights.down_t must be .* shape \[128, 64\]"),
+        (SparseMLPWeights(g, u, d, good.down_t.float()), ValueError, "weights.down_t must be a torch.bfloat16"),
+        (SparseMLPWeights(g, u, d, good.down_t.t().contiguous().t()), ValueError,
+         "weights.down_t must have unit stride"),
+        (SparseMLPWeights(g, u.t().contiguous().t(), d, good.down_t), ValueError, "weights.up_weight must have unit"),
+        (SparseMLPWeights(g, u, d, "down_t"), TypeError, "weights.down_t must be a torch.Tensor"),
+        (SparseMLPWeights(g[:64], u, d, good.down_t), ValueError, "weights.gate_weight must have up_weight's 128 units"),
     ]
     for weights, error, match in cases:
         with pytest.raises(error, match=match):
@@ -111,8 +109,7 @@ def test_hand_built_weights_are_checked_before_the_unchecked_launches():
     with pytest.raises(NotImplementedError, match="tile must be one of"):
         twell_mlp(mlp.x, good, tile=48, slots=8)
     torch.testing.assert_close(twell_mlp(mlp.x, good, tile=64, slots=8),
-                               sparseffn.sparse_mlp(mlp.x, g, u, d, mode="sparse", prepared=good, tile=64, slots=8),
-                               rtol=0, atol=0)
+                               _twell_mlp_op(mlp.x, g, u, d, good.down_t, None, 64, 8, False), rtol=0, atol=0)
 
 
 def test_mode_decisions_are_explained_and_overridable():
@@ -142,20 +139,19 @@ def test_mode_decisions_are_explained_and_overridable():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_auto_mode_goes_sparse_for_few_tokens_inside_graph_capture():
-    """The routing under capture, then a real capture: the warm-up runs eagerly (dense route), the
-    capture takes the sparse route (its kernels compile and launch inside the capture), and the
-    replay matches the reference and the eager sparse call bit for bit."""
-    cap = sparse_ops.AUTO_MAX_CAPTURED_TOKENS
-    wide_x = torch.zeros(cap + 1, 2048, dtype=torch.bfloat16, device=DEVICE)
+def test_gpu_decode_calls_are_routed_and_captured():
+    """Few-token inference calls take the decode kernels when down^T is at hand (prepared weights),
+    and stay dense without it; a captured call replays to the reference and to the eager call bit
+    for bit."""
+    wide_x = torch.zeros(65, 2048, dtype=torch.bfloat16, device=DEVICE)
     wide_up = torch.zeros(5632, 2048, dtype=torch.bfloat16, device=DEVICE)
-    for tokens in (1, cap):
-        assert choose_mode(wide_x[:tokens], wide_up, capturing=True).mode == "sparse"
-        assert "under CUDA-graph capture" in choose_mode(wide_x[:tokens], wide_up, capturing=True).reason
-        assert choose_mode(wide_x[:tokens], wide_up).mode == "dense"  # not capturing
-        assert choose_mode(wide_x[:tokens], wide_up, capturing=True, expected_nnz=200).mode == "dense"
-        assert choose_mode(wide_x[:tokens], wide_up, capturing=True, needs_grad=True).mode == "dense"
-    assert choose_mode(wide_x, wide_up, capturing=True).mode == "dense"
+    for tokens in (1, 64):
+        decision = choose_mode(wide_x[:tokens], wide_up, down_t_ready=True)
+        assert decision.mode == "sparse" and "decode" in decision.reason
+        assert choose_mode(wide_x[:tokens], wide_up).mode == "dense"  # down^T would be copied
+        assert choose_mode(wide_x[:tokens], wide_up, down_t_ready=True, expected_nnz=4000).mode == "dense"
+        assert choose_mode(wide_x[:tokens], wide_up, down_t_ready=True, needs_grad=True).mode == "dense"
+    assert choose_mode(wide_x, wide_up, down_t_ready=True).mode == "dense"  # 65 tokens: neither kernel pays
 
     mlp = synthetic_mlp(5, 2048, 768, 6, device="cuda", seed=3)  # H = 768: variants no other test compiled
     args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
@@ -168,7 +164,6 @@ def test_gpu_auto_mode_goes_sparse_for_few_tokens_inside_graph_capture():
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert choose_mode(mlp.x, mlp.up_weight).mode == "sparse"
         y = sparseffn.sparse_mlp(*args, prepared=weights)
     mlp.x.copy_(torch.randn_like(mlp.x))
     graph.replay()
@@ -273,14 +268,14 @@ def test_deterministic_flag_reaches_the_up_down_kernel(monkeypatch, deterministi
     seen = []
     real = twell_ops.launch_up_down
     monkeypatch.setattr(twell_ops, "launch_up_down", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
-    mlp = synthetic_mlp(12, 64, 128, 6, device=DEVICE, seed=13)
+    mlp = synthetic_mlp(72, 64, 128, 6, device=DEVICE, seed=13)  # > 64 tokens: TwELL, not decode
     args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)
     w = SparseMLPWeights.prepare(*args[1:])
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
         y = sparseffn.sparse_mlp(*args, mode="sparse", prepared=w, tile=64, slots=8)
-        y_op = _twell_mlp_op(*args, w.up_down, None, 64, 8, deterministic)
+        y_op = _twell_mlp_op(*args, w.down_t, None, 64, 8, deterministic)
     finally:
         torch.use_deterministic_algorithms(was)
     assert seen == [deterministic, deterministic] and torch.equal(y, y_op)

@@ -16,10 +16,11 @@ Layouts:
     values         [M, n_tiles, slots]    x's dtype, contiguous          (TwELL, docs/format.md)
     columns        [M, n_tiles, slots]    int16, tile-local, contiguous
     counts         [M, n_tiles]           int32, true counts, contiguous
-    packed_weight  [H, 2, D] gated: [j, 0] = up_weight[j], [j, 1] = down_weight[:, j]
-                   [H, 1, D] non-gated: [j, 0] = down_weight[:, j]
-                   contiguous, built once per module by `prepare_up_down_weight`, so an active
-                   unit is one contiguous read of 2·D elements (8 KB at D = 2048, bf16).
+    up_weight      [H, D]                 up_proj.weight (gated only)
+    down_t         [H, D]                 down_proj.weight^T: row j = the down column of unit j
+                   both x's dtype, unit stride along D, any row stride: an active unit costs two
+                   contiguous D-element reads (a module whose down_proj.weight is stored transposed
+                   hands its storage over as is, without a copy)
     out            [M, D]                 x's dtype, unit stride along D (any row stride)
 
 Program structure (grid = (cdiv(M, BLOCK_M), cdiv(D, BLOCK_D)), or with `persistent` k programs
@@ -99,8 +100,7 @@ __all__ = [
     "UpDownConfig",
     "benchmark_configs",
     "default_config",
-    "prepare_up_down_weight",
-    "sm90_compile_specs",
+    "compile_specs",
     "twell_up_down",
 ]
 
@@ -118,7 +118,7 @@ def _load_counts(counts_row, t0, n_tiles, valid, BLOCK_T: tl.constexpr, EVICT: t
 
 
 @triton.jit
-def _load_rows(weight_ptr, pairs, i, pred, offs_d, mask_d, down_shift, stride_wh,
+def _load_rows(weight_ptr, pairs, i, pred, offs_d, mask_d, down_ptr, stride_dh, stride_wh,
                GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr,
                EVEN_D: tl.constexpr, PREDICATED: tl.constexpr, BLOCK_U: tl.constexpr,
                BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
@@ -137,8 +137,8 @@ def _load_rows(weight_ptr, pairs, i, pred, offs_d, mask_d, down_shift, stride_wh
         got = tl.gather(pairs, i, 0)
     unit = (got >> 32).to(tl.int32)
     p = (got & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    up_row = weight_ptr + unit.to(tl.int64) * stride_wh  # [BLOCK_U] packed row starts
-    down_row = up_row + down_shift
+    up_row = weight_ptr + unit.to(tl.int64) * stride_wh  # [BLOCK_U] up row starts
+    down_row = down_ptr + unit.to(tl.int64) * stride_dh  # [BLOCK_U]
     if ALIGNED:
         up_row = tl.multiple_of(up_row, 16)
         down_row = tl.multiple_of(down_row, 16)
@@ -202,7 +202,7 @@ def _accumulate(acc, xv, x_row, up, down, unit, p, weight_ptr, D, stride_wh,
 
 @triton.jit
 def _accumulate_batch(acc, xv, x_row, pairs, n, weight_ptr, offs_d, mask_d, D, stride_wh,
-                      down_shift,
+                      down_ptr, stride_dh,
                       GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr,
                       EVEN_D: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
@@ -212,14 +212,14 @@ def _accumulate_batch(acc, xv, x_row, pairs, n, weight_ptr, offs_d, mask_d, D, s
     lanes = tl.arange(0, BLOCK_U)
     if PREFETCH:
         # register double buffering: chunk c + 1's weight rows are issued before chunk c is reduced
-        unit, p, up, down = _load_rows(weight_ptr, pairs, lanes, True, offs_d, mask_d, down_shift,
+        unit, p, up, down = _load_rows(weight_ptr, pairs, lanes, True, offs_d, mask_d, down_ptr, stride_dh,
                                        stride_wh, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, False,
                                        BLOCK_U, BLOCK_N, EVICT)
         for c0 in range(0, n, BLOCK_U):
             c1 = c0 + BLOCK_U
             # past the batch: any in-range index, the loads are predicated off
             unit_next, p_next, up_next, down_next = _load_rows(
-                weight_ptr, pairs, (c1 % BLOCK_N) + lanes, c1 < n, offs_d, mask_d, down_shift,
+                weight_ptr, pairs, (c1 % BLOCK_N) + lanes, c1 < n, offs_d, mask_d, down_ptr, stride_dh,
                 stride_wh, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, True, BLOCK_U, BLOCK_N, EVICT)
             acc = _accumulate(acc, xv, x_row, up, down, unit, p, weight_ptr, D, stride_wh,
                               GATED, ALIGNED, ONE_D_BLOCK, BLOCK_D, EVICT)
@@ -227,7 +227,7 @@ def _accumulate_batch(acc, xv, x_row, pairs, n, weight_ptr, offs_d, mask_d, D, s
     else:
         for c0 in range(0, n, BLOCK_U):
             unit, p, up, down = _load_rows(weight_ptr, pairs, c0 + lanes, True, offs_d, mask_d,
-                                           down_shift, stride_wh, GATED, ALIGNED, ONE_D_BLOCK,
+                                           down_ptr, stride_dh, stride_wh, GATED, ALIGNED, ONE_D_BLOCK,
                                            EVEN_D, False, BLOCK_U, BLOCK_N, EVICT)
             acc = _accumulate(acc, xv, x_row, up, down, unit, p, weight_ptr, D, stride_wh,
                               GATED, ALIGNED, ONE_D_BLOCK, BLOCK_D, EVICT)
@@ -322,7 +322,7 @@ def _row_head(columns_ptr, values_ptr, counts_ptr, split_flags_ptr, cnt0, m, val
 @triton.jit
 def _split_piece(pid, x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
                  split_ids_ptr, split_state_ptr, partials_ptr, split_cap, max_pieces,
-                 D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d, down_shift,
+                 D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d, down_ptr, stride_dh,
                  GATED: tl.constexpr, ALIGNED: tl.constexpr, EVEN_D: tl.constexpr, PIECE: tl.constexpr,
                  BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr):
@@ -344,7 +344,7 @@ def _split_piece(pid, x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, ou
                                        n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
             pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
             acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
-                                    weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
+                                    weight_ptr, offs_d, mask_d, D, stride_wh, down_ptr, stride_dh,
                                     GATED, ALIGNED, True, EVEN_D, BLOCK_U, BLOCK_N,
                                     BLOCK_D, PREFETCH, EVICT)
         last, y, no_scalar = gather_pieces(partials_ptr, partials_ptr, i, piece, tl.cdiv(nnz, PIECE), max_pieces,
@@ -358,11 +358,11 @@ def _split_piece(pid, x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, ou
 
 @triton.jit
 def _twell_up_down_kernel(
-    x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
+    x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, down_ptr, out_ptr,
     split_flags_ptr, split_ids_ptr, split_state_ptr, partials_ptr,
     M, D, n_tiles, tile, slots, split_cap, max_pieces,
-    stride_xm, stride_wh, stride_om,
-    GATED: tl.constexpr,          # packed rows are [up; down] (True) or [down] (False)
+    stride_xm, stride_wh, stride_dh, stride_om,
+    GATED: tl.constexpr,          # u = x · up rows (weight_ptr) enters h (True), or h = p (False)
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides
     ONE_D_BLOCK: tl.constexpr,    # BLOCK_D >= D: x[m] is loaded once per token, u needs no loop
     EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D
@@ -384,8 +384,6 @@ def _twell_up_down_kernel(
     mask_d = offs_d < D
     if ALIGNED:
         mask_d = tl.max_constancy(mask_d, 8)
-    # packed row j = [up_j; down_j] or [down_j]; the down half starts D elements in when gated
-    down_shift = D if GATED else 0
     # the pieces of long rows come first, so they start in the first wave instead of finishing the
     # launch as one long chain each (split_cap = max_pieces = 0 without SPLIT: no piece programs)
     n_piece_programs = split_cap * max_pieces
@@ -394,13 +392,13 @@ def _twell_up_down_kernel(
             _split_piece(tl.program_id(0), x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
                          split_ids_ptr, split_state_ptr, partials_ptr, split_cap, max_pieces,
                          D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
-                         down_shift, GATED, ALIGNED, EVEN_D, PIECE, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T,
+                         down_ptr, stride_dh, GATED, ALIGNED, EVEN_D, PIECE, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T,
                          PREFETCH, EVICT)
     else:
         _row_programs(tl.program_id(0) - n_piece_programs, tl.num_programs(0) - n_piece_programs,
                       x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr, split_flags_ptr,
                       M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
-                      down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_M, PERSISTENT, BLOCK_U,
+                      down_ptr, stride_dh, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_M, PERSISTENT, BLOCK_U,
                       BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, LOOKAHEAD, EVICT, SPLIT, PIECE, PIECE_ORDER)
 
 
@@ -409,7 +407,7 @@ _twell_up_down_launch = Launcher(_twell_up_down_kernel)
 
 @triton.jit
 def _row_batches(xv, x_row, t, col, val, b_lo, b_hi, nnz, columns_ptr, values_ptr, counts_row, cnt0, m64,
-                 weight_ptr, offs_d, mask_d, D, n_tiles, tile, slots, stride_wh, down_shift,
+                 weight_ptr, offs_d, mask_d, D, n_tiles, tile, slots, stride_wh, down_ptr, stride_dh,
                  GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr, EVEN_D: tl.constexpr,
                  BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                  PREFETCH: tl.constexpr, EVICT: tl.constexpr):
@@ -423,7 +421,7 @@ def _row_batches(xv, x_row, t, col, val, b_lo, b_hi, nnz, columns_ptr, values_pt
                                        nnz, True, n_tiles, slots, BLOCK_N, BLOCK_T, EVICT)
         pairs = _pairs(t, col, val, b, nnz, tile, BLOCK_N)
         acc = _accumulate_batch(acc, xv, x_row, pairs, tl.minimum(nnz - b, BLOCK_N),
-                                weight_ptr, offs_d, mask_d, D, stride_wh, down_shift,
+                                weight_ptr, offs_d, mask_d, D, stride_wh, down_ptr, stride_dh,
                                 GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N,
                                 BLOCK_D, PREFETCH, EVICT)
     return acc
@@ -444,7 +442,7 @@ def _store_row(out_ptr, m64, stride_om, acc, offs_d, mask_d, ALIGNED: tl.constex
 @triton.jit
 def _row_programs(pid_m, n_programs, x_ptr, values_ptr, columns_ptr, counts_ptr, weight_ptr, out_ptr,
                   split_flags_ptr, M, D, n_tiles, tile, slots, stride_xm, stride_wh, stride_om, offs_d, mask_d,
-                  down_shift, GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr,
+                  down_ptr, stride_dh, GATED: tl.constexpr, ALIGNED: tl.constexpr, ONE_D_BLOCK: tl.constexpr,
                   EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, PERSISTENT: tl.constexpr,
                   BLOCK_U: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr,
@@ -516,12 +514,12 @@ def _row_programs(pid_m, n_programs, x_ptr, values_ptr, columns_ptr, counts_ptr,
                 for p0 in range(0, nnz, PIECE):
                     acc += _row_batches(xv, x_row, t, col, val, p0, tl.minimum(nnz, p0 + PIECE), nnz,
                                         columns_ptr, values_ptr, counts_row, cnt0, m64, weight_ptr, offs_d,
-                                        mask_d, D, n_tiles, tile, slots, stride_wh, down_shift, GATED, ALIGNED,
+                                        mask_d, D, n_tiles, tile, slots, stride_wh, down_ptr, stride_dh, GATED, ALIGNED,
                                         ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D, BLOCK_T, PREFETCH, EVICT)
             else:
                 acc = _row_batches(xv, x_row, t, col, val, 0, nnz, nnz, columns_ptr, values_ptr, counts_row,
                                    cnt0, m64, weight_ptr, offs_d, mask_d, D, n_tiles, tile, slots, stride_wh,
-                                   down_shift, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
+                                   down_ptr, stride_dh, GATED, ALIGNED, ONE_D_BLOCK, EVEN_D, BLOCK_U, BLOCK_N, BLOCK_D,
                                    BLOCK_T, PREFETCH, EVICT)
             _store_row(out_ptr, m64, stride_om, acc, offs_d, mask_d, ALIGNED, EVEN_D, stream)
 
@@ -645,28 +643,6 @@ def benchmark_configs(d: int) -> list[UpDownConfig]:
     return list(dict.fromkeys(configs))
 
 
-def prepare_up_down_weight(up_weight: torch.Tensor | None, down_weight: torch.Tensor) -> torch.Tensor:
-    """Interleave the weights once per module: [H, 2, D] (gated) or [H, 1, D] (non-gated).
-
-    up_weight: [H, D] (Hugging Face `up_proj.weight`) or None; down_weight: [D, H]
-    (`down_proj.weight`). Row j of the result is [up_weight[j]; down_weight[:, j]], contiguous.
-    """
-    d, h = check_matrix(down_weight, "down_weight", "[D, H]")
-    if up_weight is None:
-        return down_weight.t().contiguous().unsqueeze(1)
-    if not isinstance(up_weight, torch.Tensor):
-        raise TypeError(f"up_weight must be a torch.Tensor or None, got {type(up_weight).__name__}")
-    if tuple(up_weight.shape) != (h, d):
-        raise ValueError(f"up_weight must have shape [H, D] = [{h}, {d}] to match down_weight "
-                         f"[{d}, {h}], got {tuple(up_weight.shape)}")
-    if up_weight.dtype != down_weight.dtype:
-        raise TypeError(f"up_weight dtype {up_weight.dtype} differs from down_weight dtype "
-                        f"{down_weight.dtype}")
-    if up_weight.device != down_weight.device:
-        raise ValueError(f"up_weight is on {up_weight.device} but down_weight on {down_weight.device}")
-    return torch.stack((up_weight, down_weight.t()), dim=1).contiguous()
-
-
 def _check_tensor(t: object, name: str, shape: tuple[int, ...], dtype: torch.dtype | tuple,
                   device: torch.device | None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
@@ -713,7 +689,8 @@ def twell_up_down(
     values: torch.Tensor,
     columns: torch.Tensor,
     counts: torch.Tensor,
-    packed_weight: torch.Tensor,
+    up_weight: torch.Tensor | None,
+    down_t: torch.Tensor,
     *,
     tile: int,
     out: torch.Tensor | None = None,
@@ -722,7 +699,10 @@ def twell_up_down(
     config: UpDownConfig | None = None,
     deterministic: bool = False,
 ) -> torch.Tensor:
-    """y [M, D] = down(p ⊙ up(x)) (or down(p)) for the ordinary rows of a TwELL-packed p.
+    """y [M, D] = down(p ⊙ up(x)) (or down(p) when up_weight is None) for the ordinary rows of a
+    TwELL-packed p. up_weight [H, D] (up_proj.weight) and down_t [H, D] (down_proj.weight^T, row j
+    = the down column of unit j): x's dtype and device, unit stride along D, any row stride (two
+    views of one interleaved [H, 2, D] tensor put a unit's rows side by side).
 
     Rows with some count > slots are not written: pass `out` to pre-fill them (or fill them
     afterwards); with `out=None` they hold whatever torch.empty left there. Which rows those are
@@ -731,20 +711,18 @@ def twell_up_down(
     their ids in ids[0:count] in no particular order (what `dense_rows_mlp(row_list=)` takes).
     `config` overrides the launch heuristic (`default_config(D, M)`). deterministic: the same bits on
     every run also when more long rows than the split list holds run whole (kernels/row_split.py,
-    "Bits"; it cost 2-3% at M = 16384 / 65536). Returns `out` (or the new tensor).
+    "Bits"). Returns `out` (or the new tensor).
     """
     m, d = check_matrix(x, "x")
     if not isinstance(tile, int) or isinstance(tile, bool) or not 1 <= tile <= 32768:
         raise ValueError(f"tile must be an int in [1, 32768], got {tile!r}")
-    if not isinstance(packed_weight, torch.Tensor):
-        raise TypeError(f"packed_weight must be a torch.Tensor, got {type(packed_weight).__name__}")
-    if packed_weight.dim() != 3 or packed_weight.shape[1] not in (1, 2) or packed_weight.shape[2] != d:
-        raise ValueError(f"packed_weight must have shape [H, 2, D] or [H, 1, D] with D = {d}, got "
-                         f"{list(packed_weight.shape)}")
-    _check_tensor(packed_weight, "packed_weight", tuple(packed_weight.shape), x.dtype, x.device)
-    if not packed_weight.is_contiguous():
-        raise ValueError("packed_weight must be contiguous (use prepare_up_down_weight)")
-    h = packed_weight.shape[0]
+    h, _ = check_matrix(down_t, "down_t", "[H, D]")
+    for name, w in (("up_weight", up_weight), ("down_t", down_t)):
+        if w is None:
+            continue
+        _check_tensor(w, name, (h, d), x.dtype, x.device)
+        if d > 1 and w.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride along D, got strides {list(w.stride())}")
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() != 3:
@@ -779,8 +757,9 @@ def twell_up_down(
         raise TypeError(f"config must be an UpDownConfig or None, got {type(config).__name__}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    return launch_up_down(x, values, columns, counts, packed_weight, tile=tile, out=out, overflow_out=overflow_out,
-                          overflow_list=overflow_list, config=config, deterministic=deterministic)
+    return launch_up_down(x, values, columns, counts, up_weight, down_t, tile=tile, out=out,
+                          overflow_out=overflow_out, overflow_list=overflow_list, config=config,
+                          deterministic=deterministic)
 
 
 def launch_up_down(
@@ -788,7 +767,8 @@ def launch_up_down(
     values: torch.Tensor,
     columns: torch.Tensor,
     counts: torch.Tensor,
-    packed_weight: torch.Tensor,
+    up_weight: torch.Tensor | None,
+    down_t: torch.Tensor,
     *,
     tile: int,
     out: torch.Tensor,
@@ -812,12 +792,15 @@ def launch_up_down(
     if d > 1 and x.stride(1) != 1:
         x = x.contiguous()  # the kernel reads 16-byte vectors along D
 
+    up = up_weight if up_weight is not None else down_t  # non-gated: no up rows are read
     elem = x.element_size()
     aligned = (  # what the kernel's multiple_of / max_constancy hints claim
         d % 8 == 0
         and config.block_d >= 8
-        and all(t.data_ptr() % 16 == 0 for t in (x, packed_weight, out))
+        and all(t.data_ptr() % 16 == 0 for t in (x, up, down_t, out))
         and (x.stride(0) * elem) % 16 == 0
+        and (up.stride(0) * elem) % 16 == 0
+        and (down_t.stride(0) * elem) % 16 == 0
         and (out.stride(0) * elem) % 16 == 0
     )
     if config.persistent:
@@ -829,10 +812,10 @@ def launch_up_down(
     (*split_ptrs, cap, max_pieces), piece_programs = launch_args(rows, d)
     grid = (piece_programs + row_programs, cdiv(d, config.block_d))
     _twell_up_down_launch[grid](
-        x, values, columns, counts, packed_weight, out, *split_ptrs,
+        x, values, columns, counts, up, down_t, out, *split_ptrs,
         m, d, n_tiles, tile, slots, cap, max_pieces,
-        x.stride(0), packed_weight.stride(0), out.stride(0),
-        **_constexprs(config, d, n_tiles, slots, gated=packed_weight.shape[1] == 2, aligned=aligned,
+        x.stride(0), up.stride(0), down_t.stride(0), out.stride(0),
+        **_constexprs(config, d, n_tiles, slots, gated=up_weight is not None, aligned=aligned,
                       deterministic=deterministic),
         num_warps=config.num_warps,
         maxnreg=config.max_regs,
@@ -840,8 +823,8 @@ def launch_up_down(
     return out
 
 
-def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]]]:
-    """Specializations to compile for sm_90a (tests/kernels/sm90_compile.py, 4 warps): for bf16
+def compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]]]:
+    """Specializations to compile for every GPU target (tests/kernels/gpu_compile.py, 4 warps): for bf16
     and fp16, gated and non-gated, the default configs (all M buckets) at the paper's shape (D = 2048,
     H = 5632, tile 256, slots 32, aligned) and the generic paths (D = 100: unaligned and masked along D;
     D = 16384: D split over programs); for bf16 gated every distinct specialization of
@@ -880,10 +863,10 @@ def sm90_compile_specs() -> list[tuple[object, dict[str, str], dict[str, object]
         constexprs = {**constexprs, **split_constexprs}
         signature = {
             "x_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16", "counts_ptr": "*i32",
-            "weight_ptr": f"*{ty}", "out_ptr": f"*{ty}", **split_args,
+            "weight_ptr": f"*{ty}", "down_ptr": f"*{ty}", "out_ptr": f"*{ty}", **split_args,
             "M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32",
             "split_cap": "i32", "max_pieces": "i32",
-            "stride_xm": "i32", "stride_wh": "i32", "stride_om": "i32",
+            "stride_xm": "i32", "stride_wh": "i32", "stride_dh": "i32", "stride_om": "i32",
             **{k: "constexpr" for k in constexprs},
         }
         specs.append((_twell_up_down_kernel, signature, constexprs))

@@ -46,6 +46,7 @@ from sparseffn.kernels.row_split import new_row_list
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.unit_grads import SlotCoefficients, launch_slots_by_unit, launch_unit_weight_grads
 from sparseffn.ops.dispatch import eager_call
+from sparseffn.ops.twell_mlp import stored_transposed, transposed_down
 
 
 def _aligned(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -80,7 +81,7 @@ def _train_forward(
     first = gate_weight if gated else up_weight
     values, columns, counts = gate_twell(x, first, threshold, tile=tile, slots=slots)
     row_flags = torch.empty(m, dtype=torch.bool, device=x.device)
-    down_t = convert(down_weight, down_weight.dtype, transpose=True)
+    down_t = transposed_down(down_weight)
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     u_slots = _empty_slots(x, values.shape[1], slots) if gated else x.new_empty(0, dtype=torch.float32)
     row_l1 = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -142,8 +143,8 @@ def _train_backward(
     n_tiles = values.shape[1]
     gate_weight, up_weight = _aligned(gate_weight), _aligned(up_weight)
     dy = dy.contiguous()
-    # again, not saved: a weight-sized copy per layer would outlive forward
-    down_t = convert(down_weight, down_weight.dtype, transpose=True)
+    # again (a view, or a copy not saved: a weight-sized copy per layer would outlive forward)
+    down_t = transposed_down(down_weight)
     dx = torch.empty_like(x)
     du_slots = _empty_slots(x, n_tiles, slots) if gated else None
     dg_slots = _empty_slots(x, n_tiles, slots)
@@ -171,7 +172,10 @@ def _train_backward(
     del grad_gate
     d_up = convert(grad_up, up_weight.dtype)
     del grad_up
-    d_down = convert(grad_down_t, down_weight.dtype, transpose=True)  # one pass: round + transpose
+    if stored_transposed(down_weight):  # the gradient in the parameter's layout: [H, D] rounded, viewed [D, H]
+        d_down = convert(grad_down_t, down_weight.dtype).t()
+    else:
+        d_down = convert(grad_down_t, down_weight.dtype, transpose=True)  # one pass: round + transpose
     return dx, d_gate, d_up, d_down
 
 

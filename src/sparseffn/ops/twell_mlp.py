@@ -4,8 +4,9 @@
     y  = down(p ⊙ (x up^T))  (or down(p))  kernels/twell_up_down.py: only the active units, fp32
     y[overflow rows] = dense MLP           kernels/dense_rows_mlp.py: rows with a tile over capacity, exact
 
-`first` is the gate weight (gated) or the up weight (non-gated). The interleaved up/down weight the
-fused kernel reads is built once by `SparseMLPWeights.prepare` and reused across calls.
+`first` is the gate weight (gated) or the up weight (non-gated). The fused kernel reads the up rows
+and the rows of down^T [H, D]; `SparseMLPWeights.prepare` gets the latter as a view when the down
+weight is stored transposed (as `SparseMLP` stores it) and as one copy otherwise.
 
 Nothing here synchronises with the host: the overflow rows are found and compacted on the device and
 the dense backup kernel loops over however many there are (usually none), so the whole call can be
@@ -21,30 +22,31 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sparseffn.kernels.convert import convert
 from sparseffn.kernels.dense_rows_mlp import cuda_supported, launch_dense_rows
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.kernels.row_split import new_row_list
-from sparseffn.kernels.twell_up_down import default_config, launch_up_down, prepare_up_down_weight
+from sparseffn.kernels.twell_up_down import default_config, launch_up_down
 
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, eq=False)
 class SparseMLPWeights:
-    """One MLP's weights in Hugging Face layouts plus the interleaved [H, 2|1, D] up/down copy."""
+    """One MLP's weights as the kernels read them: gate / up [H, D] and down [D, H] in Hugging Face
+    layouts, plus down_t [H, D] = down_weight^T with unit stride along D (row j = unit j's down column)."""
 
     gate_weight: torch.Tensor | None
     up_weight: torch.Tensor
     down_weight: torch.Tensor
-    up_down: torch.Tensor
+    down_t: torch.Tensor
 
     @classmethod
     def prepare(
         cls, gate_weight: torch.Tensor | None, up_weight: torch.Tensor, down_weight: torch.Tensor
     ) -> "SparseMLPWeights":
-        """Build the fused kernel's weight layout (one copy of up and down; do it once per module)."""
-        up_down = prepare_up_down_weight(up_weight if gate_weight is not None else None, down_weight)
-        return cls(gate_weight, up_weight, down_weight, up_down)
+        """down_t is a view of down_weight when its storage is already transposed (`SparseMLP` keeps
+        it so: no copy), else one transposed copy (build it once and reuse it)."""
+        return cls(gate_weight, up_weight, down_weight, transposed_down(down_weight))
 
     @property
     def first_weight(self) -> torch.Tensor:
@@ -53,6 +55,19 @@ class SparseMLPWeights:
     def matches(self, gate_weight: torch.Tensor | None, up_weight: torch.Tensor, down_weight: torch.Tensor) -> bool:
         """Whether these prepared weights were built from exactly these tensors."""
         return self.gate_weight is gate_weight and self.up_weight is up_weight and self.down_weight is down_weight
+
+
+def stored_transposed(down_weight: torch.Tensor) -> bool:
+    """Whether down_weight [D, H] is stored transposed (as SparseMLP stores it): its .t() has unit stride
+    along D."""
+    return down_weight.shape[0] <= 1 or down_weight.stride(0) == 1
+
+
+def transposed_down(down_weight: torch.Tensor) -> torch.Tensor:
+    """down_weight^T [H, D] with unit stride along D: a view of a transposed storage, else one copy."""
+    if stored_transposed(down_weight):
+        return down_weight.t()
+    return convert(down_weight, down_weight.dtype, transpose=True)
 
 
 def threshold_vector(threshold: torch.Tensor | float | None, h: int, device: torch.device) -> torch.Tensor | None:
@@ -110,22 +125,23 @@ def dense_mlp_inference(
     return F.linear(h, down_weight)
 
 
-def _check_up_down(weights: SparseMLPWeights, h: int, d: int, x: torch.Tensor) -> None:
-    """The interleaved weight of `SparseMLPWeights` (built by `prepare`, or by hand) and the first
-    weight's unit count: what the up/down and dense-rows launches rely on without checking."""
+def _check_unit_rows(weights: SparseMLPWeights, h: int, d: int, x: torch.Tensor) -> None:
+    """The up and transposed down weights of `SparseMLPWeights` (built by `prepare`, or by hand) and the
+    first weight's unit count: what the up/down and dense-rows launches rely on without checking."""
     if weights.first_weight.shape[0] != h:
         raise ValueError(f"weights.gate_weight must have up_weight's {h} units, got "
                          f"{list(weights.first_weight.shape)}")
-    up_down = weights.up_down
-    shape = (h, 1 if weights.gate_weight is None else 2, d)
-    if not isinstance(up_down, torch.Tensor):
-        raise TypeError(f"weights.up_down must be a torch.Tensor, got {type(up_down).__name__}")
-    if up_down.shape != shape or up_down.dtype != x.dtype or up_down.device != x.device:
-        raise ValueError(f"weights.up_down must be a {x.dtype} tensor of shape {list(shape)} on {x.device} "
-                         f"(SparseMLPWeights.prepare builds it), got {up_down.dtype} {list(up_down.shape)} "
-                         f"on {up_down.device}")
-    if not up_down.is_contiguous():
-        raise ValueError("weights.up_down must be contiguous (SparseMLPWeights.prepare builds it)")
+    down_t = weights.down_t
+    if not isinstance(down_t, torch.Tensor):
+        raise TypeError(f"weights.down_t must be a torch.Tensor, got {type(down_t).__name__}")
+    if tuple(down_t.shape) != (h, d) or down_t.dtype != x.dtype or down_t.device != x.device:
+        raise ValueError(f"weights.down_t must be a {x.dtype} tensor of shape {[h, d]} on {x.device} "
+                         f"(SparseMLPWeights.prepare builds it), got {down_t.dtype} {list(down_t.shape)} "
+                         f"on {down_t.device}")
+    for name, w in (("weights.up_weight", weights.up_weight), ("weights.down_t", down_t)):
+        if d > 1 and w.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride along D (SparseMLPWeights.prepare builds down_t so), "
+                             f"got strides {list(w.stride())}")
 
 
 def twell_mlp(
@@ -142,20 +158,18 @@ def twell_mlp(
     h = weights.up_weight.shape[0]
     theta = threshold_vector(threshold, h, x.device)
     # gate_twell checks x, the first weight, θ, tile and slots; the launches after it take what it
-    # returned and what is allocated here, so only the interleaved weight is left to check
+    # returned and what is allocated here, so only the up and down^T rows are left to check
     values, columns, counts = gate_twell(x, weights.first_weight, theta, tile=tile, slots=slots)
     m, d = x.shape
-    _check_up_down(weights, h, d, x)
+    _check_unit_rows(weights, h, d, x)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     y = torch.empty(m, d, dtype=x.dtype, device=x.device)
     overflow = new_row_list(m, x.device)  # the overflow rows, listed by the up/down launch's classification
-    launch_up_down(x, values, columns, counts, weights.up_down, tile=tile, out=y, overflow_out=None,
+    gated = weights.gate_weight is not None
+    up, down_t = weights.up_weight, weights.down_t
+    launch_up_down(x, values, columns, counts, up if gated else None, down_t, tile=tile, out=y, overflow_out=None,
                    overflow_list=overflow, config=default_config(d, m), deterministic=deterministic)
-    if weights.gate_weight is not None:  # up_down [H, 2, D] holds up and down^T
-        up, down_t = weights.up_down[:, 0], weights.up_down[:, 1]
-    else:  # up_down [H, 1, D] holds down^T
-        up, down_t = weights.up_weight, weights.up_down[:, 0]
     if not x.is_cuda or cuda_supported(d, weights.first_weight, up, down_t):
         return launch_dense_rows(x, None, weights.gate_weight, up, down_t, theta, y, row_list=overflow)
     # D % 8 != 0 or unaligned weights on a GPU: the backup kernel refuses them; torch GEMMs on the

@@ -1,0 +1,342 @@
+"""Exact sparse MLP for few tokens (decode, 1 <= M <= 64): read the gate matrix once, and of the up
+and down matrices only the rows of units some token activates.
+
+    K1 _decode_gate_up_kernel, grid (cdiv(H, BLOCK_H),): program b owns units j in [b·BLOCK_H, +BLOCK_H)
+        g[m, j] = x[m] · first[j]               fp32, all M tokens at once (a GEMV over one weight slab)
+        p[m, j] = (g - θ_j) rounded to x's dtype, active iff not p <= 0 (> 0 or NaN)
+        active_j = any over m of active[m, j]
+        gated:     h = relu(p) ⊙ (x up^T), the up rows of inactive units masked off (never read)
+        non-gated: h = relu(p)
+        writes h_t [H, M_PAD] (x's dtype, rounded as the dense MLP rounds h before its last GEMM; rows
+        m >= M unwritten) and flags [H] int32 = active_j
+    K2 _decode_down_kernel, grid (cdiv(D, BLOCK_D),): program c owns columns [c·BLOCK_D, +BLOCK_D)
+        1. compacts the active units into a list (a prefix sum over the flags; every program computes
+           the same list into the same buffer, so no program waits for another);
+        2. y[:, cols] = Σ over the list, BLOCK_S units at a time, h_t[j, :M] ⊗ down_t[j, cols]
+        in list order (ascending j): y is deterministic, no atomics.
+
+Why this shape. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D]
+matrices, this path the gate matrix plus two D-rows per distinct active unit, each read once per
+call however many tokens use the unit. Capacities are H (no overflow: at any density the result is
+exact, at worst dense-sized), and nothing syncs with the host, so a call can be captured in a CUDA
+graph. The loops keep their reductions out of the loop body (2-D accumulators summed once) so a
+program's time is its loads' latency, not a chain of cross-thread reductions.
+
+Layouts. x [M, D]; first (gate, or up when not gated), up: [H, D]; down_t [H, D] = down_proj.weight^T
+(row j = the down column of unit j); every weight and x with unit stride along D, any row stride.
+threshold: fp32 [H] or None. M_PAD (1, 16, 32 or 64) is M rounded up: 1 uses CUDA-core products,
+the others tl.dot on rows padded with zeros.
+
+Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (DOT_IN_FP32).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseffn.kernels._runtime import (TL_DTYPES, cdiv, check_capability, check_config_fields, interpreting, mma,
+                                        next_power_of_2, num_sms)
+from sparseffn.kernels.launch import Launcher
+
+MAX_TOKENS = 64
+
+__all__ = ["MAX_TOKENS", "DecodeConfig", "decode_mlp", "default_config", "launch_decode_mlp", "compile_specs"]
+
+
+@triton.jit
+def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, D, stride_xm, stride_wh,
+              M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """[M_PAD, BLOCK_H] fp32: x[rows] · w[units]^T over all of D; rows of w with unit_on false are
+    masked off (no memory traffic)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
+    if M_PAD == 1:
+        acc2 = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)  # [BLOCK_H, BLOCK_K] products, summed once
+    else:
+        acc = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + offs_k
+        k_in = k < D
+        w = tl.load(w_rows + k[None, :], mask=unit_on[:, None] & k_in[None, :], other=0.0)  # [BLOCK_H, BLOCK_K]
+        xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
+        if M_PAD == 1:
+            acc2 += w.to(tl.float32) * xv.to(tl.float32)
+        else:
+            acc = mma(xv, tl.trans(w), acc, DOT_IN_FP32)
+    if M_PAD == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _decode_gate_up_kernel(
+    x_ptr,  # [M, D]
+    first_ptr,  # [H, D] gate (gated) or up (non-gated)
+    up_ptr,  # [H, D] up (gated), else unused
+    threshold_ptr,  # [H] fp32, or None when not HAS_THRESHOLD
+    h_ptr,  # [H, M_PAD] out, x's dtype (h_t: unit-major)
+    flags_ptr,  # [H] int32 out
+    M,
+    D,
+    H,
+    stride_xm,
+    stride_fh,
+    stride_uh,
+    GATED: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    unit_in = units < H
+    rows = tl.arange(0, M_PAD)  # [M_PAD]
+    row_in = rows < M
+    out_dtype = h_ptr.dtype.element_ty
+
+    acc = _rows_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, D, stride_xm, stride_fh,
+                    M_PAD, BLOCK_H, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+    if HAS_THRESHOLD:
+        theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
+        acc = acc - theta[None, :]
+    p = acc.to(out_dtype)  # [M_PAD, BLOCK_H] rounded once, as the prefill kernels
+    on = ~(p <= 0) & row_in[:, None] & unit_in[None, :]  # [M_PAD, BLOCK_H] > 0 or NaN
+    active = tl.max(on.to(tl.int32), axis=0)  # [BLOCK_H] 1 if any token
+    h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
+    if GATED:
+        if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
+            u = _rows_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, D, stride_xm, stride_uh,
+                          M_PAD, BLOCK_H, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
+            h = h * u
+    h_ptrs = h_ptr + units.to(tl.int64)[None, :] * M_PAD + rows[:, None]  # [M_PAD, BLOCK_H] of h_t
+    tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
+    tl.store(flags_ptr + units, active, mask=unit_in)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _decode_down_kernel(
+    h_ptr,  # [H, M_PAD] x's dtype (h_t)
+    flags_ptr,  # [H] int32
+    list_ptr,  # [H] int32 scratch: the active units, ascending
+    down_t_ptr,  # [H, D]
+    y_ptr,  # [M, D] out, x's dtype
+    M,
+    D,
+    H,
+    stride_dh,
+    stride_ym,
+    M_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREFIX: tl.constexpr,  # flags per step of the compaction
+    DOT_IN_FP32: tl.constexpr,
+):
+    # 1. the active units, compacted in ascending order (the same list in every program)
+    n_active = tl.sum(tl.zeros((1,), tl.int32), axis=0)
+    for u0 in range(0, H, PREFIX):
+        u = u0 + tl.arange(0, PREFIX)  # [PREFIX]
+        f = tl.load(flags_ptr + u, mask=u < H, other=0)  # [PREFIX] int32
+        tl.store(list_ptr + n_active + tl.cumsum(f, 0) - f, u, mask=f != 0)
+        n_active += tl.sum(f, axis=0)
+    tl.debug_barrier()  # the list this program stored is what it reads below
+    # 2. y[:, cols] over the list
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    col_in = cols < D
+    rows = tl.arange(0, M_PAD)  # [M_PAD]
+    row_in = rows < M
+    if M_PAD == 1:
+        acc2 = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)  # [BLOCK_S, BLOCK_D] products, summed once
+    else:
+        acc = tl.zeros((M_PAD, BLOCK_D), dtype=tl.float32)  # [M_PAD, BLOCK_D] fp32
+    for s0 in range(0, n_active, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        valid = s < n_active
+        units = tl.load(list_ptr + s, mask=valid, other=0).to(tl.int64)  # [BLOCK_S]
+        w = tl.load(down_t_ptr + units[:, None] * stride_dh + cols[None, :],
+                    mask=valid[:, None] & col_in[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+        if M_PAD == 1:
+            hv = tl.load(h_ptr + units, mask=valid, other=0.0)  # [BLOCK_S]
+            acc2 += hv.to(tl.float32)[:, None] * w.to(tl.float32)
+        else:
+            hv = tl.load(h_ptr + units[None, :] * M_PAD + rows[:, None],
+                         mask=row_in[:, None] & valid[None, :], other=0.0)  # [M_PAD, BLOCK_S]
+            acc = mma(hv, w, acc, DOT_IN_FP32)
+    if M_PAD == 1:
+        acc = tl.sum(acc2, axis=0)[None, :]
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+
+
+_gate_up_launch = Launcher(_decode_gate_up_kernel)
+_down_launch = Launcher(_decode_down_kernel)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters. K1: block_h units per program, block_k columns per step, gate_warps /
+    gate_stages. K2: block_s list entries per step, block_d output columns per program (None: enough
+    programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step."""
+
+    block_h: int = 16
+    block_k: int = 256
+    gate_warps: int = 4
+    gate_stages: int = 3
+    block_s: int = 64
+    block_d: int | None = None
+    down_warps: int = 4
+    down_stages: int = 3
+    prefix: int = 4096  # flags per step of K2's compaction
+
+    def __post_init__(self) -> None:
+        check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
+                                            "down_warps", "down_stages", "prefix"),
+                            powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix"),
+                            at_least=((("block_k", "block_s"), 16, "tl.dot"), (("block_h",), 2, "a 2-D tile")))
+        if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
+                                         or self.block_d < 16 or self.block_d & (self.block_d - 1)):
+            raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
+
+
+def m_pad(m: int) -> int:
+    """The kernels' padded token count: 1, or the smallest of 16 / 32 / 64 holding m."""
+    return 1 if m <= 1 else max(16, 1 << (m - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(m_padded: int) -> DecodeConfig:
+    """The config per padded M. One token: few units per program and long steps along D, since its
+    CUDA-core loop is not software-pipelined (each step is one memory round trip); more tokens: tl.dot
+    tiles, pipelined (benchmarks/results/h200/decode_sweep.csv)."""
+    if m_padded == 1:
+        return DecodeConfig(block_h=8, block_k=1024, gate_stages=1, block_s=64, down_stages=1)
+    return DecodeConfig()
+
+
+def down_block(config: DecodeConfig, d: int, sms: int) -> int:
+    """K2's output columns per program: config.block_d, or the widest power of two (>= 16) that still
+    gives at least half the SMs a program."""
+    if config.block_d is not None:
+        return config.block_d
+    return max(16, 1 << max(0, (2 * d // sms).bit_length() - 1))
+
+
+def decode_mlp(
+    x: torch.Tensor,
+    first_weight: torch.Tensor,
+    up_weight: torch.Tensor | None,
+    down_t: torch.Tensor,
+    threshold: torch.Tensor | None = None,
+    *,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """y [M, D] = down(relu(x first^T - θ) ⊙ (x up^T)) (up_weight=None: down(relu(x first^T - θ))),
+    for x [M, D] with 1 <= M <= MAX_TOKENS. first_weight / up_weight: [H, D]; down_t: [H, D], the
+    transposed down_proj.weight; all in x's dtype (bf16 / fp16) and device, unit stride along D;
+    threshold fp32 [H] or None. The module docstring has the contract."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, D], got {getattr(x, 'shape', type(x).__name__)}")
+    m, d = x.shape
+    if not 1 <= m <= MAX_TOKENS:
+        raise ValueError(f"x must have 1 to {MAX_TOKENS} rows (decode), got {m}")
+    if x.dtype not in TL_DTYPES:
+        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
+    h = first_weight.shape[0]
+    named = {"first_weight": first_weight, "down_t": down_t}
+    if up_weight is not None:
+        named["up_weight"] = up_weight
+    for name, w in named.items():
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+        if tuple(w.shape) != (h, d):
+            raise ValueError(f"{name} must be [H, D] = [{h}, {d}], got {list(w.shape)}")
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"{name} must be {x.dtype} on {x.device} like x, got {w.dtype} on {w.device}")
+        if d > 1 and w.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride along D, got strides {w.stride()}")
+    if d > 1 and x.stride(1) != 1:
+        raise ValueError(f"x must have unit stride along D, got strides {x.stride()}")
+    if threshold is not None and (not isinstance(threshold, torch.Tensor) or threshold.dtype != torch.float32
+                                  or tuple(threshold.shape) != (h,) or threshold.device != x.device):
+        raise ValueError(f"threshold must be None or an fp32 tensor [H] = [{h}] on {x.device}")
+    if not x.is_cuda and not interpreting():
+        raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
+    check_capability(x.device)
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise TypeError(f"config must be None or a DecodeConfig, got {type(config).__name__}")
+    return launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, config=config)
+
+
+def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=None) -> torch.Tensor:
+    """`decode_mlp` on arguments that meet its contract, unchecked."""
+    m, d = x.shape
+    h = first_weight.shape[0]
+    y = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    if d == 0:
+        return y
+    if h == 0:
+        return y.zero_()
+    mp = m_pad(m)
+    if config is None:
+        config = default_config(mp)
+    elif mp > 1 and config.block_h < 16:
+        raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
+    hidden = torch.empty((h, mp), dtype=x.dtype, device=x.device)  # h_t
+    scratch = torch.empty((2, h), dtype=torch.int32, device=x.device)  # flags, then the compacted list
+    block_d = down_block(config, d, num_sms(x.device) if x.is_cuda else 4)
+    dot_fp32 = interpreting()
+    gated = up_weight is not None
+    up = up_weight if gated else first_weight
+    _gate_up_launch[(cdiv(h, config.block_h),)](
+        x, first_weight, up, threshold, hidden, scratch, m, d, h, x.stride(0), first_weight.stride(0), up.stride(0),
+        GATED=gated, HAS_THRESHOLD=threshold is not None, M_PAD=mp, BLOCK_H=config.block_h,
+        BLOCK_K=config.block_k, DOT_IN_FP32=dot_fp32, num_warps=config.gate_warps, num_stages=config.gate_stages,
+    )
+    _down_launch[(cdiv(d, block_d),)](
+        hidden, scratch, scratch[1], down_t, y, m, d, h, down_t.stride(0), y.stride(0),
+        M_PAD=mp, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix, DOT_IN_FP32=dot_fp32,
+        num_warps=config.down_warps, num_stages=config.down_stages,
+    )
+    return y
+
+
+def compile_specs(with_options: bool = False):
+    """(jit_function, signature, constexprs[, options]) of the variants decode_mlp launches: bf16/fp16,
+    gated or not, threshold on/off, every padded M, the default down blocks of D = 2048 and 4096."""
+    specs = []
+
+    def add(fn, signature, constexprs, warps, stages):
+        for name in constexprs:
+            signature.setdefault(name, "constexpr")
+        spec = (fn, signature, constexprs)
+        specs.append(spec + (({"num_warps": warps, "num_stages": stages},) if with_options else ()))
+
+    for dtype in (torch.bfloat16, torch.float16):
+        ty = TL_DTYPES[dtype]
+        for mp in (1, 16, 32, 64):
+            cfg = default_config(mp)
+            for gated, has_threshold in ((True, False), (True, True), (False, True)):
+                if mp in (16, 32) and not (gated and not has_threshold):
+                    continue
+                sig = {"x_ptr": f"*{ty}", "first_ptr": f"*{ty}", "up_ptr": f"*{ty}",
+                       "threshold_ptr": "*fp32" if has_threshold else "constexpr", "h_ptr": f"*{ty}",
+                       "flags_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32", "stride_xm": "i32",
+                       "stride_fh": "i32", "stride_uh": "i32"}
+                cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "M_PAD": mp, "BLOCK_H": cfg.block_h,
+                      "BLOCK_K": cfg.block_k, "DOT_IN_FP32": False}
+                if not has_threshold:
+                    cx["threshold_ptr"] = None
+                add(_decode_gate_up_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
+            for d in ((2048, 4096) if mp in (1, 64) else (2048,)):
+                sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
+                       "y_ptr": f"*{ty}", "M": "i32", "D": "i32", "H": "i32", "stride_dh": "i32", "stride_ym": "i32"}
+                cx = {"M_PAD": mp, "BLOCK_S": cfg.block_s, "BLOCK_D": down_block(cfg, d, 132), "PREFIX": cfg.prefix,
+                      "DOT_IN_FP32": False}
+                add(_decode_down_kernel, sig, cx, cfg.down_warps, cfg.down_stages)
+    return specs

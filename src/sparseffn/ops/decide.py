@@ -1,0 +1,142 @@
+"""Which path a sparse-MLP call takes: the rules of auto mode, as a pure function of the call's facts.
+
+Paths: "dense" (three torch GEMMs) or "sparse" (Triton kernels; which ones follows from the call:
+the training kernels for calls with gradients or the L1 penalty, the decode kernels for inference
+calls of up to DECODE_MAX_TOKENS tokens, TwELL inference above that).
+
+Auto mode takes the sparse path only where it was measured faster (`benchmarks/results/h200/`):
+  - a GPU whose kernels were run and timed (VALIDATED_CAPABILITIES: the H200); elsewhere the kernels
+    compile and `mode="sparse"` runs them, but auto mode stays dense and says why;
+  - D >= AUTO_MIN_D (narrower MLPs make each gathered unit a short read whose latency is not hidden,
+    and their dense GEMMs are cheap);
+  - enough tokens: training >= AUTO_MIN_TOKENS_TRAIN, TwELL inference >= AUTO_MIN_TOKENS; decode
+    calls (<= DECODE_MAX_TOKENS) when the transposed down weight is at hand without a copy;
+  - and activations sparse enough: the expected active units per token must lie under the break-even
+    of the path (`density_limit`). Without an estimate the functional op assumes sparse activations;
+    `SparseMLP` always passes its measured estimate (nn/activity.py).
+Hysteresis: `previous`, the path this kind of call took last time, keeps a layer that runs dense there
+until its estimate falls under HYSTERESIS x the limit, so it does not flip between paths every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparseffn.kernels._runtime import MIN_CAPABILITY, VALIDATED_CAPABILITIES
+
+MODES = ("auto", "sparse", "dense")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+AUTO_MIN_TOKENS = 4096  # TwELL inference (the sparse path's host launch work exceeds its GPU time below)
+AUTO_MIN_TOKENS_TRAIN = 16384  # the training kernels (break-even between 8192 and 16384 tokens)
+DECODE_MAX_TOKENS = 64  # inference calls of at most this many tokens take the decode kernels
+AUTO_MIN_D = 2048
+# Break-even active units per token, as min(count, fraction of H) (small-H models break even at
+# lower counts): TwELL inference lost at 110 per token on both measured shapes (break-even ~69 at
+# D=2048/H=5632, ~83 at D=4096/H=14336).
+PREFILL_MAX_NNZ = (64.0, 0.01)
+TRAIN_MAX_NNZ = (64.0, 0.01)
+DECODE_MAX_NNZ = (512.0, 0.05)
+HYSTERESIS = 0.8
+
+
+@dataclass(frozen=True)
+class ModeDecision:
+    mode: str  # "sparse" or "dense"
+    reason: str
+
+
+@dataclass(frozen=True)
+class CallFacts:
+    """What the decision looks at: no data, no pointers (so it traces under torch.compile)."""
+
+    device_type: str  # "cuda", or "cpu" (kernels interpreted when `interpreted`)
+    capability: tuple[int, int]  # of the CUDA device
+    dtype: torch.dtype
+    d: int
+    h: int
+    tokens: int
+    training: bool  # gradients or the L1 penalty: the training kernels
+    interpreted: bool = False  # TRITON_INTERPRET=1 on a CPU tensor
+    down_t_ready: bool = False  # down^T [H, D] at hand without a copy (decode kernels)
+
+
+def density_limit(facts: CallFacts) -> float:
+    """Auto mode's break-even active units per token for this kind of call."""
+    if facts.training:
+        count, fraction = TRAIN_MAX_NNZ
+    elif facts.tokens <= DECODE_MAX_TOKENS:
+        count, fraction = DECODE_MAX_NNZ
+    else:
+        count, fraction = PREFILL_MAX_NNZ
+    return min(count, fraction * facts.h)
+
+
+def _blockers(facts: CallFacts) -> list[str]:
+    """Why the sparse kernels cannot run this call at all (empty: they can)."""
+    blockers = []
+    if facts.device_type == "cuda":
+        if facts.capability < MIN_CAPABILITY:
+            major, minor = facts.capability
+            blockers.append(f"compute capability {major}.{minor}: the kernels need "
+                            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later (bf16 tensor cores)")
+    elif not facts.interpreted:
+        blockers.append(f"x is on {facts.device_type}: the Triton kernels need a CUDA device "
+                        "(or TRITON_INTERPRET=1 on CPU)")
+    if facts.dtype not in KERNEL_DTYPES:
+        blockers.append(f"x is {facts.dtype}: the kernels take bf16 or fp16")
+    if facts.training and facts.device_type == "cuda" and facts.d % 8:
+        blockers.append(f"the training kernels need D % 8 == 0 on CUDA, got D = {facts.d}")
+    return blockers
+
+
+def decide(facts: CallFacts, mode: str = "auto", expected_nnz: float | None = None,
+           previous: str | None = None) -> ModeDecision:
+    """The path for a call with these facts (module docstring). Raises NotImplementedError when
+    mode="sparse" cannot run, ValueError for an unknown mode."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "dense":
+        return ModeDecision("dense", "requested")
+    blockers = _blockers(facts)
+    if mode == "sparse":
+        if blockers:
+            raise NotImplementedError(f"mode='sparse' cannot run: {'; '.join(blockers)}")
+        return ModeDecision("sparse", "requested")
+    if blockers:
+        return ModeDecision("dense", blockers[0])
+    if facts.device_type != "cuda":
+        return ModeDecision("dense", "auto mode never interprets kernels on CPU")
+    if facts.capability not in VALIDATED_CAPABILITIES:
+        major, minor = facts.capability
+        return ModeDecision("dense", f"compute capability {major}.{minor}: the kernels compile for it but were "
+                                     "measured only on 9.0 (H100/H200); mode='sparse' runs them")
+    if facts.d < AUTO_MIN_D:
+        return ModeDecision("dense", f"D = {facts.d} < {AUTO_MIN_D}: too narrow for the sparse kernels to pay "
+                                     "(measured break-even near D = 1024)")
+    if facts.training:
+        if facts.tokens < AUTO_MIN_TOKENS_TRAIN:
+            return ModeDecision("dense", f"{facts.tokens} tokens < {AUTO_MIN_TOKENS_TRAIN}: too few for the training "
+                                         "kernels to pay (measured break-even between 8192 and 16384)")
+        kind = "training"
+    elif facts.tokens <= DECODE_MAX_TOKENS:
+        if not facts.down_t_ready:
+            return ModeDecision("dense", f"{facts.tokens} tokens: the decode kernels read down^T, which this call "
+                                         "would copy (pass prepared weights, or use SparseMLP)")
+        kind = "decode"
+    elif facts.tokens < AUTO_MIN_TOKENS:
+        return ModeDecision("dense", f"{facts.tokens} tokens: between the decode kernels (<= {DECODE_MAX_TOKENS}) "
+                                     f"and TwELL inference (>= {AUTO_MIN_TOKENS}) dense torch is faster")
+    else:
+        kind = "TwELL inference"
+    if expected_nnz is not None:
+        limit = density_limit(facts)
+        if previous == "dense":
+            limit *= HYSTERESIS
+        if expected_nnz > limit:
+            return ModeDecision("dense", f"expected {expected_nnz:g} active units per token > {limit:g}, the "
+                                         f"break-even of {kind}" + (" (hysteresis)" if previous == "dense" else ""))
+    estimate = "" if expected_nnz is None else f", expected {expected_nnz:g} active units per token"
+    return ModeDecision("sparse", f"{kind}: {facts.tokens} tokens{estimate}")
