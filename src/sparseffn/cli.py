@@ -176,6 +176,12 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     return _run_bench(args, E2EBenchConfig, run_e2e_bench, e2e_table, plot_e2e, "e2e")
 
 
+def _cmd_bench_decode(args: argparse.Namespace) -> int:
+    from sparseffn.bench.decode import DecodeBenchConfig, decode_table, plot_decode, run_decode_bench
+
+    return _run_bench(args, DecodeBenchConfig, run_decode_bench, decode_table, plot_decode, "decode_mlp")
+
+
 def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
     from sparseffn.bench.calibrate import CalibrateBenchConfig, calibrate_table, plot_calibrate, run_calibrate_bench
 
@@ -220,6 +226,7 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from sparseffn.bench.calibrate import CalibrateBenchConfig
+    from sparseffn.bench.decode import DecodeBenchConfig
     from sparseffn.bench.e2e import E2EBenchConfig
     from sparseffn.bench.mlp import MLPBenchConfig
     from sparseffn.bench.pack_demo import PackDemoConfig
@@ -282,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "energy (CSV + PNG under --out-dir)")
     _add_dataclass_flags(e2e, E2EBenchConfig)
     e2e.set_defaults(func=_cmd_bench_e2e)
+    dec = bench.add_parser("decode", help="few-token MLP calls (decode): dense torch vs the decode kernels, eager "
+                                          "and CUDA-graphed, cold and warm L2 (CSV + PNG under --out-dir)")
+    _add_dataclass_flags(dec, DecodeBenchConfig)
+    dec.set_defaults(func=_cmd_bench_decode)
     cal = bench.add_parser("calibrate", help="post-training thresholds on a trained run: held-out CE and sparsity "
                                              "per target nnz (CSV + PNG under --out-dir)")
     cal.add_argument("checkpoint", metavar="RUN_DIR", help="a training run directory (config.json, model/)")

@@ -46,7 +46,7 @@ def test_reaches_target_per_layer(target):
     report = calibrate_thresholds(model, batches, target)
     assert [r["layer"] for r in report] == [0, 1, 2] and report[0]["name"] == "model.layers.0.mlp"
     for m in sparse_mlps(model):
-        assert m.has_threshold and m.expected_nnz == target and m.track_l1 and m.last_l1 is None
+        assert m.has_threshold and m.expected_nnz == target and m.track_l1 is None and m.last_l1 is None
     measured = _measured_nnz(model, batches)
     for r, nnz in zip(report, measured):
         assert abs(nnz - target) <= 0.1 * target, (r, nnz)

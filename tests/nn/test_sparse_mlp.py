@@ -171,17 +171,6 @@ def test_last_l1_value_and_gradient_match_reference():
     assert not torch.allclose(hf.gate_proj.weight.grad, want[1])
 
 
-def test_track_l1_off():
-    sparse = SparseMLP.from_dense(_llama_mlp())
-    assert sparse.track_l1 and sparse.last_l1 is None
-    sparse(_x(2))
-    assert sparse.last_l1 is not None
-    sparse.track_l1 = False
-    y = sparse(_x(2))
-    assert sparse.last_l1 is None and isinstance(y, torch.Tensor)
-    assert "track_l1=False" in repr(sparse)
-
-
 def test_bias_module_matches_formula():
     sparse = SparseMLP(D, H, bias=True)
     theta = _theta()
@@ -226,7 +215,7 @@ def test_extra_repr_and_attributes():
         (lambda: setattr(SparseMLP(D, H), "mode", "fast"), ValueError, "mode must be one of"),
         (lambda: setattr(SparseMLP(D, H), "expected_nnz", -1), ValueError, "expected_nnz must be a finite number >= 0"),
         (lambda: setattr(SparseMLP(D, H), "expected_nnz", "10"), TypeError, "expected_nnz must be None or a number"),
-        (lambda: setattr(SparseMLP(D, H), "track_l1", 1), TypeError, "track_l1 must be a bool"),
+        (lambda: setattr(SparseMLP(D, H), "track_l1", 1), TypeError, "track_l1 must be None or a bool"),
         (lambda: SparseMLP.from_dense(torch.nn.Linear(D, H)), TypeError, "mlp must have an nn.Linear gate_proj"),
         (lambda: SparseMLP.from_dense("mlp"), TypeError, "mlp must be an nn.Module, got str"),
         (lambda: SparseMLP(D, H).to_dense(act="gelu"), ValueError, "act must be one of"),
@@ -255,69 +244,144 @@ def test_nan_threshold_leaves_module_usable():
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="the sparse path needs CUDA or Triton's CPU interpreter",
 )
-def test_sparse_path_caches_prepared_weights():
+def test_sparse_inference_holds_one_copy_of_the_weights():
+    """The down weight is stored transposed, so the kernels read it as it is: after sparse inference
+    calls the module holds exactly the bytes of its weights plus the threshold, and the output
+    follows in-place weight changes (nothing stale is cached)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf = _llama_mlp(dtype=torch.bfloat16).to(device)
     sparse = SparseMLP.from_dense(hf, mode="sparse").set_threshold_(_theta().to(device))
-    sparse.track_l1 = False
+    assert sparse.down_proj.weight.t().is_contiguous() and sparse.down_proj.weight is hf.down_proj.weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in sparse.parameters())
     x = _x(5, dtype=torch.bfloat16).to(device)
     with torch.no_grad():
         y = sparse(x)
-        prepared = sparse._prepared
-        assert prepared is not None and sparse(x) is not None and sparse._prepared is prepared
         y_ref, _ = _by_hand(copy.deepcopy(hf).float(), x.float(), sparse.threshold)  # the bf16 weights, in fp32
         dense_err = (_by_hand(hf, x, sparse.threshold)[0].float() - y_ref).abs().max()
         assert (y.float() - y_ref).abs().max() <= 2 * dense_err + 1e-3
-        hf.up_proj.weight.mul_(2)  # in-place weight change: the cache is rebuilt, the output follows
-        y2 = sparse(x)
-        assert sparse._prepared is not prepared
-        assert not torch.equal(y2, y)
-        sparse.release_cache_()
-        assert sparse._prepared is None
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*sparse.parameters(), *sparse.buffers()]}
+        assert sum(held.values()) == weight_bytes + 4 * H
+        assert all(not isinstance(v, torch.Tensor) or v.numel() < H for v in vars(sparse).values())
+        hf.up_proj.weight.mul_(2)
+        assert not torch.equal(sparse(x), y)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the sparse path needs CUDA or Triton's CPU interpreter",
-)
-def test_no_prepared_weights_are_built_into_a_graph_capture(monkeypatch):
-    """While a CUDA graph is captured (simulated here), a missing interleaved copy is not built and
-    cached: mode="sparse" gets a copy for the call alone, auto mode the dense route."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = _llama_mlp(dtype=torch.bfloat16).to(device)
-    sparse = SparseMLP.from_dense(hf, mode="sparse")
-    sparse.track_l1 = False
-    x = _x(5, dtype=torch.bfloat16).to(device)
-    monkeypatch.setattr(nn_sparse_mlp, "_capturing", lambda x: True)
+def test_down_weight_stays_transposed_through_state_dict_to_and_optimizer():
+    sparse = SparseMLP(D, H)
+    param = sparse.down_proj.weight
+    assert param.shape == (D, H) and param.t().is_contiguous()
+    other = SparseMLP(D, H)
+    other.load_state_dict(sparse.state_dict())
+    assert other.down_proj.weight.t().is_contiguous() and torch.equal(other.down_proj.weight, param)
+    sparse.to(torch.float64)
+    assert sparse.down_proj.weight is param and param.t().is_contiguous()
+    optimizer = torch.optim.AdamW(sparse.parameters(), lr=1e-2)
+    sparse(_x(4).double()).square().sum().backward()
+    assert param.grad.stride() == param.stride()
+    before = param.detach().clone()
+    optimizer.step()
+    assert param.t().is_contiguous() and not torch.equal(param, before)
+    # a loader that assigns a contiguous tensor: the next forward re-stores it in place
     with torch.no_grad():
-        y = sparse(x)
-        assert sparse._prepared is None
-        monkeypatch.setattr(nn_sparse_mlp, "_capturing", lambda x: False)
-        assert torch.equal(y, sparse(x)) and sparse._prepared is not None  # built and cached outside a capture
-        sparse.release_cache_()
-        monkeypatch.setattr(nn_sparse_mlp, "_capturing", lambda x: True)
-        sparse.mode = "auto"  # as if auto mode had picked the kernels for this capture
-        monkeypatch.setattr(nn_sparse_mlp, "choose_mode", lambda *a, **k: ModeDecision("sparse", "test"))
-        assert sparse._inference_path(x, hf.gate_proj.weight, hf.up_proj.weight, hf.down_proj.weight) == ("dense", None)
-        assert sparse._prepared is None
+        param.data = param.data.contiguous()
+    y = sparse(_x(4).double())
+    assert sparse.down_proj.weight is param and param.t().is_contiguous() and y.shape == (4, D)
 
 
-def test_functional_capture_rule_needs_prepared_weights(monkeypatch):
-    """sparse_mlp without `prepared` tells choose_mode it is not capturing (a captured sparse call
-    would record the up/down interleaving into the graph); with it, choose_mode asks torch."""
+def test_l1_follows_the_module_mode():
+    sparse = SparseMLP.from_dense(_llama_mlp())
+    assert sparse.track_l1 is None and sparse.last_l1 is None
+    sparse(_x(2))  # training mode
+    assert sparse.last_l1 is not None
+    sparse.eval()
+    with torch.no_grad():
+        sparse(_x(2))
+    assert sparse.last_l1 is None  # eval + no_grad: inference, no penalty
+    sparse(_x(2))  # eval, but gradients flow to the parameters
+    assert sparse.last_l1 is not None and sparse.last_l1.requires_grad
+    sparse.track_l1 = True  # explicit override: evaluate the penalty under no_grad
+    with torch.no_grad():
+        sparse(_x(2))
+    assert sparse.last_l1 is not None
+    sparse.track_l1 = False
+    sparse.train()
+    assert sparse(_x(2)) is not None and sparse.last_l1 is None
+    assert "track_l1=False" in repr(sparse)
+
+
+def test_eval_no_grad_takes_the_inference_kernels_training_the_training_kernels(monkeypatch):
     seen = []
+    real = ops_sparse_mlp.sparse_mlp
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["capturing"])
-        return ModeDecision("dense", "spy")
+        seen.append((kwargs["return_l1"], torch.is_grad_enabled()))
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(ops_sparse_mlp, "choose_mode", spy)
-    hf = _llama_mlp(dtype=torch.bfloat16)
-    args = (_x(3, dtype=torch.bfloat16), hf.gate_proj.weight, hf.up_proj.weight, hf.down_proj.weight)
+    monkeypatch.setattr(nn_sparse_mlp, "sparse_mlp", spy)
+    sparse = SparseMLP.from_dense(_llama_mlp())
+    sparse(_x(3))
+    sparse.eval()
     with torch.no_grad():
-        ops_sparse_mlp.sparse_mlp(*args)
-        ops_sparse_mlp.sparse_mlp(*args, prepared=SparseMLPWeights.prepare(*args[1:]))
-    assert seen == [False, None]
+        sparse(_x(3))
+    assert seen == [(True, True), (False, False)]
+
+
+def test_auto_mode_dispatches_on_measured_activity(monkeypatch):
+    """Unmeasured: dense. The activity sample taken on call 0 is read `lag` calls later (before call
+    `lag` decides); from then on auto mode decides from it, per kind of call, with the
+    last decision of that kind as hysteresis input; a hint replaces it and stops the counting."""
+    sparse = SparseMLP.from_dense(_llama_mlp())
+    sparse.eval()
+    decisions = []
+    monkeypatch.setattr(nn_sparse_mlp, "choose_mode",
+                        lambda x, up, **k: decisions.append(k) or ModeDecision("dense", "spy"))
+    x = _x(3)
+    with torch.no_grad():
+        want = float(sparse.activation_mask(x).sum()) / 3
+        for _ in range(sparse.activity.lag):
+            sparse(x)
+            assert sparse.last_decision.reason.startswith("activity not measured")
+        assert decisions == [] and sparse.activity.nnz is None
+        sparse(x)
+        assert sparse.activity.nnz == want and 0 < want < H
+        assert decisions[-1]["expected_nnz"] == want and decisions[-1]["previous"] == "dense"
+        sparse(x)
+    assert sparse.activity.last == {"decode": "dense"} and sparse.activity.calls == sparse.activity.lag + 2
+    assert "activity=Activity(" in repr(sparse)
+    sparse.expected_nnz = 7.0
+    with torch.no_grad():
+        sparse(x)
+    assert decisions[-1]["expected_nnz"] == 7.0 and sparse.activity.calls == sparse.activity.lag + 2
+
+
+def test_activity_samples_and_resumes_exactly():
+    """A counted call: poll, (decide,) maybe record, tick. Restored from a state taken with a sample
+    in flight, an Activity folds it in at the same call as the original."""
+    from sparseffn.nn.activity import Activity
+
+    def call(act, i):
+        act.poll()
+        if act.wants_sample():
+            act.record(torch.tensor(10 * (i + 1)), tokens=5)
+        act.tick()
+
+    a = Activity(period=4, lag=2)
+    seen = []
+    for i in range(10):
+        if a.wants_sample():
+            seen.append(i)
+        call(a, i)
+        if i == 4:  # checkpoint right after a sample was taken
+            b = Activity()
+            b.load_state_dict(a.state_dict())
+        elif i > 4:
+            call(b, i)
+    assert seen == [0, 4, 8]
+    assert a.nnz == b.nnz == 0.5 * (2.0 + 10.0)  # the sample of call 8 is due at call 10
+    assert a.calls == b.calls == 10 and a.samples == b.samples == 2
+    with pytest.raises(ValueError, match="period"):
+        Activity(period=0)
 
 
 @pytest.mark.skipif(

@@ -40,7 +40,7 @@ import torch
 
 from sparseffn.bench.common import ints, write_csv
 from sparseffn.bench.timing import device_slug, run_metadata
-from sparseffn.ops.sparse_mlp import AUTO_MIN_TOKENS
+from sparseffn.ops.decide import AUTO_MIN_TOKENS
 
 CSV_FIELDS = (
     "gpu", "torch", "triton", "transformers", "git_sha", "model", "dtype", "attention", "target_nnz",

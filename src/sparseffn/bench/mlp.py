@@ -12,8 +12,10 @@ For each shape (D x H), target density and token count M, one realistic syntheti
     gate_pack        the gate step alone: Triton GEMM + TwELL packing epilogue (what `sparse` runs)
     dense_graph      `dense` captured in a CUDA graph and replayed (CUDA only)
     sparse_graph     `sparse` captured in a CUDA graph and replayed (CUDA only)
-    auto_graph       `auto` captured in a CUDA graph: under capture auto mode routes few tokens to the
-                     sparse kernels (ops/sparse_mlp.py, AUTO_MAX_CAPTURED_TOKENS) (CUDA only)
+    auto_graph       `auto` captured in a CUDA graph and replayed (CUDA only)
+
+The down weight is stored as `down_layout` says ("transposed", as SparseMLP stores it, by default);
+every provider reads the same tensors.
 
 The graph providers take the host launch work out of the timing, as serving stacks do with CUDA graphs:
 at small M an eager call costs more host time than GPU time and the L2 flush no longer hides it.
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseffn.bench.common import ints, rel_err, shapes, write_csv
-from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.bench.synthetic import synthetic_mlp, with_down_layout
 from sparseffn.bench.timing import cuda_graphed, device_slug, median_timing, run_metadata, time_fn
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.ops.reference import sparse_mlp_reference
@@ -65,6 +67,7 @@ class MLPBenchConfig:
     rep_ms: int = 200
     out_dir: str = "benchmarks/results"
     git_sha: str = ""  # empty: read from git (pass it where the tree travels without .git)
+    down_layout: str = "transposed"  # how the down weight is stored: "transposed" (as SparseMLP) or "hf"
 
 
 def _providers(mlp, weights: SparseMLPWeights, expected_nnz: float, tile: int, slots: int,
@@ -122,7 +125,8 @@ def run_mlp_bench(cfg: MLPBenchConfig, device: torch.device | None = None, log: 
         for d, h in shapes(cfg.shapes):
             for target in ints(cfg.nnz):
                 for m in ints(cfg.tokens):
-                    mlp = synthetic_mlp(m, d, h, min(target, h), dtype=dtype, device=device, seed=cfg.seed)
+                    mlp = with_down_layout(synthetic_mlp(m, d, h, min(target, h), dtype=dtype, device=device, seed=cfg.seed),
+                                       cfg.down_layout)
                     rows += _bench_case(cfg, mlp, providers, meta, device, log, compiled_dense)
                     write_csv(rows, csv_path, CSV_FIELDS)  # after every case: a run cut short keeps what it measured
                     del mlp
@@ -164,7 +168,7 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
             mode = "sparse"
         elif name in ("auto", "auto_graph"):
             mode = choose_mode(x, mlp.up_weight, mode="auto", expected_nnz=stats["mean_nnz"],
-                               capturing=name == "auto_graph").mode
+                               down_t_ready=True).mode
         checked[name] = (mode, err)
     # Providers take turns over TIMING_ROUNDS rounds, so a drift of clocks or host load hits them alike.
     timed = list(dict.fromkeys(["dense", *wanted]))

@@ -29,7 +29,7 @@ import torch
 
 from sparseffn.bench.common import ints, rel_err, shapes, write_csv
 from sparseffn.bench.mlp import MLPBenchConfig
-from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.bench.synthetic import synthetic_mlp, with_down_layout
 from sparseffn.bench.timing import cuda_graphed, device_slug, run_metadata, time_fn
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.ops.reference import mlp_activation_reference
@@ -128,7 +128,8 @@ def run_train_bench(cfg: TrainBenchConfig, device: torch.device | None = None,
     for d, h in shapes(cfg.shapes):
         for target in ints(cfg.nnz):
             for m in ints(cfg.tokens):
-                mlp = synthetic_mlp(m, d, h, min(target, h), dtype=dtype, device=device, seed=cfg.seed)
+                mlp = with_down_layout(synthetic_mlp(m, d, h, min(target, h), dtype=dtype, device=device, seed=cfg.seed),
+                                       cfg.down_layout)
                 rows += _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense)
                 write_csv(rows, csv_path, CSV_FIELDS)
                 del mlp

@@ -14,6 +14,7 @@ Random x and weights, with the sparsity pattern of a trained ReLU + L1 model:
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -104,3 +105,12 @@ def synthetic_mlp(
         target_nnz=float(target_nnz),
         calibrated_nnz=mean_nnz(base),
     )
+
+
+def with_down_layout(mlp: SyntheticMLP, layout: str) -> SyntheticMLP:
+    """`mlp` with its down weight stored as `layout` says: "transposed" (down_weight.t() contiguous, as
+    `SparseMLP` stores it: the sparse kernels read it without a copy) or "hf" (contiguous [D, H])."""
+    if layout not in ("transposed", "hf"):
+        raise ValueError(f"down layout must be 'transposed' or 'hf', got {layout!r}")
+    down = mlp.down_weight.t().contiguous().t() if layout == "transposed" else mlp.down_weight.contiguous()
+    return dataclasses.replace(mlp, down_weight=down)

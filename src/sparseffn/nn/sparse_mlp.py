@@ -1,22 +1,31 @@
 """`SparseMLP`: a drop-in for a Hugging Face gated MLP (Llama, Qwen2, Mistral) over `ops.sparse_mlp`.
 
-    p = relu(gate_proj(x) - θ)        θ: per-unit fp32 buffer `threshold` [H] (zeros = plain ReLU, DESIGN §5)
+    p = relu(gate_proj(x) - θ)        θ: per-unit fp32 buffer `threshold` [H] (zeros = plain ReLU)
     h = p * up_proj(x)                (gated)    or   h = p = relu(up_proj(x) - θ)   (gated=False)
     y = down_proj(h)
 
 Submodules carry the Hugging Face names (`gate_proj`, `up_proj`, `down_proj`, all `nn.Linear`), so a
-state dict holds a Llama MLP's keys plus `threshold`. With `track_l1` (the default) every forward also
-stores the layer's differentiable L1 penalty (DESIGN §1: mean over tokens of Σ_j |h_j|) in `last_l1`,
-which `models.collect_l1` averages over layers for `loss = ce + λ · l1`.
+state dict holds a Llama MLP's keys plus `threshold`.
 
-Paths. Bias-free modules (every Hugging Face Llama/Qwen2/Mistral MLP) call `ops.sparse_mlp`, whose auto
-mode runs the Triton kernels on CUDA bf16/fp16 calls with enough tokens and three dense GEMMs
-otherwise. With `track_l1=True` (or gradients) the call takes the training kernels, which also compute
-the L1 penalty and keep what backward needs; for pure inference switch it off
-(`models.set_track_l1(model, False)`) so the lighter inference kernels run. Under autocast the module
-casts x and its weights to the autocast dtype itself (differentiably, as autocast does for F.linear),
-so fp32 master weights still reach the bf16/fp16 kernels. Modules with biases run the same formula in
-dense torch (the op has no bias arguments).
+One copy of the weights. `down_proj.weight` [D, H] is stored transposed (its `.t()`, [H, D], is
+contiguous): the layout the sparse kernels read (row j = unit j's down column), while every dense
+path (F.linear), state dicts, `save_pretrained` and optimizers see an ordinary [D, H] parameter.
+A down weight that arrives contiguous (a loader that assigns new tensors) is re-stored on the next
+forward, in place (`param.data`), so optimizers keep their parameter.
+
+L1. With `track_l1=None` (the default) a forward computes the layer's differentiable L1 penalty
+(mean over tokens of Σ_j |h_j|) into `last_l1` in training mode, or when gradients flow to its
+parameters; in `eval()` under `no_grad` it does not, and the lighter inference kernels run.
+`track_l1=True` / `False` force it (`models.set_track_l1`); `models.collect_l1` averages `last_l1`
+over layers for `loss = ce + λ · l1`.
+
+Dispatch. In auto mode the module decides once per call (ops/decide.py) from its measured activity
+(`activity`, nn/activity.py: active units per token, sampled on the device every few calls, no host
+sync), so a model that is dense at initialization, or sparsified without calibration, runs dense
+until its activations are sparse; `expected_nnz`, when set, replaces the measurement. The last
+decision is `last_decision`. Under autocast the module casts x and its weights to the autocast dtype
+itself (differentiably), so fp32 master weights still reach the bf16/fp16 kernels. Modules with
+biases run the same formula in dense torch (the op has no bias arguments).
 
 The threshold is changed through `set_threshold_` (or `load_state_dict`), which keep a Python flag
 saying whether it is all zero, so the forward neither syncs with the host nor subtracts zeros. Editing
@@ -30,8 +39,10 @@ import numbers
 import torch
 from torch import nn
 
+from sparseffn.nn.activity import Activity
+from sparseffn.ops.decide import DECODE_MAX_TOKENS, ModeDecision
 from sparseffn.ops.sparse_mlp import MODES, choose_mode, sparse_mlp
-from sparseffn.ops.twell_mlp import SparseMLPWeights
+from sparseffn.ops.twell_mlp import stored_transposed
 
 ACTIVATIONS = ("relu", "silu")
 
@@ -65,7 +76,8 @@ class SparseMLP(nn.Module):
 
     `forward(x)` takes x [..., hidden_size] and returns [..., hidden_size] in x's dtype. Attributes a
     caller may set: `mode` ("auto" | "sparse" | "dense", passed to the op), `expected_nnz` (float | None:
-    expected non-zeros per token, auto mode's density hint), `track_l1` (bool: store `last_l1`).
+    expected active units per token, replaces the measured `activity` in auto mode), `track_l1`
+    (None: store `last_l1` in training mode or when gradients flow; True / False: always / never).
     """
 
     def __init__(
@@ -90,21 +102,23 @@ class SparseMLP(nn.Module):
         self.gate_proj = nn.Linear(d, h, bias=bias, **factory) if gated else None
         self.up_proj = nn.Linear(d, h, bias=bias, **factory)
         self.down_proj = nn.Linear(h, d, bias=bias, **factory)
+        store_transposed_(self.down_proj)
         self.register_buffer("threshold", torch.zeros(h, dtype=torch.float32, device=device))
         self.mode = mode  # checked by __setattr__, as are expected_nnz and track_l1
         self.expected_nnz: float | None = None
-        self.track_l1 = True
+        self.track_l1: bool | None = None
         self.last_l1: torch.Tensor | None = None
+        self.activity = Activity()
+        self.last_decision: ModeDecision | None = None
         self._threshold_active = False  # whether any θ_j != 0 (kept by set_threshold_/load_state_dict)
-        self._prepared: SparseMLPWeights | None = None  # interleaved up/down for the kernels, built lazily
-        self._prepared_key: tuple | None = None
         self._dense_class: type | None = None  # the Hugging Face class from_dense replaced, if any
 
     # ----------------------------------------------------------------- construction and conversion
 
     @classmethod
     def from_dense(cls, mlp: nn.Module, *, mode: str = "auto") -> "SparseMLP":
-        """A SparseMLP over a Hugging Face gated MLP's own Linear modules (weights shared, not copied).
+        """A SparseMLP over a Hugging Face gated MLP's own Linear modules (weights shared, not copied;
+        down_proj's weight is re-stored transposed, in place).
 
         `mlp` needs `gate_proj`, `up_proj`, `down_proj` (nn.Linear, [H, D], [H, D], [D, H]). Its
         activation is replaced by ReLU: the result computes down(relu(gate(x)) * up(x)), which equals
@@ -132,6 +146,7 @@ class SparseMLP(nn.Module):
         if len(devices) != 1:
             raise ValueError(f"mlp's projections must share one device, got {sorted(map(str, devices))}")
         module = cls(d, h, gated=True, bias=False, mode=mode, device="meta")
+        store_transposed_(down)
         module.gate_proj, module.up_proj, module.down_proj = gate, up, down
         module.threshold = torch.zeros(h, dtype=torch.float32, device=up.weight.device)
         module._dense_class = type(mlp)
@@ -216,7 +231,6 @@ class SparseMLP(nn.Module):
         super()._apply(fn, recurse)
         if self.threshold.dtype != torch.float32:
             self.threshold = theta.to(device=self.threshold.device, dtype=torch.float32)
-        self.release_cache_()
         return self
 
     # ----------------------------------------------------------------- forward
@@ -234,25 +248,60 @@ class SparseMLP(nn.Module):
             if up_proj.weight.dtype != x.dtype and torch.is_autocast_enabled(x.device.type):
                 x = x.to(up_proj.weight.dtype)  # autocast then casts x and the weights inside F.linear
             y, l1 = self._dense_with_bias(x, theta)
-        elif torch.is_autocast_enabled(x.device.type):
+            self.__dict__["last_l1"] = l1
+            return y
+        if not stored_transposed(down_proj.weight) and not _tracing(x):
+            store_transposed_(down_proj)  # a loader assigned a contiguous tensor: re-store it, in place
+        weights = [None if lin is None else lin.weight for lin in (gate_proj, up_proj, down_proj)]
+        track = self.track_l1
+        if track is None:
+            track = self.training or (torch.is_grad_enabled() and any(
+                w is not None and w.requires_grad for w in weights))
+        if torch.is_autocast_enabled(x.device.type):
             # The op is opaque to autocast: cast here, as autocast would for each F.linear (the weight
             # casts are differentiable, so fp32 master weights get their gradients), then run it as is.
             dtype = torch.get_autocast_dtype(x.device.type)
-            weights = [None if w is None else w.weight.to(dtype) for w in (gate_proj, up_proj, down_proj)]
-            with torch.autocast(x.device.type, enabled=False):
-                y, l1 = self._call_op(x.to(dtype), *weights, theta, mode=self.mode, prepared=None)
-        else:
-            gate_weight = gate_proj.weight if gate_proj is not None else None
-            mode, prepared = self._inference_path(x, gate_weight, up_proj.weight, down_proj.weight)
-            y, l1 = self._call_op(x, gate_weight, up_proj.weight, down_proj.weight, theta, mode=mode, prepared=prepared)
+            weights = [None if w is None else w.to(dtype) for w in weights]
+            x = x.to(dtype)
+        gate_weight, up_weight, down_weight = weights
+        mode, expected, previous, counted = self.mode, self.expected_nnz, None, False
+        if mode == "auto":
+            counted = self.expected_nnz is None and not _tracing(x) and torch._C._current_graph_task_id() == -1
+            mode, expected, previous = self._decide(x, up_weight, down_weight, track, counted)
+        with torch.autocast(x.device.type, enabled=False):
+            out = sparse_mlp(x, gate_weight, up_weight, down_weight, theta, return_l1=track, mode=mode,
+                             expected_nnz=expected, previous=previous)
+        if counted:  # after the op: its checks ran on x
+            activity = self.activity
+            tokens = x.numel() // max(x.shape[-1], 1)
+            if tokens and activity.wants_sample():
+                activity.record(self.activation_mask(x).sum(), tokens)
+            activity.tick()
+        y, l1 = out if track else (out, None)
         self.__dict__["last_l1"] = l1  # a plain attribute (never a parameter, buffer or module)
         return y
 
-    def _call_op(self, x, gate_weight, up_weight, down_weight, theta, *, mode, prepared):
-        track_l1 = self.track_l1
-        out = sparse_mlp(x, gate_weight, up_weight, down_weight, theta, return_l1=track_l1, mode=mode,
-                         prepared=prepared, expected_nnz=self.expected_nnz)
-        return out if track_l1 else (out, None)
+    def _decide(self, x, up_weight, down_weight, training: bool, counted: bool) -> tuple[str, float | None, str | None]:
+        """(mode, expected_nnz, previous) for sparse_mlp: auto mode decided here, from the measured
+        activity (or `expected_nnz`), so that sparse_mlp does not decide again. counted: a call that
+        takes part in the activity's bookkeeping (nn/activity.py): not traced, not captured, not a
+        recomputation inside backward."""
+        activity = self.activity
+        if counted:
+            activity.poll()
+        tokens = x.numel() // max(x.shape[-1], 1)
+        kind = "training" if training else ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
+        previous = activity.last.get(kind)
+        expected = self.expected_nnz if self.expected_nnz is not None else activity.nnz
+        if expected is None:
+            decision = ModeDecision("dense", f"activity not measured yet (sampled every {activity.period} "
+                                             f"calls, read {activity.lag} calls later)")
+        else:
+            decision = choose_mode(x, up_weight, expected_nnz=expected, needs_grad=training,
+                                   down_t_ready=stored_transposed(down_weight), previous=previous)
+        activity.last[kind] = decision.mode
+        self.__dict__["last_decision"] = decision
+        return decision.mode, expected, previous
 
     def _dense_with_bias(self, x: torch.Tensor, theta: torch.Tensor | None):
         first = (self.gate_proj if self.gate_proj is not None else self.up_proj)(x)
@@ -262,50 +311,12 @@ class SparseMLP(nn.Module):
         if self.gate_proj is not None:
             h = h * self.up_proj(x)
         y = self.down_proj(h)
-        if not self.track_l1:
+        track = self.track_l1
+        if track is None:
+            track = self.training or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+        if not track:
             return y, None
         return y, h.abs().sum(-1, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32).mean()
-
-    def _inference_path(self, x: torch.Tensor, gate_weight: torch.Tensor | None, up: torch.Tensor,
-                        down: torch.Tensor) -> tuple[str, SparseMLPWeights | None]:
-        """(mode for sparse_mlp, the kernels' interleaved up/down weights or None) for this call.
-
-        An inference call in auto mode is decided here once ("sparse" or "dense"), so sparse_mlp does
-        not decide again; training calls (gradients or track_l1) keep the module's mode and no
-        prepared weights, since training steps change the weights every step. The interleaved copy is
-        built once and reused while the weights stay the same tensors with the same contents (checked
-        through their version counters and storage), so inference pays the copy once.
-        """
-        mode = self.mode
-        if mode == "dense" or self.track_l1 or (torch.is_grad_enabled() and (
-                x.requires_grad or up.requires_grad or down.requires_grad
-                or (gate_weight is not None and gate_weight.requires_grad))):
-            return mode, None
-        mode = choose_mode(x, up, mode=mode, expected_nnz=self.expected_nnz).mode
-        if mode != "sparse":
-            return mode, None
-        key = tuple(
-            (t.data_ptr(), t._version, t.dtype, t.device) if t is not None else None for t in (gate_weight, up, down)
-        )
-        if self._prepared is None or self._prepared_key != key or not self._prepared.matches(gate_weight, up, down):
-            if _capturing(x):
-                # Built now, the copy would be recorded into the graph (a weight-sized copy on every
-                # replay) and live in the graph's memory pool, so it is not cached: auto mode takes
-                # the dense route instead, mode="sparse" gets a copy for this call alone.
-                if self.mode == "auto":
-                    return "dense", None
-                with torch.no_grad():
-                    return mode, SparseMLPWeights.prepare(gate_weight, up, down)
-            with torch.no_grad():
-                self._prepared = SparseMLPWeights.prepare(gate_weight, up, down)
-            self._prepared_key = key
-        return mode, self._prepared
-
-    def release_cache_(self) -> "SparseMLP":
-        """Drop the cached interleaved up/down weights of the sparse path (rebuilt on the next sparse call)."""
-        self._prepared = None
-        self._prepared_key = None
-        return self
 
     @torch.no_grad()
     def activation_mask(self, x: torch.Tensor) -> torch.Tensor:
@@ -334,8 +345,10 @@ class SparseMLP(nn.Module):
         ]
         if self.expected_nnz is not None:
             parts.append(f"expected_nnz={self.expected_nnz:g}")
-        if not self.track_l1:
-            parts.append("track_l1=False")
+        if self.track_l1 is not None:
+            parts.append(f"track_l1={self.track_l1}")
+        if self.mode == "auto":
+            parts.append(f"activity={self.activity!r}")
         return ", ".join(parts)
 
     def __setattr__(self, name, value):
@@ -343,14 +356,24 @@ class SparseMLP(nn.Module):
             value = _check_mode(value)
         elif name == "expected_nnz":
             value = _check_expected_nnz(value)
-        elif name == "track_l1" and not isinstance(value, bool):
-            raise TypeError(f"track_l1 must be a bool, got {type(value).__name__}")
+        elif name == "track_l1" and value is not None and not isinstance(value, bool):
+            raise TypeError(f"track_l1 must be None or a bool, got {type(value).__name__}")
         super().__setattr__(name, value)
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    """Whether x's call is being captured into a CUDA graph."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+def store_transposed_(linear: nn.Linear) -> nn.Linear:
+    """Store `linear.weight` [out, in] transposed (its .t() contiguous), in place through `.data`, so the
+    Parameter object (and an optimizer's reference to it) stays. No-op when it already is, or on meta."""
+    weight = linear.weight
+    if not stored_transposed(weight) and weight.device.type != "meta":
+        with torch.no_grad():
+            weight.data = weight.data.t().contiguous().t()
+    return linear
+
+
+def _tracing(x: torch.Tensor) -> bool:
+    """Whether this call is traced (torch.compile) or captured into a CUDA graph: no bookkeeping then."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _any_bias(*linears: nn.Linear | None) -> bool:
