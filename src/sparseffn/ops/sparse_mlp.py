@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseffn.ops.checks import check_mlp_inputs
+from sparseffn.ops.checks import check_sparse_mlp_args
 from sparseffn.ops.dispatch import eager_call
 from sparseffn.ops.train_mlp import sparse_mlp_train
 from sparseffn.ops.twell_mlp import (KERNEL_DTYPES, SparseMLPWeights, dense_mlp, dense_mlp_inference, threshold_vector,
@@ -189,7 +189,8 @@ def sparse_mlp(
     every run (by default the rows of over 128 active units past the 256th in one call may not:
     kernels/row_split.py, "Bits").
     """
-    check_mlp_inputs(x, gate_weight, up_weight, down_weight, threshold)
+    check_sparse_mlp_args(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1, prepared=prepared,
+                          expected_nnz=expected_nnz, tile=tile, slots=slots)
     if isinstance(threshold, torch.Tensor) and threshold.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("threshold requires grad: sparse_mlp treats the threshold as a constant "
                                   "(pass threshold.detach())")
@@ -197,12 +198,12 @@ def sparse_mlp(
         x.requires_grad or up_weight.requires_grad or down_weight.requires_grad
         or (gate_weight is not None and gate_weight.requires_grad)
     )
-    if not isinstance(return_l1, bool):
-        raise TypeError(f"return_l1 must be a bool, got {type(return_l1).__name__}")
     # Without `prepared`, a captured sparse call would record the up/down interleaving (a weight-sized
     # copy) into the graph: the capture rule of auto mode is for callers that pass it.
     decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad,
                            return_l1=return_l1, capturing=None if prepared is not None else False)
+    if x.numel() == 0 or up_weight.numel() == 0:  # M, D or H = 0: nothing for the kernels; the dense math is exact
+        return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
     if decision.mode == "dense":
         if needs_grad or return_l1:
             return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
@@ -214,8 +215,6 @@ def sparse_mlp(
         return (y.view(x.shape), l1) if return_l1 else y.view(x.shape)
     if prepared is None:
         prepared = SparseMLPWeights.prepare(gate_weight, up_weight, down_weight)
-    elif not prepared.matches(gate_weight, up_weight, down_weight):
-        raise ValueError("prepared was built from other weight tensors than gate_weight/up_weight/down_weight")
     theta = threshold_vector(threshold, up_weight.shape[0], x.device)
     if eager_call(x2d, gate_weight, up_weight, down_weight, theta):
         # the op's body, without its dispatch
