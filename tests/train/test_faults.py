@@ -1,11 +1,15 @@
-"""Faults a training run must survive with nothing lost: damaged checkpoints, a torn metrics line, a full
-disk while saving, a kill while metrics.jsonl is rewritten."""
+"""Faults a training run must survive with nothing lost: a second process on the run, damaged checkpoints,
+a torn metrics line, a full disk while saving, a kill while metrics.jsonl is rewritten."""
 
 import builtins
+import json
+import os
+import re
 import signal
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -21,8 +25,9 @@ from sparseffn.train.checkpoint import (
 from sparseffn.train.durable import WriteError
 from sparseffn.train.loop import train
 from sparseffn.train.metrics import read_metrics
+from sparseffn.train.runlock import LOCK_NAME, RunInUseError
 
-from .conftest import copy_run
+from .conftest import copy_run, tiny_config
 from .faults import disk_full, faulty_open
 
 TIMING = {"tokens_per_s", "elapsed_s"}
@@ -154,3 +159,56 @@ def test_kill_during_the_metrics_rewrite_loses_nothing(uninterrupted, stopped_at
     for orphan in (out / "metrics.jsonl.tmp", out / "checkpoints" / "step_00000012.pt.tmp"):
         assert f"removed {orphan}, left by an interrupted write" in lines and not orphan.exists()
     assert _rows(out / "metrics.jsonl") == _rows(full.metrics_path)
+
+
+def test_a_live_run_refuses_a_second_process_and_a_dead_ones_lock_is_taken_over(small_corpus, tmp_path):
+    """Two processes on one run: the second refuses (resume and overwrite alike) while the first lives;
+    after the first is SIGKILLed its lock is taken over and the run continues without duplicate rows."""
+    out = tmp_path / "run"
+    cfg = tiny_config(small_corpus, out, steps=400, checkpoint_interval=2, eval_interval=0)
+    cfg_path = cfg.save(tmp_path / "cfg.json")
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        first = subprocess.Popen([sys.executable, "-m", "sparseffn", "train", "--config", str(cfg_path),
+                                  "--no-progress"], stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while not list_checkpoints(out / "checkpoints"):
+            assert first.poll() is None, (tmp_path / "stderr.txt").read_text()
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.02)
+        owner = json.loads((out / LOCK_NAME).read_text())
+        assert owner["pid"] == first.pid
+        for kwargs in (dict(resume=True), dict(overwrite=True)):
+            with pytest.raises(RunInUseError, match=rf"^{re.escape(str(out))} is in use by pid {first.pid} on host "):
+                train(cfg, progress=False, echo=None, stop_after_step=1, **kwargs)
+        assert first.poll() is None, "the first process ended before the second one was refused"
+    finally:
+        if first.poll() is None:
+            os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    assert first.returncode == -signal.SIGKILL
+    assert (out / "metrics.jsonl").is_file()  # overwrite=True deleted nothing of the live run
+    last = list_checkpoints(out / "checkpoints")[-1][0]
+    resumed, lines = _resume(cfg, out, stop_after_step=last + 2)
+    assert any(line.startswith(f"warning: took over the lock of {out} left by pid {first.pid} on host ")
+               for line in lines), lines
+    keys = [(r["kind"], r["step"]) for r in read_metrics(out / "metrics.jsonl")]
+    assert len(keys) == len(set(keys)) and [s for k, s in keys if k == "train"] == list(range(1, resumed.step + 1))
+    assert (out / LOCK_NAME).read_text() == ""  # released
+
+
+def test_run_lock_in_one_process(tmp_path):
+    from sparseffn.train.runlock import RunLock
+
+    first, second = RunLock(tmp_path), RunLock(tmp_path)
+    assert first.acquire() is None
+    with pytest.raises(RunInUseError, match=rf"in use by pid {os.getpid()} on host .* \(since "):
+        second.acquire()
+    first.release()
+    assert (tmp_path / LOCK_NAME).read_text() == ""
+    assert second.acquire() is None
+    second.release()
+    # a file naming an owner but locked by nobody: that owner died holding it
+    (tmp_path / LOCK_NAME).write_text('{"pid": 999999, "host": "gone", "started": "2026-01-01 00:00:00"}\n')
+    assert first.acquire() == "pid 999999 on host gone (since 2026-01-01 00:00:00)"
+    first.release()

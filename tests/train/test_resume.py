@@ -53,8 +53,11 @@ def test_resume_refuses_changed_settings(uninterrupted, tmp_path):
     train(part, progress=False, echo=None, stop_after_step=4)
     with pytest.raises(ValueError, match="seq_len"):
         train(part.replace(seq_len=16), resume=True, progress=False, echo=None)
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="cannot resume: .*other does not exist"):
         train(part.replace(out_dir=str(tmp_path / "other")), resume=True, progress=False, echo=None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        train(part.replace(out_dir=str(tmp_path / "empty")), resume=True, progress=False, echo=None)
 
 
 def test_killed_process_resumes_exactly(small_corpus, tmp_path):

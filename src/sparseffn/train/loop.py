@@ -63,6 +63,7 @@ from sparseffn.train.distributed import (
 from sparseffn.train.durable import fsync_file, remove_orphans
 from sparseffn.train.eval import EvalResult, autocast_context, evaluate, model_overrides
 from sparseffn.train.metrics import append_row, truncate_metrics
+from sparseffn.train.runlock import hold_run_lock
 from sparseffn.train.schedule import WarmupCosine, l1_coeff_at
 from sparseffn.train.tracking import ActivationStats, DeadUnits, reinit_dead_gates
 
@@ -176,7 +177,8 @@ def train(
         torch.cuda.set_device(device)
     created = init_process_group(info, device)
     try:
-        return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step)
+        with hold_run_lock(cfg.out_dir, info, create=not resume, echo=echo):
+            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step)
     finally:
         if created:
             torch.distributed.destroy_process_group()
