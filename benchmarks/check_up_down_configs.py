@@ -28,7 +28,7 @@ def one(index: int, m: int) -> None:
     w = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
     values, columns, counts = gate_twell(mlp.x, mlp.gate_weight)
     out = torch.zeros_like(mlp.x)
-    twell_up_down(mlp.x, values, columns, counts, w.up_down, tile=256, out=out, config=cfg)
+    twell_up_down(mlp.x, values, columns, counts, w.up_weight, w.down_t, tile=256, out=out, config=cfg)
     torch.cuda.synchronize()
     r = min(m, 4096)  # the eager reference gathers D floats per active unit: check a prefix of rows
     overflow = (counts[:r] > 32).any(1)
@@ -37,7 +37,7 @@ def one(index: int, m: int) -> None:
     ref = twell_up_down_reference(mlp.x[:r], packed, mlp.up_weight, mlp.down_weight).float()
     ok = ~overflow
     err = float((out[:r][ok].float() - ref[ok]).norm() / ref[ok].norm())
-    t = do_bench(lambda: twell_up_down(mlp.x, values, columns, counts, w.up_down, tile=256, out=out, config=cfg),
+    t = do_bench(lambda: twell_up_down(mlp.x, values, columns, counts, w.up_weight, w.down_t, tile=256, out=out, config=cfg),
                  warmup=10, rep=60, return_mode="median")
     print(f"{index:2d} M={m:6d} {t:.3f} ms err {err:.1e} {'OK' if err < 1e-2 else 'WRONG'} {cfg}", flush=True)
 

@@ -46,7 +46,7 @@ def packed(m: int, h: int):
     w = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
     values, columns, counts = gate_twell(mlp.x, mlp.gate_weight, tile=TILE)
     active = int(counts.sum())
-    return mlp.x, w.up_down, values, columns, counts, active
+    return mlp.x, (w.up_weight, w.down_t), values, columns, counts, active
 
 
 def main() -> int:
@@ -54,14 +54,15 @@ def main() -> int:
         for h in (1408, 2816, 5632, 11264):
             x, wud, values, columns, counts, active = packed(m, h)
             out = torch.empty_like(x)
-            t = ms(lambda: twell_up_down(x, values, columns, counts, wud, tile=TILE, out=out))
+            t = ms(lambda: twell_up_down(x, values, columns, counts, *wud, tile=TILE, out=out))
             gbytes = active * 2 * 2048 * 2 / 1e9
-            print(f"M={m} H={h} weights {wud.numel() * 2 / 1e6:.0f} MB: {t:.3f} ms, "
+            print(f"M={m} H={h} weights {sum(w.numel() for w in wud) * 2 / 1e6:.0f} MB: {t:.3f} ms, "
                   f"{1e6 * t / active:.3f} ns per active unit, {gbytes / t:.1f} TB/s of weight rows", flush=True)
     for m in (4096, 16384, 65536):
         mlp = synthetic_mlp(m, 2048, 5632, 29, device="cuda", seed=0)
         x = mlp.x
-        wud = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight).up_down
+        w = SparseMLPWeights.prepare(mlp.gate_weight, mlp.up_weight, mlp.down_weight)
+        wud = (w.up_weight, w.down_t)
         values, columns, counts = gate_twell(x, mlp.gate_weight, tile=TILE)
         out = torch.empty_like(x)
         total = counts.sum(1)
@@ -72,16 +73,16 @@ def main() -> int:
                              ("split 128 (default)", base),
                              ("split 256", dataclasses.replace(base, split_slots=256)),
                              ("split 128 cap 1024", dataclasses.replace(base, split_cap=1024))):
-            rows[name] = ms(lambda: twell_up_down(x, values, columns, counts, wud, tile=TILE, out=out, config=config))
+            rows[name] = ms(lambda: twell_up_down(x, values, columns, counts, *wud, tile=TILE, out=out, config=config))
         off = dataclasses.replace(base, split_slots=0)
         for name, order in (("longest rows first", torch.argsort(total, descending=True)),
                             ("longest rows last", torch.argsort(total))):
             xo, vo, co, no = (t[order].contiguous() for t in (x, values, columns, counts))
-            rows[name + " (split off)"] = ms(lambda: twell_up_down(xo, vo, co, no, wud, tile=TILE, out=out, config=off))
+            rows[name + " (split off)"] = ms(lambda: twell_up_down(xo, vo, co, no, *wud, tile=TILE, out=out, config=off))
         light = counts.clone()
         light[total > 4 * total.float().mean()] = 0
         rows["rows over 4x mean dropped (split off)"] = ms(
-            lambda: twell_up_down(x, values, columns, light, wud, tile=TILE, out=out, config=off))
+            lambda: twell_up_down(x, values, columns, light, *wud, tile=TILE, out=out, config=off))
         share = float(light.sum()) / float(total.sum())
         print(f"M={m} max {int(total.max())} (share of units kept without heavy rows {share:.3f}): "
               + "  ".join(f"{k} {v:.3f}" for k, v in rows.items()), flush=True)

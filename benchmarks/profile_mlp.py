@@ -37,7 +37,7 @@ def stages(m: int, d: int, h: int, nnz: float) -> None:
         "gate_pack": ms(lambda: gate_twell(x, gate)),
         "gate_counts": ms(lambda: gate_twell(x, gate, mode="counts")),
         "gate_dense": ms(lambda: gate_twell(x, gate, mode="dense")),
-        "up_down": ms(lambda: twell_up_down(x, values, columns, counts, w.up_down, tile=256, out=out)),
+        "up_down": ms(lambda: twell_up_down(x, values, columns, counts, w.up_weight, w.down_t, tile=256, out=out)),
         "overflow_ids": ms(lambda: (counts > 32).any(1).nonzero()),
         "sparse": ms(lambda: sparse_mlp(x, gate, up, down, mode="sparse", prepared=w)),
     }
@@ -52,7 +52,7 @@ def sweep_up_down(mlp, w, values, columns, counts) -> None:
     results = []
     for cfg in benchmark_configs(d):
         try:
-            t = ms(lambda: twell_up_down(x, values, columns, counts, w.up_down, tile=256, out=out, config=cfg))
+            t = ms(lambda: twell_up_down(x, values, columns, counts, w.up_weight, w.down_t, tile=256, out=out, config=cfg))
         except Exception as err:  # noqa: BLE001 - report configs that fail to compile, keep sweeping
             print(f"  config {cfg} failed: {type(err).__name__}: {str(err)[:120]}")
             continue

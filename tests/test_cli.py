@@ -1,10 +1,20 @@
+import errno
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from sparseffn.cli import env_report, main
+
+
+def _one_line_error(capsys, command: str) -> str:
+    """The error line a user error printed (nothing else on stderr, no traceback)."""
+    err = capsys.readouterr().err
+    assert err.startswith(f"sparseffn {command}: error: ") and err.count("\n") == 1, err
+    assert err.rstrip().endswith(f"(sparseffn --debug {command} ... shows the traceback)")
+    return err
 
 
 def test_env_reports_versions_gpu_and_triton_mode():
@@ -33,6 +43,10 @@ def test_console_entry_point_runs_as_module():
     assert "triton mode" in result.stdout
     bad = subprocess.run([sys.executable, "-m", "sparseffn", "nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "sparseffn", "train", "--resume", "no/such/run"],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+    assert missing.stderr.startswith("sparseffn train: error: no training config at no/such/run (")
 
 
 def test_bench_mlp_train_then_report_regenerates_the_readme_table(tmp_path, capsys):
@@ -45,8 +59,8 @@ def test_bench_mlp_train_then_report_regenerates_the_readme_table(tmp_path, caps
     assert main(["bench", "report", "--results-dir", str(tmp_path / "cpu"), "--readme", str(readme)]) == 0
     text = readme.read_text()
     assert "old" not in text and "git t1" in text and "| 64×256 | 6." in text
-    with pytest.raises(FileNotFoundError, match="no benchmark CSV"):
-        main(["bench", "report", "--results-dir", str(tmp_path / "nothing"), "--readme", str(readme)])
+    assert main(["bench", "report", "--results-dir", str(tmp_path / "nothing"), "--readme", str(readme)]) == 2
+    assert "no benchmark CSV" in _one_line_error(capsys, "bench")
 
 
 def test_bench_e2e_runs_through_the_cli(tmp_path, capsys):
@@ -57,3 +71,55 @@ def test_bench_e2e_runs_through_the_cli(tmp_path, capsys):
     assert main(args) == 0
     assert "| forward | hf | 2×32 |" in capsys.readouterr().out
     assert (tmp_path / "cpu" / "e2e.csv").is_file() and (tmp_path / "cpu" / "e2e.png").stat().st_size > 0
+
+
+def test_train_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    from sparseffn.train.config import TrainConfig
+    from sparseffn.train.runlock import RunLock
+
+    run = tmp_path / "run"  # a run that was started but never reached a checkpoint
+    TrainConfig(out_dir=str(run)).save(run / "config.json")
+    configs = {"syntax": "{steps: 3}", "unknown": '{"stepz": 3}', "value": '{"steps": 0}'}
+    for name, text in configs.items():
+        (tmp_path / f"{name}.json").write_text(text)
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):  # root ignores directory permissions, so the OS's refusal is simulated
+        if readonly in self.parents:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    cases = [
+        (["--resume", str(run)], f"cannot resume: no checkpoint under {run / 'checkpoints'}"),
+        (["--resume", str(tmp_path / "missing")], f"no training config at {tmp_path / 'missing'} ("),
+        (["--resume", str(run), "--config", str(tmp_path / "value.json")], "--config and --resume exclude each other"),
+        (["--config", str(tmp_path / "syntax.json")], f"{tmp_path / 'syntax.json'}: Expecting property name"),
+        (["--config", str(tmp_path / "unknown.json")], f"{tmp_path / 'unknown.json'}: TrainConfig: unknown keys"),
+        (["--config", str(tmp_path / "value.json")], "TrainConfig.steps must be a positive int, got 0"),
+        (["--out-dir", str(readonly / "run")], f"[Errno 13] Permission denied: '{readonly / 'run'}'"),
+    ]
+    for flags, message in cases:
+        assert main(["train", *flags, "--no-progress"]) == 2, flags
+        assert message in _one_line_error(capsys, "train"), flags
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+        assert f"{run} is in use by pid {os.getpid()} on host " in _one_line_error(capsys, "train")
+    finally:
+        lock.release()
+
+
+def test_debug_shows_user_errors_and_internal_errors_keep_their_traceback(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="no training config"):
+        main(["--debug", "train", "--resume", str(tmp_path / "missing")])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an internal bug")
+
+    monkeypatch.setattr("sparseffn.train.loop.train", broken)
+    with pytest.raises(RuntimeError, match="an internal bug"):
+        main(["train", "--out-dir", str(tmp_path / "run"), "--no-progress"])

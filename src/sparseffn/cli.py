@@ -94,11 +94,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         folder = Path(args.resume)
         base = TrainConfig.load(folder)
         if args.config is not None:
-            raise SystemExit("sparseffn train: --config and --resume exclude each other (a resumed run uses its "
-                             "own config.json)")
+            raise ValueError("--config and --resume exclude each other (a resumed run uses its own config.json)")
         cfg = config_from_flags(args, base.replace(out_dir=str(folder)))
         if cfg.out_dir != str(folder):
-            raise SystemExit(f"sparseffn train: --out-dir {cfg.out_dir} differs from the run being resumed ({folder})")
+            raise ValueError(f"--out-dir {cfg.out_dir} differs from the run being resumed ({folder})")
     else:
         base = TrainConfig.load(args.config) if args.config is not None else TrainConfig()
         cfg = config_from_flags(args, base)
@@ -234,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sparseffn.train.demo import DEMO_CONFIG
 
     parser = argparse.ArgumentParser(prog="sparseffn", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of every error, user errors too")
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print versions, GPU and Triton mode")
     env.set_defaults(func=_cmd_env)
@@ -305,9 +305,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors a user can act on (a bad flag value or config, a missing or busy run, no usable checkpoint, a
+# full disk, a diverged run) by the library's convention; anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, NotImplementedError, OSError, FloatingPointError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A user error prints one line on stderr and returns 2 (`--debug`: raises it)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    if args.debug:
+        return args.func(args)
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"sparseffn {args.command}: error: {message} (sparseffn --debug {args.command} ... shows the traceback)",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

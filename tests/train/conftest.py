@@ -1,7 +1,8 @@
-"""Shared fixtures of the training tests: a small corpus, a tiny config and one finished run."""
+"""Shared fixtures of the training tests: a small corpus, a tiny config, finished and stopped runs."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,31 @@ def trained_run(small_corpus, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("run") / "tiny"
     return train(tiny_config(small_corpus, out), progress=False, echo=None)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(small_corpus, tmp_path_factory):
+    """(config, result) of a 10-step run with checkpoints at 4, 8 and 10. Dead-unit re-init with a short
+    window, so the resumed state includes dead-unit counters, re-drawn gate rows and zeroed AdamW moments."""
+    from sparseffn.train.loop import train
+
+    cfg = tiny_config(small_corpus, tmp_path_factory.mktemp("full") / "run", steps=10, reinit_dead=True,
+                      reinit_dead_after=2, l1_coeff=3e-2)
+    return cfg, train(cfg, progress=False, echo=None)
+
+
+@pytest.fixture(scope="session")
+def stopped_at_9(uninterrupted, tmp_path_factory) -> Path:
+    """`uninterrupted`'s run stopped after step 9 as if killed: checkpoints 4 and 8, metrics rows to step 9.
+    Tests damage copies of it (copy_run)."""
+    from sparseffn.train.loop import train
+
+    cfg, _ = uninterrupted
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    train(cfg.replace(out_dir=str(out)), progress=False, echo=None, stop_after_step=9)
+    return out
+
+
+def copy_run(run: Path, out: Path) -> Path:
+    shutil.copytree(run, out)
+    return out

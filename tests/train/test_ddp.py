@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from sparseffn.train.loop import read_metrics
+from sparseffn.train.metrics import read_metrics
 
 from .conftest import tiny_config
 

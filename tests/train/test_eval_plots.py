@@ -49,8 +49,11 @@ def test_eval_cli_on_model_dir(trained_run, tmp_path, capsys):
                  "--batches", "2", "--batch-size", "4", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "perplexity" in out and "| layer | H |" in out and (tmp_path / "eval_layers.png").is_file()
+    assert main(["eval", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sparseffn eval: error: ") and "CKPT" in err and err.count("\n") == 1
     with pytest.raises(FileNotFoundError, match="CKPT"):
-        main(["eval", str(tmp_path / "nothing")])
+        main(["--debug", "eval", str(tmp_path / "nothing")])
 
 
 def test_plots_from_metrics(trained_run, tmp_path):

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from sparseffn.train.loop import read_metrics, train
+from sparseffn.train.loop import train
+from sparseffn.train.metrics import read_metrics
 
 from .conftest import tiny_config
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from sparseffn.train.checkpoint import list_checkpoints, load_checkpoint
-from sparseffn.train.loop import read_metrics, train
+from sparseffn.train.loop import train
+from sparseffn.train.metrics import read_metrics
 
 from .conftest import tiny_config
 
@@ -24,16 +25,6 @@ def _rows(path):
 
 def _params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(small_corpus, tmp_path_factory):
-    # Dead-unit re-init with a short window, so the resumed state includes dead-unit counters,
-    # re-drawn gate rows and zeroed AdamW moments.
-    cfg = tiny_config(small_corpus, tmp_path_factory.mktemp("full") / "run", steps=10, reinit_dead=True,
-                      reinit_dead_after=2, l1_coeff=3e-2)
-    result = train(cfg, progress=False, echo=None)
-    return cfg, result
 
 
 def test_stop_and_resume_gives_the_same_curve(uninterrupted, tmp_path):
@@ -62,8 +53,11 @@ def test_resume_refuses_changed_settings(uninterrupted, tmp_path):
     train(part, progress=False, echo=None, stop_after_step=4)
     with pytest.raises(ValueError, match="seq_len"):
         train(part.replace(seq_len=16), resume=True, progress=False, echo=None)
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="cannot resume: .*other does not exist"):
         train(part.replace(out_dir=str(tmp_path / "other")), resume=True, progress=False, echo=None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        train(part.replace(out_dir=str(tmp_path / "empty")), resume=True, progress=False, echo=None)
 
 
 def test_killed_process_resumes_exactly(small_corpus, tmp_path):

@@ -1,10 +1,19 @@
-"""Input checks shared by every public MLP op: clear errors naming the argument, expected and given."""
+"""Input checks shared by every public MLP op: clear errors naming the argument, expected and given.
+
+`check_sparse_mlp_args` is the whole set for `sparse_mlp`, run before the mode is chosen, so auto,
+dense and sparse accept and reject the same calls (tile and slots are checked even where the dense
+path does not use them).
+"""
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
+
+from sparseffn.kernels.gate_twell import SUPPORTED_TILES
+from sparseffn.ops.twell_mlp import SparseMLPWeights
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # tensor types taken as they are (exactly these: subclasses such as FakeTensor or DTensor are not)
@@ -71,7 +80,7 @@ def _well_formed(x, gate_weight, up_weight, down_weight, threshold) -> bool:
     plain = PLAIN_TENSOR_TYPES
     if not (type(x) in plain and type(up_weight) in plain and type(down_weight) in plain
             and (gate_weight is None or type(gate_weight) in plain)
-            and (threshold is None or type(threshold) is float)):
+            and (threshold is None or (type(threshold) is float and math.isfinite(threshold)))):
         return False
     dtype, device = x.dtype, x.device
     up_shape = up_weight.shape
@@ -88,7 +97,13 @@ def _well_formed(x, gate_weight, up_weight, down_weight, threshold) -> bool:
 
 
 def check_threshold(threshold: object, h: int, device: torch.device) -> None:
-    if threshold is None or (isinstance(threshold, numbers.Real) and not isinstance(threshold, bool)):
+    """None, a finite number, or a float tensor of shape [] or [H] on `device` (a tensor's values
+    are not read: that would wait for the device)."""
+    if threshold is None:
+        return
+    if isinstance(threshold, numbers.Real) and not isinstance(threshold, bool):
+        if not math.isfinite(threshold):
+            raise ValueError(f"threshold must be a finite number, got {threshold}")
         return
     if not isinstance(threshold, torch.Tensor):
         raise TypeError(f"threshold must be None, a number or a tensor of shape [H], got {type(threshold).__name__}")
@@ -97,3 +112,58 @@ def check_threshold(threshold: object, h: int, device: torch.device) -> None:
         raise ValueError(f"threshold must have shape [] or [H] = [{h}], got {tuple(threshold.shape)}")
     if threshold.device != device:
         raise ValueError(f"threshold is on {threshold.device} but x is on {device}")
+
+
+def check_sparse_mlp_args(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    threshold: torch.Tensor | float | None,
+    *,
+    return_l1: object,
+    prepared: object,
+    expected_nnz: object,
+    tile: object,
+    slots: object,
+) -> tuple[int, int]:
+    """Every argument check of `sparse_mlp`, whatever the mode; return (D, H)."""
+    d, h = check_mlp_inputs(x, gate_weight, up_weight, down_weight, threshold)
+    if not (type(tile) is int and tile in SUPPORTED_TILES and type(slots) is int and 1 <= slots <= tile):
+        check_tile_slots(tile, slots)
+    if expected_nnz is not None:
+        check_expected_nnz(expected_nnz)
+    if type(return_l1) is not bool:
+        raise TypeError(f"return_l1 must be a bool, got {type(return_l1).__name__}")
+    if prepared is not None:
+        check_prepared(prepared, gate_weight, up_weight, down_weight)
+    return d, h
+
+
+def check_tile_slots(tile: object, slots: object) -> None:
+    """TwELL capacity of the kernels: tile one of SUPPORTED_TILES, 1 <= slots <= tile."""
+    for name, value in (("tile", tile), ("slots", slots)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if tile not in SUPPORTED_TILES:
+        raise ValueError(f"tile must be one of {SUPPORTED_TILES} (the kernels' TwELL tile widths), got {tile}")
+    if not 1 <= slots <= tile:
+        raise ValueError(f"slots must satisfy 1 <= slots <= tile = {tile}, got {slots}")
+
+
+def check_expected_nnz(expected_nnz: object) -> float:
+    """A caller's estimate of non-zeros per token: a finite number >= 0."""
+    if not isinstance(expected_nnz, numbers.Real) or isinstance(expected_nnz, bool):
+        raise TypeError(f"expected_nnz must be None or a number, got {type(expected_nnz).__name__}")
+    if not (math.isfinite(expected_nnz) and expected_nnz >= 0):
+        raise ValueError(f"expected_nnz must be a finite number >= 0, got {expected_nnz}")
+    return float(expected_nnz)
+
+
+def check_prepared(prepared: object, gate_weight: torch.Tensor | None, up_weight: torch.Tensor,
+                   down_weight: torch.Tensor) -> None:
+    if not isinstance(prepared, SparseMLPWeights):
+        raise TypeError(f"prepared must be None or a SparseMLPWeights (SparseMLPWeights.prepare builds it), "
+                        f"got {type(prepared).__name__}")
+    if not prepared.matches(gate_weight, up_weight, down_weight):
+        raise ValueError("prepared was built from other weight tensors than gate_weight/up_weight/down_weight")

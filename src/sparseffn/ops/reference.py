@@ -53,12 +53,13 @@ def sparse_mlp_reference(
 def l1_penalty(h: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of sum_j |h_j| for h [..., H]; an fp32 scalar (fp64 for fp64 input).
 
-    Differentiable; over zero tokens the mean is NaN, as torch's own mean reductions are.
+    Differentiable; 0 over zero tokens (a batch without tokens adds no penalty).
     """
     check_tensor(h, "h")
     if h.dim() < 1:
         raise ValueError("h must have shape [..., H], got a 0-D tensor")
-    return h.to(_compute_dtype(h.dtype)).abs().sum(-1).mean()
+    per_token = h.to(_compute_dtype(h.dtype)).abs().sum(-1)
+    return per_token.mean() if per_token.numel() else per_token.sum()
 
 
 def twell_up_down_reference(

@@ -23,7 +23,7 @@ import torch
 
 from sparseffn.kernels._runtime import capability
 from sparseffn.kernels.decode_mlp import decode_mlp
-from sparseffn.ops.checks import check_mlp_inputs
+from sparseffn.ops.checks import check_sparse_mlp_args
 from sparseffn.ops.decide import DECODE_MAX_TOKENS, MODES, CallFacts, ModeDecision, decide
 from sparseffn.ops.dispatch import eager_call
 from sparseffn.ops.train_mlp import sparse_mlp_train
@@ -144,7 +144,8 @@ def sparse_mlp(
     every run (by default the rows of over 128 active units past the 256th in one call may not:
     kernels/row_split.py, "Bits").
     """
-    check_mlp_inputs(x, gate_weight, up_weight, down_weight, threshold)
+    check_sparse_mlp_args(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1, prepared=prepared,
+                          expected_nnz=expected_nnz, tile=tile, slots=slots)
     if isinstance(threshold, torch.Tensor) and threshold.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("threshold requires grad: sparse_mlp treats the threshold as a constant "
                                   "(pass threshold.detach())")
@@ -152,13 +153,11 @@ def sparse_mlp(
         x.requires_grad or up_weight.requires_grad or down_weight.requires_grad
         or (gate_weight is not None and gate_weight.requires_grad)
     )
-    if not isinstance(return_l1, bool):
-        raise TypeError(f"return_l1 must be a bool, got {type(return_l1).__name__}")
-    if prepared is not None and not prepared.matches(gate_weight, up_weight, down_weight):
-        raise ValueError("prepared was built from other weight tensors than gate_weight/up_weight/down_weight")
     down_t_ready = prepared is not None or stored_transposed(down_weight)
     decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad,
                            return_l1=return_l1, down_t_ready=down_t_ready, previous=previous)
+    if x.numel() == 0 or up_weight.numel() == 0:  # M, D or H = 0: nothing for the kernels; the dense math is exact
+        return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
     if decision.mode == "dense":
         if needs_grad or return_l1:
             return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)

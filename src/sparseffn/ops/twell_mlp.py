@@ -91,7 +91,8 @@ def dense_mlp(
     """The MLP with three torch GEMMs in x's dtype (the eager path and the dense backup).
 
     Differentiable through torch autograd. With return_l1, also the layer's L1 penalty (DESIGN §1):
-    the mean over tokens of Σ_j |h_j|, summed in fp32 (fp64 for fp64 inputs) from h in x's dtype.
+    the mean over tokens of Σ_j |h_j|, summed in fp32 (fp64 for fp64 inputs) from h in x's dtype;
+    0 over no tokens.
     """
     first = F.linear(x, gate_weight if gate_weight is not None else up_weight)
     if threshold is not None:
@@ -103,7 +104,8 @@ def dense_mlp(
     if not return_l1:
         return y
     sum_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-    return y, h.abs().sum(-1, dtype=sum_dtype).mean()
+    per_token = h.abs().sum(-1, dtype=sum_dtype)
+    return y, per_token.mean() if per_token.numel() else per_token.sum()
 
 
 def dense_mlp_inference(

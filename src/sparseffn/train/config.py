@@ -125,7 +125,12 @@ class TrainConfig:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no training config at {path}")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except ValueError as err:  # JSON syntax, unknown keys, bad values: name the file
+            raise ValueError(f"{path}: {err}") from err
+        except TypeError as err:
+            raise TypeError(f"{path}: {err}") from err
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with fields changed; keys of SparsityConfig change the nested `sparsity`."""

@@ -39,13 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseffn.models import build_model, collect_l1, fuse_non_mlp_, sparse_mlps
-from sparseffn.train.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from sparseffn.train.checkpoint import newest_usable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from sparseffn.train.config import TrainConfig
 from sparseffn.train.data import (
     BatchSampler,
@@ -66,7 +60,10 @@ from sparseffn.train.distributed import (
     init_process_group,
     make_reduce,
 )
+from sparseffn.train.durable import fsync_file, remove_orphans
 from sparseffn.train.eval import EvalResult, autocast_context, evaluate, model_overrides
+from sparseffn.train.metrics import append_row, truncate_metrics
+from sparseffn.train.runlock import hold_run_lock
 from sparseffn.train.schedule import WarmupCosine, l1_coeff_at
 from sparseffn.train.tracking import ActivationStats, DeadUnits, reinit_dead_gates
 
@@ -106,13 +103,6 @@ def resolve_amp(name: str, device: torch.device) -> torch.dtype | None:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     return torch.bfloat16 if name == "bfloat16" else None
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -187,7 +177,8 @@ def train(
         torch.cuda.set_device(device)
     created = init_process_group(info, device)
     try:
-        return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step)
+        with hold_run_lock(cfg.out_dir, info, create=not resume, echo=echo):
+            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step)
     finally:
         if created:
             torch.distributed.destroy_process_group()
@@ -207,9 +198,14 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
             (bar.write if bar is not None and not bar.disable else echo)(line)
 
     out = _prepare_out_dir(cfg, resume, overwrite, info)
-    ckpt_path = latest_checkpoint(out / "checkpoints") if resume else None
-    if resume and ckpt_path is None:
-        raise FileNotFoundError(f"cannot resume: no checkpoint under {out / 'checkpoints'}")
+    if info.is_main:
+        for path in remove_orphans(out, out / "checkpoints"):
+            say(f"removed {path}, left by an interrupted write")
+    ckpt_path, payload = None, None
+    if resume:
+        ckpt_path, payload, skipped = newest_usable_checkpoint(out / "checkpoints")
+        for err in skipped:
+            say(f"warning: skipped a checkpoint: {err}")
 
     # ---- data and tokenizer (trained once by rank 0, saved with the run, loaded by everyone)
     docs = read_corpus(cfg.data)
@@ -243,7 +239,6 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    payload = load_checkpoint(ckpt_path) if ckpt_path is not None else None
     fsdp = info.enabled and cfg.parallel == "fsdp"
     if payload is not None and not fsdp:
         model.load_state_dict(payload["model"])
@@ -273,8 +268,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                 f"{info.world_size}: training continues, but not on the batches of the original run")
         set_rng_state(payload["rng"])
         if info.is_main:
-            rows = [r for r in read_metrics(metrics_path) if r["step"] <= start]
-            metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            truncate_metrics(metrics_path, start, warn=lambda line: say(f"warning: {line}"))
         say(f"resumed from {ckpt_path} (step {start})")
     n_params = sum(p.numel() for p in model.parameters())
     if info.is_main:
@@ -366,20 +360,17 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                 window_tokens, window_start = 0, now
                 last_row = row
                 if info.is_main:
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    append_row(metrics_path, row)
                 bar.set_postfix_str(f"loss {row['loss']:.3f} ce {ce_v:.3f} nnz/tok {row['nnz_mean_all']:.1f} "
                                     f"zeros {row['zeros_pct']:.2f}% dead {100 * row['dead_frac_all']:.0f}%")
             elif reinit is not None and info.is_main:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps({"kind": "reinit", "step": done, "reinit": reinit}) + "\n")
+                append_row(metrics_path, {"kind": "reinit", "step": done, "reinit": reinit})
 
             if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.steps:
                 final_eval = evaluate(wrapped, windows, batch_size=cfg.batch_size, device=device,
                                       autocast_dtype=amp, info=info)
                 if info.is_main:
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps({"kind": "eval", "step": done, **final_eval.as_row()}) + "\n")
+                    append_row(metrics_path, {"kind": "eval", "step": done, **final_eval.as_row()})
                 loss_text = f"loss {last_row['loss']:.3f}  " if last_row else ""
                 say(f"step {done:>6}/{cfg.steps}  {loss_text}held-out ce {final_eval.ce:.3f} (ppl {final_eval.ppl:.1f})"
                     f"  nnz/token {final_eval.stats.nnz_mean_all:.1f} of {sum(hidden) / len(hidden):.0f} "
@@ -437,6 +428,7 @@ def _save(out: Path, step: int, cfg: TrainConfig, wrapped, model, optimizer, sch
         check_replicas_identical(model, info)
         model_sd, optim_sd = model.state_dict(), optimizer.state_dict()
     if info.is_main:
+        fsync_file(out / "metrics.jsonl")  # the rows this checkpoint covers reach the disk before it does
         save_checkpoint({
             "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
             "rng": rng_state(), "sampler": sampler.state_dict(), "dead_units": dead.state_dict(),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from sparseffn.train.metrics import read_metrics
 
 
 def _rows(metrics_path: Path) -> tuple[list[dict], list[dict], list[int]]:
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics_path)
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
     reinit_steps = [r["step"] for r in rows if r.get("reinit") and any(r["reinit"])]
