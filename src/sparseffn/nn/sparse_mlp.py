@@ -30,6 +30,7 @@ import numbers
 import torch
 from torch import nn
 
+from sparseffn.nn.projections import forward_resolved, is_plain
 from sparseffn.ops.sparse_mlp import MODES, choose_mode, sparse_mlp
 from sparseffn.ops.twell_mlp import SparseMLPWeights
 
@@ -230,7 +231,9 @@ class SparseMLP(nn.Module):
         modules = self._modules  # gate_proj is a plain None attribute when the module is not gated
         gate_proj, up_proj, down_proj = modules.get("gate_proj"), modules["up_proj"], modules["down_proj"]
         theta = self._buffers["threshold"] if self._threshold_active else None
-        if _any_bias(gate_proj, up_proj, down_proj):
+        if not (is_plain(gate_proj) and is_plain(up_proj) and is_plain(down_proj)):
+            y, l1 = forward_resolved(self, x, theta)  # PEFT adapters, accelerate hooks, other modules
+        elif _any_bias(gate_proj, up_proj, down_proj):
             if up_proj.weight.dtype != x.dtype and torch.is_autocast_enabled(x.device.type):
                 x = x.to(up_proj.weight.dtype)  # autocast then casts x and the weights inside F.linear
             y, l1 = self._dense_with_bias(x, theta)
