@@ -18,7 +18,7 @@ import torch
 
 from sparseffn.models.config import SparsityConfig
 from sparseffn.models.hf_config import CONFIG_KEY, LAYERS_KEY, UNLOADABLE_ACT, activation_fields, set_activation_fields
-from sparseffn.models.sparsify import sparse_layers, sparsify_, sync_config
+from sparseffn.models.sparsify import named_sparse_layers, sparsify_, sync_config
 
 
 def _architecture(config):
@@ -95,8 +95,11 @@ def load_pretrained(path: str | os.PathLike, *, device: torch.device | str | Non
     if problems:
         raise ValueError(f"{path} does not match the sparse model it describes: "
                          + "; ".join(f"{k}: {v[:8]}" for k, v in problems.items()))
-    for module in sparse_layers(model):  # transformers assigns tensors without load_state_dict: refresh the flag
-        if module.threshold.device.type != "meta":
-            module.set_threshold_(module.threshold.clone())
+    for name, module in named_sparse_layers(model):  # tensors were assigned without load_state_dict: refresh
+        if module.threshold.device.type == "meta":
+            raise NotImplementedError(
+                f"{name}.threshold was offloaded (offload_buffers=True?); the sparse layers read their thresholds "
+                f"in memory: load without offloading buffers")
+        module.set_threshold_(module.threshold.clone())
     sync_config(model)
     return model.eval()
