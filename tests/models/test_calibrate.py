@@ -113,3 +113,30 @@ def test_bad_inputs(kwargs, error, message):
 def test_needs_a_sparse_model():
     with pytest.raises(ValueError, match="sparsify_ it before calibrating"):
         calibrate_thresholds(tiny_lm(), _batches(n=1), 10)
+
+
+def test_tokenizer_dicts_ignore_padding():
+    """Right-padded tokenizer output: the real tokens see what they see unpadded (causal attention), so
+    the thresholds equal those from the unpadded sequences; counting the padding changes them."""
+    from transformers import BatchEncoding
+
+    lengths = [32, 20, 11, 27]
+    seqs = [torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)]
+    ids = torch.full((len(seqs), 32), 7)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : s.shape[1]], mask[i, : s.shape[1]] = s[0], 1
+    padded = BatchEncoding({"input_ids": ids, "attention_mask": mask})
+
+    by_seq, by_dict, with_pad = _model(), _model(), _model()
+    expect = calibrate_thresholds(by_seq, seqs, 20)
+    got = calibrate_thresholds(by_dict, padded, 20)
+    counted = calibrate_thresholds(with_pad, [{"input_ids": ids}], 20)
+    for a, b, c, ra, rb in zip(sparse_mlps(by_seq), sparse_mlps(by_dict), sparse_mlps(with_pad), expect, got):
+        torch.testing.assert_close(b.threshold, a.threshold, rtol=0, atol=2e-3)
+        assert rb["mean_nnz"] == pytest.approx(ra["mean_nnz"], rel=1e-2)
+        assert (c.threshold - a.threshold).abs().max() > 1e-2
+    with pytest.raises(ValueError, match=r"batches\[0\] is a mapping without 'input_ids'"):
+        calibrate_thresholds(_model(), [{"ids": ids}], 20)
+    with pytest.raises(ValueError, match="masks every token"):
+        calibrate_thresholds(_model(), [{"input_ids": ids, "attention_mask": torch.zeros_like(ids)}], 20)

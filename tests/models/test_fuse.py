@@ -262,3 +262,38 @@ def test_fused_model_compiles_fullgraph():
     compiled = loss_and_grads(lambda i: compiled_model(input_ids=i, use_cache=False))
     assert _close(compiled[0], eager[0])
     assert all(_close(c, e) for c, e in zip(compiled[1], eager[1]))
+
+
+FUSE_EXPECTED = {  # family: (norm classes fused, attention classes fused)
+    "qwen3": (True, False), "gemma": (False, True), "olmo2": (False, False), "granite": (True, True),
+    "stablelm": (False, False), "cohere": (False, False), "smollm3": (True, False), "phi3": (True, False),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FUSE_EXPECTED))
+def test_families_fuse_what_matches_llama_and_report_the_rest(family, calls):
+    from sparseffn.models.fuse import fusion_plan
+    from tests.models.families import family_lm, ids
+
+    plain = family_lm(family)
+    plan = fusion_plan(plain)
+    norms, attentions = FUSE_EXPECTED[family]
+    assert {a == "fuse" for _, c, a in plan if c.endswith("Norm")} == {norms}
+    assert {a == "fuse" for _, c, a in plan if c.endswith("Attention")} == {attentions}
+    if not norms and not attentions:
+        with pytest.raises(ValueError, match="nothing to fuse .*: .*(not LlamaRMSNorm's|not LlamaAttention's)"):
+            fuse_non_mlp_(plain)
+        return
+    model = copy.deepcopy(plain)
+    if norms and attentions:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing skipped, nothing to say
+            fuse_non_mlp_(model)
+    else:
+        with pytest.warns(UserWarning, match=r"fuse_non_mlp_ skipped .* module\(s\) \(.*\): its forward is not Llama"):
+            fuse_non_mlp_(model)
+    tokens = ids()
+    assert _close(_logits(model, tokens), _logits(plain, tokens))
+    planned_norms = sum(1 for _, c, a in plan if a == "fuse" and c.endswith("Norm"))
+    planned_attn = sum(1 for _, c, a in plan if a == "fuse" and c.endswith("Attention"))
+    assert calls == {"rms_norm": planned_norms, "apply_rope": planned_attn}

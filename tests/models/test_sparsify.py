@@ -91,9 +91,17 @@ def test_collect_l1_errors_and_track_l1():
     model(input_ids=token_ids())
     with pytest.raises(RuntimeError, match="track_l1=True"):
         collect_l1(model)
+    set_track_l1(model, None)  # back to the default: follow the mode
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=token_ids())
+    assert all(m.track_l1 is None and m.last_l1 is None for m in sparse_mlps(model))
+    model.train()
+    model(input_ids=token_ids())
+    assert collect_l1(model).requires_grad
     with pytest.raises(ValueError, match="has no SparseMLP"):
         collect_l1(tiny_lm())
-    with pytest.raises(TypeError, match="enabled must be a bool"):
+    with pytest.raises(TypeError, match="enabled must be None or a bool"):
         set_track_l1(model, 1)
 
 
@@ -177,3 +185,55 @@ def test_sparsified_model_compiles_fullgraph_with_the_l1_loss():
     torch.testing.assert_close(compiled[0], eager[0])
     for c, e in zip(compiled[1], eager[1]):
         torch.testing.assert_close(c, e)
+
+
+def test_filter_fn_partial_model_saves_as_sparseffn_only(tmp_path):
+    """Layer 1 kept dense with SiLU: no single activation field is true, so plain transformers refuses the
+    checkpoint and load_pretrained rebuilds exactly this mix."""
+    from transformers import AutoModelForCausalLM
+
+    from sparseffn import load_pretrained
+    from sparseffn.models.hf_config import UNLOADABLE_ACT
+
+    model = sparsify_(tiny_lm(act="silu"), filter_fn=lambda module, fqn: fqn == "model.layers.0.mlp")
+    assert [n for n, _ in named_sparse_mlps(model)] == ["model.layers.0.mlp"]
+    assert model.config.hidden_act == UNLOADABLE_ACT
+    assert type(model.model.layers[1].mlp).__name__ == "LlamaMLP"
+    model.save_pretrained(tmp_path)
+    with pytest.raises(KeyError, match="sparseffn.load_pretrained"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path)
+    assert [n for n, _ in named_sparse_mlps(loaded)] == ["model.layers.0.mlp"]
+    assert torch.equal(_logits(loaded, token_ids()), _logits(model, token_ids()))
+    with pytest.raises(ValueError, match="sparsified in part"):
+        unsparsify_(model)
+    with pytest.raises(ValueError, match="filter_fn selected none"):
+        sparsify_(tiny_lm(), filter_fn=lambda module, fqn: False)
+    with pytest.raises(TypeError, match="filter_fn must be callable"):
+        sparsify_(tiny_lm(), filter_fn=3)
+
+
+def test_unknown_mlps_are_named():
+    class OddMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_in, self.w_out = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    with pytest.raises(ValueError, match=r"look like MLPs but match none: mlp \(OddMLP: children \['w_in', 'w_out'\]\)"):
+        sparsify_(nn.ModuleDict({"mlp": OddMLP()}))
+    model = tiny_lm()
+    model.model.layers[1].extra = OddMLP()
+    with pytest.raises(ValueError, match=r"1 module\(s\) look like MLPs that sparsify_ does not know: model.layers.1.extra"):
+        sparsify_(model)
+    sparsify_(model, filter_fn=lambda module, fqn: not fqn.endswith("extra"))
+    assert len(sparse_mlps(model)) == 2
+
+
+def test_thresholds_set_after_sparsify_reach_the_saved_config(tmp_path):
+    import json
+
+    model = sparsify_(tiny_lm())
+    assert model.config.hidden_act == "relu"
+    model.model.layers[0].mlp.set_threshold_(0.1)  # behind sparseffn's back: save_pretrained re-syncs
+    model.save_pretrained(tmp_path)
+    assert "load_pretrained" in json.loads((tmp_path / "config.json").read_text())["hidden_act"]

@@ -334,7 +334,7 @@ def test_auto_mode_dispatches_on_measured_activity(monkeypatch):
     sparse = SparseMLP.from_dense(_llama_mlp())
     sparse.eval()
     decisions = []
-    monkeypatch.setattr(nn_sparse_mlp, "choose_mode",
+    monkeypatch.setattr(importlib.import_module("sparseffn.nn.dispatch"), "choose_mode",
                         lambda x, up, **k: decisions.append(k) or ModeDecision("dense", "spy"))
     x = _x(3)
     with torch.no_grad():

@@ -109,3 +109,19 @@ def test_eval_windows_spread_over_the_stream():
     assert torch.equal(eval_windows(tokens, 9, 4), w)
     with pytest.raises(ValueError, match="held-out split has 100 tokens"):
         eval_windows(tokens, 100, 2)
+
+
+def test_binary_or_non_utf8_files_are_refused_or_skipped(tmp_path):
+    (tmp_path / "good.txt").write_text("To be, or not to be.\n" * 20)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    (tmp_path / "blob.md").write_bytes(b"PK\x03\x04\x00\x00binary")
+    for name, message in (("latin1.txt", r"latin1.txt is not UTF-8 text \(invalid continuation byte at byte 3\)"),
+                          ("blob.md", "blob.md is binary")):
+        with pytest.raises(ValueError, match=message):
+            read_corpus(tmp_path / name)
+    with pytest.warns(UserWarning, match=r"skipped 2 file\(s\) that are not UTF-8 text: .*blob.md is binary.*latin1.txt"):
+        docs = read_corpus(tmp_path)
+    assert [d.name for d in docs] == ["good"] and "\ufffd" not in docs[0].text
+    (tmp_path / "good.txt").unlink()
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="holds UTF-8 text"):
+        read_corpus(tmp_path)

@@ -10,11 +10,14 @@ from sparseffn.models.pretrained import load_pretrained
 from sparseffn.models.registry import MODEL_NAMES, build_model, model_config, parameter_count
 from sparseffn.models.sparsify import (
     collect_l1,
+    named_sparse_layers,
     named_sparse_mlps,
     set_track_l1,
+    sparse_layers,
     sparse_mlps,
     sparsify_,
     sparsity_config,
+    sync_config,
     unsparsify_,
 )
 
@@ -27,12 +30,15 @@ __all__ = [
     "fuse_non_mlp_",
     "load_pretrained",
     "model_config",
+    "named_sparse_layers",
     "named_sparse_mlps",
     "parameter_count",
     "set_track_l1",
+    "sparse_layers",
     "sparse_mlps",
     "sparsify_",
     "sparsity_config",
+    "sync_config",
     "unfuse_non_mlp_",
     "unsparsify_",
 ]

@@ -17,6 +17,12 @@ g > θ. θ ≥ 0: a threshold only removes activations, so a layer whose plain R
 units than the target keeps θ = 0 and is reported as not reached (with a warning). After the last
 layer, one more pass over the batches measures what the model really does (`activation_mask`); the
 report holds those measured numbers.
+
+Batches are input_ids tensors or tokenizer outputs (mappings with `input_ids` and, optionally,
+`attention_mask`): padded positions (mask 0) are run through the model with the mask and left out of
+every statistic. Layers: SparseMLP and HFSparseMLP fit one θ [H]; SparseExperts fit one θ_e [H] per
+expert on the tokens routed to it (an expert that saw no token keeps θ_e = 0), and their statistics
+count token-expert pairs.
 """
 
 from __future__ import annotations
@@ -24,14 +30,15 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
 from torch import nn
 
 from sparseffn.models.config import SparsityConfig
-from sparseffn.models.sparsify import CONFIG_KEY, named_sparse_mlps
-from sparseffn.nn import SparseMLP
+from sparseffn.models.sparsify import CONFIG_KEY, named_sparse_layers, sync_config
+from sparseffn.nn import SparseExperts, SparseMLP
 
 BISECTION_STEPS = 64
 SORT_CHUNK = 256  # units sorted at a time
@@ -41,23 +48,41 @@ class _Stop(Exception):
     """Raised by a capture hook to end the forward pass at the layer being calibrated."""
 
 
-def _check_batches(batches) -> list[torch.Tensor]:
-    if isinstance(batches, torch.Tensor):
+def _check_batches(batches) -> list[dict]:
+    """[{"input_ids": [B, T], "attention_mask": [B, T] or None}] from tensors or tokenizer outputs."""
+    if isinstance(batches, (torch.Tensor, Mapping)):
         batches = [batches]
     try:
         batches = list(batches)
     except TypeError:
-        raise TypeError(f"batches must be an iterable of input_ids tensors [B, T], got {type(batches).__name__}") from None
+        raise TypeError(
+            f"batches must be an iterable of input_ids tensors [B, T] or tokenizer outputs, got {type(batches).__name__}"
+        ) from None
     if not batches:
         raise ValueError("batches is empty: calibration needs at least one batch of input_ids")
-    for i, ids in enumerate(batches):
+    checked = []
+    for i, batch in enumerate(batches):
+        mask = None
+        if isinstance(batch, Mapping):
+            if "input_ids" not in batch:
+                raise ValueError(f"batches[{i}] is a mapping without 'input_ids' (keys: {sorted(batch)})")
+            ids, mask = batch["input_ids"], batch.get("attention_mask")
+        else:
+            ids = batch
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"batches[{i}] must be a torch.Tensor of input_ids, got {type(ids).__name__}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"batches[{i}] must hold integer token ids, got {ids.dtype}")
         if ids.dim() != 2 or ids.numel() == 0:
             raise ValueError(f"batches[{i}] must be a non-empty [B, T] tensor, got shape {tuple(ids.shape)}")
-    return batches
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+                raise ValueError(f"batches[{i}]['attention_mask'] must be a tensor of input_ids' shape "
+                                 f"{tuple(ids.shape)}, got {getattr(mask, 'shape', type(mask).__name__)}")
+            if not bool(mask.bool().any()):
+                raise ValueError(f"batches[{i}]['attention_mask'] masks every token")
+        checked.append({"input_ids": ids, "attention_mask": mask})
+    return checked
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -67,42 +92,80 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _run(model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> None:
-    for ids in batches:
+def _run(model: nn.Module, batches: list[dict], device: torch.device, current: list) -> None:
+    """Run the model on each batch; `current[0]` holds the batch's flattened token mask meanwhile."""
+    for batch in batches:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        current[:] = [None if mask is None else mask.reshape(-1).bool().to(device)]
+        kwargs = {"input_ids": ids.to(device), "use_cache": False}
+        if mask is not None:
+            kwargs["attention_mask"] = mask.to(device)
         try:
-            model(input_ids=ids.to(device), use_cache=False)
+            model(**kwargs)
         except _Stop:
             pass
 
 
-def _capture_inputs(model, mlp: SparseMLP, batches, device) -> torch.Tensor:
-    """The inputs x [N, D] the model feeds `mlp` on the batches (the forward stops at `mlp`)."""
-    captured: list[torch.Tensor] = []
+def _rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """x's tokens [N, D] without the padded ones (x is [B, T, D] or [B * T, D])."""
+    x = x.detach().reshape(-1, x.shape[-1])
+    if mask is None:
+        return x
+    if mask.numel() != x.shape[0]:
+        raise RuntimeError(f"a sparse layer saw {x.shape[0]} tokens for an attention mask of {mask.numel()}")
+    return x[mask]
+
+
+def _capture(model, layer, batches, device) -> list[torch.Tensor]:
+    """Per group of the layer (one, or one per expert): the pre-activations g [N, H] on the batches,
+    in fp32, padded tokens left out; the forward stops at the layer."""
+    captured: list = []
+    current: list = [None]
+    experts = isinstance(layer, SparseExperts)
 
     def hook(module, args):
-        captured.append(args[0].detach().reshape(-1, args[0].shape[-1]))
+        if experts:
+            captured.append((_rows(args[0], current[0]), _rows(args[1], current[0])))
+        else:
+            captured.append(_rows(args[0], current[0]))
         raise _Stop
 
-    handle = mlp.register_forward_pre_hook(hook)
+    handle = layer.register_forward_pre_hook(hook)
     try:
-        _run(model, batches, device)
+        _run(model, batches, device, current)
     finally:
         handle.remove()
     if len(captured) != len(batches):
         raise RuntimeError(f"the layer ran on {len(captured)} of {len(batches)} batches: is it part of model's forward?")
-    return torch.cat(captured)
+    if not experts:
+        return [_pre_activation(layer, torch.cat(captured))]
+    x, index = torch.cat([c[0] for c in captured]), torch.cat([c[1] for c in captured])
+    groups = []
+    for e in range(layer.num_experts):
+        rows = (index == e).any(-1)
+        xe = x[rows]
+        groups.append(layer.pre_activation(xe.to(layer.weight_dtype), e).float())
+    return groups
 
 
-def _first_projection(mlp: SparseMLP, x: torch.Tensor) -> torch.Tensor:
-    first = mlp.gate_proj if mlp.gate_proj is not None else mlp.up_proj
-    if first.weight.dtype != x.dtype:
-        x = x.to(first.weight.dtype)
-    return first(x).float()
+def _pre_activation(layer, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(layer, SparseMLP):
+        first = layer.gate_proj if layer.gate_proj is not None else layer.up_proj
+        if first.weight.dtype != x.dtype:
+            x = x.to(first.weight.dtype)
+        return first(x).float()
+    return layer.pre_activation(x.to(layer.weight_dtype)).float()
+
+
+def _weight_dtype(layer) -> torch.dtype:
+    return layer.up_proj.weight.dtype if isinstance(layer, SparseMLP) else layer.weight_dtype
 
 
 def _fit(g: torch.Tensor, target: float, mix: float, dtype: torch.dtype, tolerance: float):
     """θ [H] (fp32, rounded to dtype), the global level t, and the mean nnz it gives on g [N, H]."""
     n, h = g.shape
+    if n == 0:  # an expert no calibration token was routed to
+        return torch.zeros(h, dtype=torch.float32, device=g.device), float("nan"), 0.0
     sorted_g = torch.empty(h, n, dtype=g.dtype, device=g.device)  # [H, N] ascending, per unit
     for start in range(0, h, SORT_CHUNK):  # in chunks: sort's int64 indices would be 2x the size of g
         sorted_g[start : start + SORT_CHUNK] = g[:, start : start + SORT_CHUNK].t().sort(dim=1).values
@@ -137,31 +200,50 @@ def _fit(g: torch.Tensor, target: float, mix: float, dtype: torch.dtype, toleran
     return theta_at(level), level, nnz
 
 
-def _measure(model, mlps: list[SparseMLP], batches, device) -> list[dict]:
-    """Per layer: mean and max active units per token and the fraction of units that never fired."""
-    stats = [{"tokens": 0, "sum": 0.0, "max": 0, "fired": None} for _ in mlps]
+def _active(layer, args, mask) -> list[torch.Tensor]:
+    """Bool activity [n, H] per group of the layer for one call (padded tokens left out)."""
+    if not isinstance(layer, SparseExperts):
+        return [layer.activation_mask(_rows(args[0], mask).to(_weight_dtype(layer)))]
+    x, index = _rows(args[0], mask).to(layer.weight_dtype), _rows(args[1], mask)
+    groups = []
+    for e in range(layer.num_experts):
+        g = layer.pre_activation(x[(index == e).any(-1)], e)
+        if layer.has_threshold:
+            g = g - layer.threshold[e].to(g.dtype)
+        groups.append(torch.relu(g) != 0)
+    return groups
+
+
+def _measure(model, layers: list, batches, device) -> list[dict]:
+    """Per layer: mean and max active units per token (per token-expert pair for experts) and the
+    fraction of units that never fired."""
+    stats = [{"tokens": 0, "sum": 0.0, "max": 0, "fired": None} for _ in layers]
+    current: list = [None]
 
     def make_hook(i):
         def hook(module, args):
-            mask = module.activation_mask(args[0]).reshape(-1, module.intermediate_size)
-            counts = mask.sum(-1)
+            groups = _active(module, args, current[0])
             s = stats[i]
-            s["tokens"] += counts.numel()
-            s["sum"] += float(counts.sum())
-            s["max"] = max(s["max"], int(counts.max()))
-            fired = mask.any(0)
+            for mask in groups:
+                counts = mask.sum(-1)
+                s["tokens"] += counts.numel()
+                s["sum"] += float(counts.sum())
+                s["max"] = max(s["max"], int(counts.max()) if counts.numel() else 0)
+            fired = torch.stack([m.any(0) for m in groups])
             s["fired"] = fired if s["fired"] is None else s["fired"] | fired
 
         return hook
 
-    handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(mlps)]
+    handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(layers)]
     try:
-        _run(model, batches, device)
+        with torch.no_grad():
+            _run(model, batches, device, current)
     finally:
         for handle in handles:
             handle.remove()
     return [
-        {"mean_nnz": s["sum"] / s["tokens"], "max_nnz": s["max"], "dead_fraction": 1.0 - float(s["fired"].float().mean())}
+        {"mean_nnz": s["sum"] / max(s["tokens"], 1), "max_nnz": s["max"],
+         "dead_fraction": 1.0 - float(s["fired"].float().mean())}
         for s in stats
     ]
 
@@ -177,8 +259,9 @@ def calibrate_thresholds(
     """Set per-unit thresholds so each SparseMLP fires `target_nnz` units per token on average.
 
     model: a sparsified causal LM (`model(input_ids=..., use_cache=False)` must run it). batches:
-    an iterable of input_ids tensors [B, T] (moved to the model's device; read once per layer, so
-    it is materialized into a list). target_nnz: mean active units per token per layer, 0 < target < H.
+    an iterable of input_ids tensors [B, T] or tokenizer outputs with `input_ids` and
+    `attention_mask` (moved to the model's device; padding is ignored; read once per layer, so it is
+    materialized into a list). target_nnz: mean active units per token per layer, 0 < target < H.
     tolerance: relative error accepted on the measured mean (a warning names the layers outside it).
     mix: weight of each unit's own quantile against the global level, in [0, 1) (module docstring).
 
@@ -187,7 +270,7 @@ def calibrate_thresholds(
     max_nnz (measured by running the calibrated model), calibration_nnz (the estimate while fitting),
     level, threshold_mean/std/min/max, zero_threshold_fraction, dead_fraction, reached.
     """
-    named = named_sparse_mlps(model)
+    named = named_sparse_layers(model)
     if not named:
         raise ValueError(f"model ({type(model).__name__}) has no SparseMLP: sparsify_ it before calibrating")
     batches = _check_batches(batches)
@@ -213,12 +296,17 @@ def calibrate_thresholds(
         for m in mlps:
             m.track_l1 = False
         with torch.no_grad():
-            for _, mlp in named:
-                g = _first_projection(mlp, _capture_inputs(model, mlp, batches, device))
-                theta, level, estimate = _fit(g, target, mix, mlp.up_proj.weight.dtype, tolerance)
-                del g
-                mlp.set_threshold_(theta)
-                mlp.expected_nnz = target
+            for _, layer in named:
+                groups = _capture(model, layer, batches, device)
+                fitted = [_fit(g, target, mix, _weight_dtype(layer), tolerance) for g in groups]
+                sizes = [g.shape[0] for g in groups]
+                del groups
+                theta = torch.stack([f[0] for f in fitted]) if isinstance(layer, SparseExperts) else fitted[0][0]
+                layer.set_threshold_(theta)
+                layer.expected_nnz = target
+                pairs = max(sum(sizes), 1)
+                estimate = sum(f[2] * n for f, n in zip(fitted, sizes)) / pairs
+                level = fitted[0][1] if len(fitted) == 1 else float("nan")
                 fits.append((level, estimate))
             measured = _measure(model, mlps, batches, device)
     finally:
@@ -232,6 +320,7 @@ def calibrate_thresholds(
         recorded = SparsityConfig.from_dict(getattr(config, CONFIG_KEY))
         setattr(config, CONFIG_KEY, replace(recorded, expected_nnz=target).to_dict())
 
+    sync_config(model)  # θ != 0: the activation fields now say only sparseffn can rebuild the model
     report = []
     for i, ((name, mlp), (level, estimate), stats) in enumerate(zip(named, fits, measured)):
         theta = mlp.threshold

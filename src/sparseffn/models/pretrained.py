@@ -1,78 +1,59 @@
 """`load_pretrained`: a sparsified model saved with `save_pretrained`, back as the same sparse model.
 
-`save_pretrained` of a sparsified model writes config.json (with `hidden_act: "relu"` and the
-`sparseffn` SparsityConfig) and safetensors holding the Hugging Face weights plus each layer's
-`mlp.threshold`. Loading rebuilds the architecture from the config (weight initialization skipped),
-sparsifies it with the recorded SparsityConfig and loads every tensor strictly: the result computes
-the same outputs bit for bit. Local directories only: nothing is downloaded.
+The model is built by transformers' own `from_pretrained` (so its weight conversions, `device_map`,
+`dtype`, offloading and attention choice all apply) from a subclass of the saved architecture that
+sparsifies itself right after construction: the sparse layers (and their `threshold` buffers) exist
+before the weights are loaded, so every tensor of the checkpoint has a place and every place gets a
+tensor, or loading fails. The instance's class is then set back to the architecture's own. Which
+modules are sparse and what the dense ones compute come from `config.sparseffn_layers`
+(models/hf_config.py). Local directories only unless the caller passes `local_files_only=False`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from sparseffn.models.config import SparsityConfig
-from sparseffn.models.sparsify import CONFIG_KEY, sparsify_
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from sparseffn.models.hf_config import CONFIG_KEY, LAYERS_KEY, UNLOADABLE_ACT, activation_fields, set_activation_fields
+from sparseffn.models.sparsify import named_sparse_layers, sparsify_, sync_config
 
 
-def _weight_files(path: Path) -> list[Path]:
-    if (path / SINGLE_FILE).is_file():
-        return [path / SINGLE_FILE]
-    if (path / INDEX_FILE).is_file():
-        index = json.loads((path / INDEX_FILE).read_text())
-        return [path / name for name in sorted(set(index["weight_map"].values()))]
-    raise FileNotFoundError(
-        f"no {SINGLE_FILE} or {INDEX_FILE} in {path}: load_pretrained reads the safetensors that save_pretrained writes"
-    )
+def _architecture(config):
+    """The causal-LM class the checkpoint was saved from (config.architectures), else the Auto mapping's."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type):
+            return cls
+    return AutoModelForCausalLM._model_mapping[type(config)]
 
 
-def _read_state_dict(files: list[Path], device: torch.device | None) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _self_sparsifying(cls, sparsity: SparsityConfig, modules: list[str] | None):
+    """A subclass of `cls` whose instances sparsify themselves at the end of __init__."""
 
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file, device=str(device) if device is not None else "cpu"))
-    return state
+    def __init__(self, config, *args, **kwargs):
+        cls.__init__(self, config, *args, **kwargs)
+        chosen = None if modules is None else set(modules)
+        sparsify_(self, sparsity, filter_fn=None if chosen is None else (lambda module, fqn: fqn in chosen))
 
-
-def _saved_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
-    for key, tensor in state.items():
-        if tensor.is_floating_point() and not key.endswith(".threshold"):
-            return tensor.dtype
-    return torch.float32
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
 
 
-def _no_init_weights():
-    """transformers' own context that skips random initialization (weights are loaded right after)."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # a transformers without it: initialize, then overwrite
-        return contextlib.nullcontext()
-    return no_init_weights()
-
-
-def load_pretrained(
-    path: str | os.PathLike,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    attn_implementation: str = "sdpa",
-):
+def load_pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None, **from_pretrained_kwargs):
     """The sparse model saved in directory `path` by `model.save_pretrained(path)` of a sparsified model.
 
-    device: where to build it (None: CPU). dtype: the weights' dtype (None: the saved one; thresholds
-    stay fp32). attn_implementation: passed to transformers ("sdpa", as in build_model). Tied
-    embeddings are re-tied. Returns the model in eval mode, like from_pretrained.
+    from_pretrained_kwargs: passed to transformers' `from_pretrained` (`dtype`, `device_map`,
+    `attn_implementation`, `offload_folder`, ...); by default the saved dtype and the config's attention
+    implementation. device: shorthand for `device_map={"": device}`. Returns the model in eval mode with
+    the thresholds loaded exactly (fp32), or raises when the checkpoint lacks a tensor the sparse model
+    needs or holds one it does not have.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig
 
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
@@ -82,10 +63,17 @@ def load_pretrained(
             f"path {str(path)!r} is not a directory with a config.json (load_pretrained reads local directories "
             f"written by save_pretrained; nothing is downloaded)"
         )
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
-    device = torch.device(device) if device is not None else None
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    kwargs = dict(from_pretrained_kwargs)
+    dtype = kwargs.get("dtype")
+    if dtype is not None and not (dtype == "auto" or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)):
+        raise TypeError(f"dtype must be a floating-point torch.dtype, 'auto' or None, got {dtype!r}")
+    if device is not None:
+        if "device_map" in kwargs:
+            raise ValueError("pass device or device_map, not both")
+        kwargs["device_map"] = {"": torch.device(device)}
+    kwargs.setdefault("local_files_only", True)
+    kwargs.setdefault("dtype", "auto")
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path, local_files_only=kwargs["local_files_only"])
     recorded = getattr(config, CONFIG_KEY, None)
     if recorded is None:
         raise ValueError(
@@ -93,23 +81,25 @@ def load_pretrained(
             f"(load it with transformers' from_pretrained, then sparsify_ it)"
         )
     sparsity = SparsityConfig.from_dict(recorded)
-    state = _read_state_dict(_weight_files(path), device)
-    dtype = dtype or _saved_dtype(state)
-    with _no_init_weights(), device if device is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    model.tie_weights()
-    sparsify_(model, sparsity)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected:
-        raise ValueError(f"{path} holds tensors the model does not have: {sorted(unexpected)[:8]}")
-    # Tied parameters are saved once: a missing key is fine only if it shares its tensor with a loaded one.
-    params = model.state_dict(keep_vars=True)
-    loaded = {id(params[key]) for key in state if key in params}
-    untied = sorted(key for key in missing if id(params[key]) not in loaded)
-    if untied:
-        raise ValueError(f"{path} lacks tensors the model needs: {untied[:8]}")
-    if (path / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    if device is not None:
-        model.to(device)
+    meta = getattr(config, LAYERS_KEY, None) or {}
+    # Build with the activation the dense MLPs had (the sparse ones replace theirs anyway).
+    dense = meta.get("dense_activation") or {k: "relu" for k, v in activation_fields(config).items()
+                                             if v == UNLOADABLE_ACT}
+    set_activation_fields(config, dense)
+    cls = _architecture(config)
+    model, info = _self_sparsifying(cls, sparsity, meta.get("modules")).from_pretrained(
+        path, config=config, output_loading_info=True, **kwargs)
+    model.__class__ = cls
+    problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    problems = {k: v for k, v in problems.items() if v}
+    if problems:
+        raise ValueError(f"{path} does not match the sparse model it describes: "
+                         + "; ".join(f"{k}: {v[:8]}" for k, v in problems.items()))
+    for name, module in named_sparse_layers(model):  # tensors were assigned without load_state_dict: refresh
+        if module.threshold.device.type == "meta":
+            raise NotImplementedError(
+                f"{name}.threshold was offloaded (offload_buffers=True?); the sparse layers read their thresholds "
+                f"in memory: load without offloading buffers")
+        module.set_threshold_(module.threshold.clone())
+    sync_config(model)
     return model.eval()

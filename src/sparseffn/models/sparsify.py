@@ -1,22 +1,34 @@
-"""Turn a Hugging Face causal LM's MLPs into `SparseMLP`s in place, and back.
+"""Turn a Hugging Face causal LM's MLPs into sparse ReLU layers in place, and back.
 
-An MLP is any submodule with `nn.Linear` attributes `gate_proj`, `up_proj` and `down_proj` (Llama,
-Qwen2, Mistral and their relatives: `model.model.layers[i].mlp`). Replacement happens on the
-instance only (no class is patched), sharing the weight Parameters. The model's config records the
-change (`hidden_act = "relu"`, `sparseffn = SparsityConfig.to_dict()`), so `save_pretrained` writes a
-config.json that `load_pretrained` turns back into the same sparse model.
+Which modules are replaced, and by what, is models/layouts.py (Llama-style gated MLPs by SparseMLP,
+Phi-3's fused and GPT-2 / GPT-NeoX / Falcon / Phi / Starcoder2's non-gated MLPs by HFSparseMLP, Mixtral /
+Qwen2-MoE / Qwen3-MoE routed experts by SparseExperts). Replacement happens on the instance only (no
+class is patched), sharing the weight Parameters; state-dict keys stay the Hugging Face ones (plus each
+layer's `threshold`). The config records the change (models/hf_config.py): its activation fields say
+what the model computes, `sparseffn` holds the SparsityConfig, `sparseffn_layers` what load_pretrained
+needs to rebuild the same model.
 """
 
 from __future__ import annotations
+
 
 import torch
 from torch import nn
 
 from sparseffn.models.config import SparsityConfig
+from sparseffn.models.hf_config import (
+    CONFIG_KEY,
+    LAYERS_KEY,
+    activation_fields,
+    attach_save_hook,
+    computed_activation,
+    configs,
+    detach_save_hook,
+    hf_model,
+    set_activation_fields,
+)
+from sparseffn.models.layouts import GATED_NAMES, LAYOUTS, SPARSE_TYPES, build_sparse, kind_of, looks_like_mlp, restore
 from sparseffn.nn import SparseMLP
-
-CONFIG_KEY = "sparseffn"  # attribute of model.config (and key of config.json) holding SparsityConfig.to_dict()
-_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _check_model(model: object) -> nn.Module:
@@ -25,26 +37,45 @@ def _check_model(model: object) -> nn.Module:
     return model
 
 
-def _is_dense_mlp(module: nn.Module) -> bool:
-    return not isinstance(module, SparseMLP) and all(isinstance(getattr(module, n, None), nn.Linear) for n in _PROJECTIONS)
-
-
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def _configs(model: nn.Module) -> list:
-    """model.config and, for composite models, its distinct text config (both get hidden_act)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return []
-    configs = [config]
-    if hasattr(config, "get_text_config"):
-        text = config.get_text_config()
-        if text is not config:
-            configs.append(text)
-    return configs
+def _candidates(model: nn.Module) -> tuple[list[tuple[str, nn.Module, str]], list[tuple[str, nn.Module]]]:
+    """([(name, module, kind)] of replaceable modules, [(name, module)] of unknown MLP-like ones),
+    outermost first; nothing inside a sparse layer or a replaceable module is looked at."""
+    found, unknown, skip = [], [], []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in skip):
+            continue
+        if isinstance(module, SPARSE_TYPES):
+            skip.append(name)
+            continue
+        kind = kind_of(module)
+        if kind is not None:
+            found.append((name, module, kind))
+            skip.append(name)
+        elif looks_like_mlp(module) and not any(isinstance(c, SPARSE_TYPES) or kind_of(c) for c in module.modules()):
+            unknown.append((name, module))
+    return found, unknown
+
+
+def _relative_name(model: nn.Module, module: nn.Module) -> str | None:
+    inner = hf_model(model)
+    if inner is None:
+        return None
+    return next((n for n, m in inner.named_modules() if m is module), None)
+
+
+def named_sparse_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every sparse layer (SparseMLP, HFSparseMLP, SparseExperts), in order."""
+    return [(name, m) for name, m in _check_model(model).named_modules() if isinstance(m, SPARSE_TYPES)]
+
+
+def sparse_layers(model: nn.Module) -> list[nn.Module]:
+    """Every sparse layer of the model (SparseMLP, HFSparseMLP, SparseExperts), in order."""
+    return [m for _, m in named_sparse_layers(model)]
 
 
 def named_sparse_mlps(model: nn.Module) -> list[tuple[str, SparseMLP]]:
@@ -57,75 +88,110 @@ def sparse_mlps(model: nn.Module) -> list[SparseMLP]:
     return [m for _, m in named_sparse_mlps(model)]
 
 
-def sparsify_(model: nn.Module, config: SparsityConfig = SparsityConfig()) -> nn.Module:
-    """Replace every Hugging Face gated MLP of `model` by `SparseMLP.from_dense`, in place; returns model.
+def sync_config(model: nn.Module) -> str:
+    """Set the activation fields to what the model computes now (models/hf_config.py); returns the value.
 
-    Each SparseMLP gets `config.mode`, `config.expected_nnz` and θ = `config.threshold` (if set). The
-    model computes ReLU gates from then on: `model.config.hidden_act` becomes "relu" and
-    `model.config.sparseffn` records `config.to_dict()`. Raises ValueError when there is no MLP to
-    replace (none found, or the model is already sparsified).
+    Run by sparsify_, calibrate_thresholds, load_pretrained and before every save_pretrained; call it
+    yourself after changing thresholds if you read the config in between.
+    """
+    layers = sparse_layers(_check_model(model))
+    if not layers:
+        return ""
+    found, unknown = _candidates(model)
+    value = computed_activation(model, layers, dense_left=bool(found or unknown))
+    set_activation_fields(model, value)
+    return value
+
+
+def _no_mlp_message(model: nn.Module, unknown) -> str:
+    known = (f"{'/'.join(GATED_NAMES)} (Llama-style), the MLP classes {sorted(LAYOUTS)} and MoE experts with "
+             f"3-D gate_up_proj/down_proj Parameters")
+    if unknown:
+        detail = ", ".join(f"{n} ({type(m).__name__}: children {[c for c, _ in m.named_children()]})"
+                           for n, m in unknown[:4])
+        return (f"no MLP sparsify_ knows in {type(model).__name__}: it replaces {known}; these look like MLPs but "
+                f"match none: {detail}")
+    return f"no MLP found in {type(model).__name__}: sparsify_ replaces {known}"
+
+
+def sparsify_(model: nn.Module, config: SparsityConfig = SparsityConfig(), filter_fn=None) -> nn.Module:
+    """Replace the MLPs of `model` by sparse ReLU layers (models/layouts.py), in place; returns model.
+
+    config: the SparsityConfig; each layer gets its mode, expected_nnz and θ = config.threshold (if
+    set). filter_fn(module, fqn) -> bool: replace only the modules for which it returns True (fqn is
+    the name in `model`); the others keep their activation, and the config then says so (a checkpoint
+    that only sparseffn.load_pretrained can rebuild). `model` may be a PeftModel: projections wrapped by
+    PEFT are kept, and their adapters apply (nn/projections.py).
+
+    Raises ValueError when there is nothing to replace (with the layouts it knows, and the modules
+    that look like MLPs but match none), or when MLP-like modules it does not know would stay dense
+    without filter_fn having excluded them.
     """
     _check_model(model)
     if not isinstance(config, SparsityConfig):
         raise TypeError(f"config must be a SparsityConfig, got {type(config).__name__}")
-    dense = [(name, m) for name, m in model.named_modules() if _is_dense_mlp(m)]
-    if not dense:
-        if sparse_mlps(model):
-            raise ValueError("model is already sparsified (it holds SparseMLP modules and no dense MLP)")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be callable(module, fqn) -> bool or None, got {type(filter_fn).__name__}")
+    found, unknown = _candidates(model)
+    chosen = [(n, m, k) for n, m, k in found if filter_fn is None or filter_fn(m, n)]
+    if filter_fn is not None:
+        unknown = [(n, m) for n, m in unknown if filter_fn(m, n)]
+    if unknown:
+        if not chosen:
+            raise ValueError(_no_mlp_message(model, unknown))
+        names = ", ".join(f"{n} ({type(m).__name__})" for n, m in unknown[:4])
         raise ValueError(
-            f"no MLP found in {type(model).__name__}: sparsify_ replaces modules with nn.Linear "
-            f"gate_proj, up_proj and down_proj (Llama, Qwen2, Mistral MLPs)"
-        )
-    for name, mlp in dense:
-        sparse = SparseMLP.from_dense(mlp, mode=config.mode)
+            f"{len(unknown)} module(s) look like MLPs that sparsify_ does not know: {names}; they would stay dense "
+            f"with their own activation. Exclude them with filter_fn=lambda module, fqn: ... to sparsify the rest")
+    if not chosen:
+        if sparse_layers(model) and not found:
+            raise ValueError("model is already sparsified (it holds sparse layers and no dense MLP)")
+        if found:
+            raise ValueError(f"filter_fn selected none of the {len(found)} MLP(s) (first: {found[0][0]})")
+        raise ValueError(_no_mlp_message(model, unknown))
+    cfgs = configs(model)
+    if cfgs and getattr(cfgs[0], LAYERS_KEY, None) is None:
+        setattr(cfgs[0], LAYERS_KEY, {"dense_activation": activation_fields(model), "modules": []})
+    replaced = []
+    for name, module, kind in chosen:
+        sparse = build_sparse(module, kind, config.mode)
         sparse.expected_nnz = config.expected_nnz
         if config.threshold is not None:
             sparse.set_threshold_(config.threshold)
         _replace(model, name, sparse)
-    for cfg in _configs(model):
-        if hasattr(cfg, "hidden_act"):
-            cfg.hidden_act = "relu"
-    if (cfg := getattr(model, "config", None)) is not None:
-        setattr(cfg, CONFIG_KEY, config.to_dict())
+        replaced.append(_relative_name(model, sparse) or name)
+    if cfgs:
+        meta = getattr(cfgs[0], LAYERS_KEY)
+        meta["modules"] = sorted(set(meta["modules"]) | set(replaced))
+        setattr(cfgs[0], CONFIG_KEY, config.to_dict())
+    sync_config(model)
+    attach_save_hook(model, sync_config)
     return model
 
 
 def sparsity_config(model: nn.Module) -> SparsityConfig | None:
     """The SparsityConfig recorded on `model.config` by `sparsify_`, or None."""
-    data = getattr(getattr(_check_model(model), "config", None), CONFIG_KEY, None)
+    cfgs = configs(_check_model(model))
+    data = getattr(cfgs[0], CONFIG_KEY, None) if cfgs else None
     return None if data is None else SparsityConfig.from_dict(data)
 
 
-def _dense_module(sparse: SparseMLP, config) -> nn.Module:
-    """The Hugging Face MLP class `sparse` replaced (ReLU, sharing the Linear modules), else a DenseMLP."""
-    cls = sparse._dense_class
-    if cls is None or config is None or sparse.gate_proj is None:
-        return sparse.to_dense("relu")
-    try:
-        with torch.device("meta"):  # the class's own Linear modules are replaced at once: allocate nothing
-            dense = cls(config)
-    except TypeError:  # a class that needs more than the config: the plain equivalent instead
-        return sparse.to_dense("relu")
-    dense.gate_proj, dense.up_proj, dense.down_proj = sparse.gate_proj, sparse.up_proj, sparse.down_proj
-    for attr in ("hidden_size", "intermediate_size"):
-        if hasattr(dense, attr):
-            setattr(dense, attr, getattr(sparse, attr))
-    dense.act_fn = nn.ReLU()  # what ACT2FN["relu"] is; the config says relu as well
-    return dense
+def _dense_module(sparse: SparseMLP) -> nn.Module:
+    """The Hugging Face module `sparse` replaced (ReLU, current children), else a DenseMLP."""
+    original = restore(sparse)
+    return original if original is not None else sparse.to_dense("relu")
 
 
 def unsparsify_(model: nn.Module) -> nn.Module:
-    """Undo `sparsify_` in place: every SparseMLP becomes a plain Hugging Face MLP with ReLU; returns model.
+    """Undo `sparsify_` in place: every sparse layer becomes the Hugging Face module it replaced, computing
+    ReLU with the current weights (a SparseMLP built by hand becomes `sparseffn.nn.DenseMLP`); returns model.
 
-    The new MLPs are instances of the class each SparseMLP replaced (sharing its weights), or
-    `sparseffn.nn.DenseMLP` (same state-dict keys, same function) for a SparseMLP built by hand or
-    whose class cannot be built from the config alone; `model.config.hidden_act` stays "relu" and
-    `model.config.sparseffn` is removed. Non-zero thresholds are refused (ValueError): a Hugging Face
-    MLP has no threshold, and folding -θ into a gate bias would not survive save_pretrained /
-    from_pretrained with `mlp_bias=False`. Drop them first (`set_threshold_(None)` on each layer) if
-    a plain ReLU model is what you want; that changes the function.
+    The activation fields become "relu"; `sparseffn` and `sparseffn_layers` leave the config. Refused
+    (ValueError, nothing changed): non-zero thresholds (a Hugging Face MLP has none: drop them with
+    `set_threshold_(None)` on each layer first, which changes the function), and a model that filter_fn
+    left partly dense with another activation (no config field could name both functions).
     """
-    named = named_sparse_mlps(model)
+    named = named_sparse_layers(model)
     if not named:
         raise ValueError(f"model ({type(model).__name__}) has no SparseMLP: nothing to unsparsify")
     thresholded = [name for name, m in named if m.has_threshold]
@@ -135,40 +201,52 @@ def unsparsify_(model: nn.Module) -> nn.Module:
             f"Hugging Face MLP cannot hold; drop them with set_threshold_(None) on each layer first, or keep the "
             f"model sparse"
         )
-    configs = _configs(model)
-    text_config = configs[-1] if configs else None
+    found, unknown = _candidates(model)
+    cfgs = configs(model)
+    meta = getattr(cfgs[0], LAYERS_KEY, None) if cfgs else None
+    dense = (meta or {}).get("dense_activation", {})
+    if (found or unknown) and any(v != "relu" for v in dense.values()):
+        raise ValueError(
+            f"model was sparsified in part (first dense MLP: {(found or unknown)[0][0]}, activation {dense}); a plain "
+            f"model with ReLU and non-ReLU MLPs has no config that says so. Keep it sparse, or sparsify_ the rest first"
+        )
     for name, sparse in named:
-        _replace(model, name, _dense_module(sparse, text_config))
-    if configs and hasattr(configs[0], CONFIG_KEY):
-        delattr(configs[0], CONFIG_KEY)
+        _replace(model, name, _dense_module(sparse))
+    set_activation_fields(model, "relu")
+    if cfgs:
+        for key in (CONFIG_KEY, LAYERS_KEY):
+            if hasattr(cfgs[0], key):
+                delattr(cfgs[0], key)
+    detach_save_hook(model)
     return model
 
 
-def set_track_l1(model: nn.Module, enabled: bool) -> nn.Module:
-    """Set `track_l1` on every SparseMLP (switch it off for inference: the L1 forces the dense path)."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    for m in sparse_mlps(model):
+def set_track_l1(model: nn.Module, enabled: bool | None) -> nn.Module:
+    """Set `track_l1` on every sparse layer: True / False to always / never compute the L1 penalty,
+    None (the default) to follow the layer's mode (training mode, or gradients flowing)."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be None or a bool, got {type(enabled).__name__}")
+    for m in sparse_layers(model):
         m.track_l1 = enabled
-        if not enabled:
+        if enabled is False:
             m.last_l1 = None
     return model
 
 
 def collect_l1(model: nn.Module) -> torch.Tensor:
-    """Mean over layers of each SparseMLP's `last_l1` from the latest forward: the auxiliary loss.
+    """Mean over sparse layers of each one's `last_l1` from the latest forward: the auxiliary loss.
 
     Differentiable (`loss = ce + λ · collect_l1(model)`); an fp32 scalar on the first layer's device.
     Raises RuntimeError if a layer has no `last_l1` (no forward yet, or `track_l1` is off).
     """
-    named = named_sparse_mlps(model)
+    named = named_sparse_layers(model)
     if not named:
         raise ValueError(f"model ({type(model).__name__}) has no SparseMLP: sparsify_ it first")
     missing = [name for name, m in named if m.last_l1 is None]
     if missing:
         raise RuntimeError(
             f"{len(missing)} of {len(named)} SparseMLP layer(s) have no last_l1 (first: {missing[0]}): run a "
-            f"forward pass with track_l1=True on every layer before collect_l1"
+            f"forward pass in training mode (or with track_l1=True) before collect_l1"
         )
     device = named[0][1].last_l1.device
     return torch.stack([m.last_l1.to(device) for _, m in named]).mean()

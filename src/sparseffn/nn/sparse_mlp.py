@@ -40,8 +40,10 @@ import torch
 from torch import nn
 
 from sparseffn.nn.activity import Activity
-from sparseffn.ops.decide import DECODE_MAX_TOKENS, ModeDecision
-from sparseffn.ops.sparse_mlp import MODES, choose_mode, sparse_mlp
+from sparseffn.nn.dispatch import auto_decision, checked_attribute, count_call, counted, dense_l1, l1_wanted
+from sparseffn.nn.projections import is_plain, resolved_weights
+from sparseffn.ops.decide import ModeDecision
+from sparseffn.ops.sparse_mlp import MODES, sparse_mlp
 from sparseffn.ops.twell_mlp import stored_transposed
 
 ACTIVATIONS = ("relu", "silu")
@@ -53,22 +55,6 @@ def _check_size(value: object, name: str) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return int(value)
-
-
-def _check_mode(mode: object) -> str:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return mode
-
-
-def _check_expected_nnz(expected_nnz: object) -> float | None:
-    if expected_nnz is None:
-        return None
-    if not isinstance(expected_nnz, numbers.Real) or isinstance(expected_nnz, bool):
-        raise TypeError(f"expected_nnz must be None or a number, got {type(expected_nnz).__name__}")
-    if not expected_nnz >= 0 or expected_nnz == float("inf"):
-        raise ValueError(f"expected_nnz must be a finite number >= 0, got {expected_nnz}")
-    return float(expected_nnz)
 
 
 class SparseMLP(nn.Module):
@@ -244,19 +230,22 @@ class SparseMLP(nn.Module):
         modules = self._modules  # gate_proj is a plain None attribute when the module is not gated
         gate_proj, up_proj, down_proj = modules.get("gate_proj"), modules["up_proj"], modules["down_proj"]
         theta = self._buffers["threshold"] if self._threshold_active else None
-        if _any_bias(gate_proj, up_proj, down_proj):
+        if is_plain(gate_proj) and is_plain(up_proj) and is_plain(down_proj):
+            if _any_bias(gate_proj, up_proj, down_proj):
+                weights = None
+            else:
+                if not stored_transposed(down_proj.weight) and not _tracing(x):
+                    store_transposed_(down_proj)  # a loader assigned a contiguous tensor: re-store it, in place
+                weights = [None if lin is None else lin.weight for lin in (gate_proj, up_proj, down_proj)]
+        else:  # PEFT adapters, accelerate hooks, other modules: the weights they apply, if readable
+            weights = resolved_weights(gate_proj, up_proj, down_proj)
+        if weights is None:  # biases, or modules that must be called: the dense formula
             if up_proj.weight.dtype != x.dtype and torch.is_autocast_enabled(x.device.type):
                 x = x.to(up_proj.weight.dtype)  # autocast then casts x and the weights inside F.linear
             y, l1 = self._dense_with_bias(x, theta)
             self.__dict__["last_l1"] = l1
             return y
-        if not stored_transposed(down_proj.weight) and not _tracing(x):
-            store_transposed_(down_proj)  # a loader assigned a contiguous tensor: re-store it, in place
-        weights = [None if lin is None else lin.weight for lin in (gate_proj, up_proj, down_proj)]
-        track = self.track_l1
-        if track is None:
-            track = self.training or (torch.is_grad_enabled() and any(
-                w is not None and w.requires_grad for w in weights))
+        track = l1_wanted(self, weights)
         if torch.is_autocast_enabled(x.device.type):
             # The op is opaque to autocast: cast here, as autocast would for each F.linear (the weight
             # casts are differentiable, so fp32 master weights get their gradients), then run it as is.
@@ -264,46 +253,22 @@ class SparseMLP(nn.Module):
             weights = [None if w is None else w.to(dtype) for w in weights]
             x = x.to(dtype)
         gate_weight, up_weight, down_weight = weights
-        mode, expected, previous, counted = self.mode, self.expected_nnz, None, False
+        mode, expected, previous, is_counted = self.mode, self.expected_nnz, None, False
         if mode == "auto":
-            counted = self.expected_nnz is None and not _tracing(x) and torch._C._current_graph_task_id() == -1
-            mode, expected, previous = self._decide(x, up_weight, down_weight, track, counted)
+            is_counted = counted(x)
+            mode, expected, previous = auto_decision(self, x, up_weight, down_weight, track, is_counted)
         with torch.autocast(x.device.type, enabled=False):
             out = sparse_mlp(x, gate_weight, up_weight, down_weight, theta, return_l1=track, mode=mode,
                              expected_nnz=expected, previous=previous)
-        if counted:  # after the op: its checks ran on x
-            activity = self.activity
-            tokens = x.numel() // max(x.shape[-1], 1)
-            if tokens and activity.wants_sample():
-                activity.record(self.activation_mask(x).sum(), tokens)
-            activity.tick()
+        if is_counted:  # after the op: its checks ran on x
+            count_call(self, x, lambda: self.activation_mask(x).sum())
         y, l1 = out if track else (out, None)
         self.__dict__["last_l1"] = l1  # a plain attribute (never a parameter, buffer or module)
         return y
 
-    def _decide(self, x, up_weight, down_weight, training: bool, counted: bool) -> tuple[str, float | None, str | None]:
-        """(mode, expected_nnz, previous) for sparse_mlp: auto mode decided here, from the measured
-        activity (or `expected_nnz`), so that sparse_mlp does not decide again. counted: a call that
-        takes part in the activity's bookkeeping (nn/activity.py): not traced, not captured, not a
-        recomputation inside backward."""
-        activity = self.activity
-        if counted:
-            activity.poll()
-        tokens = x.numel() // max(x.shape[-1], 1)
-        kind = "training" if training else ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
-        previous = activity.last.get(kind)
-        expected = self.expected_nnz if self.expected_nnz is not None else activity.nnz
-        if expected is None:
-            decision = ModeDecision("dense", f"activity not measured yet (sampled every {activity.period} "
-                                             f"calls, read {activity.lag} calls later)")
-        else:
-            decision = choose_mode(x, up_weight, expected_nnz=expected, needs_grad=training,
-                                   down_t_ready=stored_transposed(down_weight), previous=previous)
-        activity.last[kind] = decision.mode
-        self.__dict__["last_decision"] = decision
-        return decision.mode, expected, previous
-
     def _dense_with_bias(self, x: torch.Tensor, theta: torch.Tensor | None):
+        """(y, l1 or None) by calling the projection modules: biases, PEFT layers that do not merge,
+        hooked or offloaded modules."""
         first = (self.gate_proj if self.gate_proj is not None else self.up_proj)(x)
         if theta is not None:
             first = first - theta.to(first.dtype)
@@ -311,12 +276,7 @@ class SparseMLP(nn.Module):
         if self.gate_proj is not None:
             h = h * self.up_proj(x)
         y = self.down_proj(h)
-        track = self.track_l1
-        if track is None:
-            track = self.training or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
-        if not track:
-            return y, None
-        return y, h.abs().sum(-1, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32).mean()
+        return y, dense_l1(h) if l1_wanted(self, list(self.parameters())) else None
 
     @torch.no_grad()
     def activation_mask(self, x: torch.Tensor) -> torch.Tensor:
@@ -352,13 +312,7 @@ class SparseMLP(nn.Module):
         return ", ".join(parts)
 
     def __setattr__(self, name, value):
-        if name == "mode":
-            value = _check_mode(value)
-        elif name == "expected_nnz":
-            value = _check_expected_nnz(value)
-        elif name == "track_l1" and value is not None and not isinstance(value, bool):
-            raise TypeError(f"track_l1 must be None or a bool, got {type(value).__name__}")
-        super().__setattr__(name, value)
+        super().__setattr__(name, checked_attribute(name, value))
 
 
 def store_transposed_(linear: nn.Linear) -> nn.Linear:

@@ -17,12 +17,13 @@ The custom ops let torch.compile see one opaque node; eager calls skip their dis
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from sparseffn.kernels._runtime import capability
-from sparseffn.kernels.decode_mlp import decode_mlp
+from sparseffn.kernels.decode_mlp import decode_mlp, launch_decode_mlp
 from sparseffn.ops.checks import check_sparse_mlp_args
 from sparseffn.ops.decide import DECODE_MAX_TOKENS, MODES, CallFacts, ModeDecision, decide
 from sparseffn.ops.dispatch import eager_call
@@ -30,22 +31,7 @@ from sparseffn.ops.train_mlp import sparse_mlp_train
 from sparseffn.ops.twell_mlp import (SparseMLPWeights, dense_mlp, dense_mlp_inference, stored_transposed,
                                      threshold_vector, transposed_down, twell_mlp)
 
-__all__ = ["MODES", "ModeDecision", "call_facts", "choose_mode", "sparse_mlp"]
-
-
-def call_facts(x: torch.Tensor, up_weight: torch.Tensor, *, training: bool, down_t_ready: bool = False) -> CallFacts:
-    """The facts `decide` looks at, read off the call's tensors (shapes, dtypes, devices only)."""
-    return CallFacts(
-        device_type=x.device.type,
-        capability=capability(x.device) if x.is_cuda else (0, 0),
-        dtype=x.dtype,
-        d=x.shape[-1],
-        h=up_weight.shape[0],
-        tokens=x.numel() // max(x.shape[-1], 1),
-        training=training,
-        interpreted=not x.is_cuda and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
-        down_t_ready=down_t_ready,
-    )
+__all__ = ["MODES", "ModeDecision", "choose_mode", "sparse_mlp"]
 
 
 def choose_mode(
@@ -67,8 +53,28 @@ def choose_mode(
     needs for the decode kernels; previous: the path this kind of call took last time (hysteresis).
     Only shapes, dtypes and devices are looked at, so the decision traces under torch.compile.
     """
-    return decide(call_facts(x, up_weight, training=needs_grad or return_l1, down_t_ready=down_t_ready),
-                  mode, expected_nnz, previous)
+    if mode == "dense":
+        return _REQUESTED_DENSE
+    d = x.shape[-1] if x.dim() else 0
+    return _decision(mode, d, x.numel() // max(d, 1), x.dtype, x.device, up_weight.shape[0],
+                     needs_grad or return_l1, down_t_ready, expected_nnz, previous)
+
+
+_REQUESTED_DENSE = ModeDecision("dense", "requested")
+
+
+@functools.lru_cache(maxsize=4096)
+def _decision(mode, d, tokens, dtype, device, h, training, down_t_ready, expected_nnz, previous) -> ModeDecision:
+    """`decide` memoized on what it looks at (a decode step asks the same question every call; the
+    facts and rules cost more host time than the decode kernels' launches)."""
+    facts = CallFacts(
+        device_type=device.type,
+        capability=capability(device) if device.type == "cuda" else (0, 0),
+        dtype=dtype, d=d, h=h, tokens=tokens, training=training,
+        interpreted=device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
+        down_t_ready=down_t_ready,
+    )
+    return decide(facts, mode, expected_nnz, previous)
 
 
 @torch.library.custom_op("sparseffn::twell_mlp", mutates_args=())
@@ -173,8 +179,10 @@ def sparse_mlp(
         first = gate_weight if gate_weight is not None else up_weight
         up = up_weight if gate_weight is not None else None
         x2d = x2d if x2d.shape[-1] <= 1 or x2d.stride(-1) == 1 else x2d.contiguous()
-        if eager:
-            y = decode_mlp(x2d, first, up, down_t, theta)
+        if eager and _unit_rows(first, up, down_t):  # the rest of decode_mlp's contract checked above
+            y = launch_decode_mlp(x2d, first, up, down_t, theta)
+        elif eager:
+            y = decode_mlp(x2d, first, up, down_t, theta)  # names the weight without unit stride
         else:
             y = _decode_mlp_op(x2d, first, up, down_t, theta)
         return y.view(x.shape)
@@ -185,3 +193,8 @@ def sparse_mlp(
     else:
         y = _twell_mlp_op(x2d, gate_weight, up_weight, down_weight, down_t, theta, tile, slots, deterministic)
     return y.view(x.shape)
+
+
+def _unit_rows(*weights: torch.Tensor | None) -> bool:
+    """Whether every weight has unit stride along D (what the kernels read as rows)."""
+    return all(w is None or w.shape[1] <= 1 or w.stride(1) == 1 for w in weights)

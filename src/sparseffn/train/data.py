@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,14 +75,38 @@ def corpus_files(data: str | Path | None) -> list[Path]:
     raise FileNotFoundError(f"data: {path} is neither a file nor a directory")
 
 
+def _decode(path: Path) -> str:
+    """The file's text; ValueError naming it when it is binary (a NUL byte) or not UTF-8."""
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        raise ValueError(f"data: {path} is binary (it holds NUL bytes), not text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def read_corpus(data: str | Path | None) -> list[Document]:
-    docs = []
-    for f in corpus_files(data):
-        text = f.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+    """The corpus' documents. A file given as `data` that is binary or not UTF-8 is refused (ValueError);
+    such files inside a directory are skipped with a warning naming them."""
+    files = corpus_files(data)
+    single = data is not None and Path(data).is_file()
+    docs, skipped = [], []
+    for f in files:
+        try:
+            text = _decode(f).replace("\r\n", "\n")
+        except ValueError as e:
+            if single:
+                raise
+            skipped.append(str(e).removeprefix("data: "))
+            continue
         if text.strip():
             docs.append(Document(f.stem, text))
+    if skipped:
+        warnings.warn(f"data: skipped {len(skipped)} file(s) that are not UTF-8 text: {'; '.join(skipped)}",
+                      stacklevel=2)
     if not docs:
-        raise ValueError(f"data: every file of {data or DEFAULT_CORPUS_PACKAGE} is empty")
+        raise ValueError(f"data: no file of {data or DEFAULT_CORPUS_PACKAGE} holds UTF-8 text")
     return docs
 
 
