@@ -36,9 +36,9 @@ def main(out: str, sha: str = "") -> None:
         calls = {"dense": lambda: dense_mlp(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, None)}
         for name, w in layouts.items():
             calls[name] = lambda w=w: twell_mlp(mlp.x, w)
-        torch.use_deterministic_algorithms(True)  # long rows of one call sum in a fixed order
-        assert torch.equal(calls["separate"](), calls["interleaved"]())
-        torch.use_deterministic_algorithms(False)
+        a, b = calls["separate"](), calls["interleaved"]()
+        scale = a.float().abs().max()
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * scale, "the layouts compute different functions"
         timings = {name: [] for name in calls}
         for _ in range(3):
             for name, fn in calls.items():

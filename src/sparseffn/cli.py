@@ -181,6 +181,12 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
     return _run_bench(args, DecodeBenchConfig, run_decode_bench, decode_table, plot_decode, "decode_mlp")
 
 
+def _cmd_bench_train_run(args: argparse.Namespace) -> int:
+    from sparseffn.bench.train_run import TrainRunBenchConfig, plot_train_run, run_train_run_bench, train_run_table
+
+    return _run_bench(args, TrainRunBenchConfig, run_train_run_bench, train_run_table, plot_train_run, "train_run")
+
+
 def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
     from sparseffn.bench.calibrate import CalibrateBenchConfig, calibrate_table, plot_calibrate, run_calibrate_bench
 
@@ -226,6 +232,7 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from sparseffn.bench.calibrate import CalibrateBenchConfig
     from sparseffn.bench.decode import DecodeBenchConfig
+    from sparseffn.bench.train_run import TrainRunBenchConfig
     from sparseffn.bench.e2e import E2EBenchConfig
     from sparseffn.bench.mlp import MLPBenchConfig
     from sparseffn.bench.pack_demo import PackDemoConfig
@@ -293,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "and CUDA-graphed, cold and warm L2 (CSV + PNG under --out-dir)")
     _add_dataclass_flags(dec, DecodeBenchConfig)
     dec.set_defaults(func=_cmd_bench_decode)
+    run = bench.add_parser("train-run", help="a training run from initialization, dense vs auto mode: speed, "
+                                             "sparsity and paths per step (CSV + PNG under --out-dir)")
+    _add_dataclass_flags(run, TrainRunBenchConfig)
+    run.set_defaults(func=_cmd_bench_train_run)
     cal = bench.add_parser("calibrate", help="post-training thresholds on a trained run: held-out CE and sparsity "
                                              "per target nnz (CSV + PNG under --out-dir)")
     cal.add_argument("checkpoint", metavar="RUN_DIR", help="a training run directory (config.json, model/)")

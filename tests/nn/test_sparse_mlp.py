@@ -378,7 +378,8 @@ def test_activity_samples_and_resumes_exactly():
         elif i > 4:
             call(b, i)
     assert seen == [0, 4, 8]
-    assert a.nnz == b.nnz == 0.5 * (2.0 + 10.0)  # the sample of call 8 is due at call 10
+    w = 5 / (5 + 1024)  # a sample of 5 tokens
+    assert a.nnz == b.nnz == (1 - w) * 2.0 + w * 10.0  # the sample of call 8 is due at call 10
     assert a.calls == b.calls == 10 and a.samples == b.samples == 2
     with pytest.raises(ValueError, match="period"):
         Activity(period=0)
@@ -405,3 +406,27 @@ def test_autocast_training_reaches_the_kernels_with_fp32_master_weights():
         assert y.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in grads[-1])
     for got, want in zip(*grads):
         assert float((got - want).norm() / want.norm()) < 2e-2  # both bf16 computations of the same function
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_auto_training_starts_dense_and_goes_sparse_as_activity_falls():
+    """A training-size call at the paper's shape: at initialization (about half the units active)
+    auto mode runs dense; once thresholds make the layer ~0.5% active, the measured activity takes
+    it to the sparse training kernels."""
+    torch.manual_seed(0)
+    layer = SparseMLP(2048, 5632, device="cuda", dtype=torch.bfloat16)
+    layer.activity.period, layer.activity.lag = 2, 1
+    x = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16)
+    paths = []
+    for _ in range(4):
+        layer(x).float().square().mean().backward()
+        paths.append(layer.last_decision.mode)
+    assert paths == ["dense"] * 4 and layer.activity.nnz > 1000
+    with torch.no_grad():
+        g = (x @ layer.gate_proj.weight.t()).float()
+        layer.set_threshold_(g.kthvalue(x.shape[0] - 84, dim=0).values)  # ~0.5% of tokens per unit
+    for _ in range(6):
+        layer(x).float().square().mean().backward()
+        paths.append(layer.last_decision.mode)
+    assert paths[-1] == "sparse" and layer.activity.nnz < 40, (paths, layer.activity)
+    assert layer.activity.last["training"] == "sparse"

@@ -11,7 +11,7 @@ from sparseffn.ops.decide import (AUTO_MIN_TOKENS, AUTO_MIN_TOKENS_TRAIN, DECODE
                                   ModeDecision, decide, density_limit)
 
 H200 = CallFacts(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, d=2048, h=5632, tokens=16384,
-                 training=False, down_t_ready=True)
+                 training=False, down_t_ready=True, traced=True)
 
 
 def facts(**changes) -> CallFacts:
@@ -26,6 +26,8 @@ def test_every_kind_of_call_on_the_h200():
     assert decide(facts(tokens=DECODE_MAX_TOKENS)).mode == "sparse"
     assert decide(facts(tokens=DECODE_MAX_TOKENS + 1)).mode == "dense"
     assert "copy" in decide(facts(tokens=1, down_t_ready=False)).reason
+    assert "eager" in decide(facts(tokens=1, traced=False)).reason  # host-bound: dense is faster
+    assert decide(facts(tokens=1, traced=False)).mode == "dense"
     assert decide(facts(training=True, tokens=AUTO_MIN_TOKENS_TRAIN)).mode == "sparse"
     assert decide(facts(training=True, tokens=AUTO_MIN_TOKENS_TRAIN // 2)).mode == "dense"
     assert decide(facts(training=True, tokens=1)).mode == "dense"  # the decode kernels are inference only
@@ -50,7 +52,7 @@ def test_each_gpu_generation(cap):
 
 
 def test_density_limits_and_hysteresis():
-    for kind in (facts(), facts(tokens=16), facts(training=True)):
+    for kind in (facts(), facts(tokens=16), facts(tokens=1), facts(training=True)):
         limit = density_limit(kind)
         assert 0 < limit <= kind.h
         assert decide(kind, expected_nnz=limit).mode == "sparse"
@@ -64,6 +66,10 @@ def test_density_limits_and_hysteresis():
     # the dense-ish start of a training run (~half of H active) runs dense
     assert decide(facts(training=True), expected_nnz=2800).mode == "dense"
     assert density_limit(facts(h=1000)) < density_limit(facts())  # small H breaks even at lower counts
+    # decode: the union of the tokens' units must stay small
+    assert density_limit(facts(tokens=1)) > density_limit(facts(tokens=16)) > density_limit(facts(tokens=64))
+    assert decide(facts(tokens=64), expected_nnz=29).mode == "dense"
+    assert decide(facts(tokens=1), expected_nnz=110).mode == "sparse"
 
 
 def test_requests_and_blockers():

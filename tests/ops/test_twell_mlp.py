@@ -140,18 +140,23 @@ def test_mode_decisions_are_explained_and_overridable():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_decode_calls_are_routed_and_captured():
-    """Few-token inference calls take the decode kernels when down^T is at hand (prepared weights),
-    and stay dense without it; a captured call replays to the reference and to the eager call bit
-    for bit."""
+    """Few-token inference calls take the decode kernels under CUDA-graph capture when down^T is at
+    hand (prepared weights), and stay dense eagerly or without it; a captured call replays to the
+    reference and to the eager call bit for bit."""
     wide_x = torch.zeros(65, 2048, dtype=torch.bfloat16, device=DEVICE)
     wide_up = torch.zeros(5632, 2048, dtype=torch.bfloat16, device=DEVICE)
-    for tokens in (1, 64):
-        decision = choose_mode(wide_x[:tokens], wide_up, down_t_ready=True)
-        assert decision.mode == "sparse" and "decode" in decision.reason
-        assert choose_mode(wide_x[:tokens], wide_up).mode == "dense"  # down^T would be copied
-        assert choose_mode(wide_x[:tokens], wide_up, down_t_ready=True, expected_nnz=4000).mode == "dense"
-        assert choose_mode(wide_x[:tokens], wide_up, down_t_ready=True, needs_grad=True).mode == "dense"
-    assert choose_mode(wide_x, wide_up, down_t_ready=True).mode == "dense"  # 65 tokens: neither kernel pays
+    assert "eager" in choose_mode(wide_x[:1], wide_up, down_t_ready=True).reason
+    decisions = []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for tokens in (1, 64):
+            decisions.append(choose_mode(wide_x[:tokens], wide_up, down_t_ready=True))
+            decisions.append(choose_mode(wide_x[:tokens], wide_up))  # down^T would be copied
+            decisions.append(choose_mode(wide_x[:tokens], wide_up, down_t_ready=True, expected_nnz=4000))
+            decisions.append(choose_mode(wide_x[:tokens], wide_up, down_t_ready=True, needs_grad=True))
+        decisions.append(choose_mode(wide_x, wide_up, down_t_ready=True))  # 65 tokens: neither kernel pays
+    assert [d.mode for d in decisions] == ["sparse", "dense", "dense", "dense"] * 2 + ["dense"]
+    assert "decode" in decisions[0].reason
 
     mlp = synthetic_mlp(5, 2048, 768, 6, device="cuda", seed=3)  # H = 768: variants no other test compiled
     args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight)

@@ -211,12 +211,17 @@ def m_pad(m: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def default_config(m_padded: int) -> DecodeConfig:
-    """The config per padded M. One token: few units per program and long steps along D, since its
-    CUDA-core loop is not software-pipelined (each step is one memory round trip); more tokens: tl.dot
-    tiles, pipelined (benchmarks/results/h200/decode_sweep.csv)."""
+    """The config per padded M, from the sweep on the H200 (benchmarks/results/h200/decode_sweep.csv,
+    D=2048/H=5632, 29 active units per token). One token: few units per program and the whole row
+    in one step, since its CUDA-core loop is not software-pipelined (each step is one memory round
+    trip); more tokens: tl.dot tiles, pipelined."""
     if m_padded == 1:
-        return DecodeConfig(block_h=8, block_k=1024, gate_stages=1, block_s=64, down_stages=1)
-    return DecodeConfig()
+        return DecodeConfig(block_h=4, block_k=2048, gate_stages=1, block_s=128, block_d=32, down_stages=1,
+                            prefix=2048)
+    if m_padded == 16:
+        return DecodeConfig(block_h=32, block_k=256, gate_stages=4, block_s=128, block_d=32, down_stages=2,
+                            prefix=2048)
+    return DecodeConfig(block_h=32, block_k=128, gate_stages=4, block_s=128, block_d=32, down_stages=4, prefix=8192)
 
 
 def down_block(config: DecodeConfig, d: int, sms: int) -> int:
@@ -308,7 +313,7 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
 
 def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants decode_mlp launches: bf16/fp16,
-    gated or not, threshold on/off, every padded M, the default down blocks of D = 2048 and 4096."""
+    gated or not, threshold on/off, every padded M with its default config."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -333,10 +338,9 @@ def compile_specs(with_options: bool = False):
                 if not has_threshold:
                     cx["threshold_ptr"] = None
                 add(_decode_gate_up_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
-            for d in ((2048, 4096) if mp in (1, 64) else (2048,)):
-                sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
-                       "y_ptr": f"*{ty}", "M": "i32", "D": "i32", "H": "i32", "stride_dh": "i32", "stride_ym": "i32"}
-                cx = {"M_PAD": mp, "BLOCK_S": cfg.block_s, "BLOCK_D": down_block(cfg, d, 132), "PREFIX": cfg.prefix,
-                      "DOT_IN_FP32": False}
-                add(_decode_down_kernel, sig, cx, cfg.down_warps, cfg.down_stages)
+            sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
+                   "y_ptr": f"*{ty}", "M": "i32", "D": "i32", "H": "i32", "stride_dh": "i32", "stride_ym": "i32"}
+            cx = {"M_PAD": mp, "BLOCK_S": cfg.block_s, "BLOCK_D": down_block(cfg, 2048, 132), "PREFIX": cfg.prefix,
+                  "DOT_IN_FP32": False}
+            add(_decode_down_kernel, sig, cx, cfg.down_warps, cfg.down_stages)
     return specs

@@ -9,8 +9,9 @@ How, without host synchronisation (a counted call: `poll`, decide, compute, mayb
     tokens, computed on the device (`SparseMLP.activation_mask`, one extra gate projection) and
     copied to pinned host memory without blocking;
   - `lag` counted calls later the copy has long finished; the sample is read at the start of that
-    call (waiting on its event, which has completed) and folded in: estimate = mean of the new sample and the old
-    estimate (the first sample is taken as is).
+    call (waiting on its event, which has completed) and folded in with weight n / (n + 1024) for a
+    sample of n tokens (the first sample is taken as is): a training call's sample of thousands of
+    tokens all but replaces the estimate, single-token decode samples average over ~1000 tokens.
 Until the first sample is read the estimate is None and the layer runs dense in auto mode.
 Counted calls are forward calls outside backward (activation-checkpoint recomputation), outside
 torch.compile tracing and outside CUDA-graph capture; so the estimate, and the decisions made from
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 
 KINDS = ("training", "decode", "prefill")
+SAMPLE_TOKENS = 1024  # a sample of n tokens gets weight n / (n + SAMPLE_TOKENS) in the estimate
 
 
 class Activity:
@@ -77,11 +79,12 @@ class Activity:
         active, tokens = (int(v) for v in host.tolist())
         self._pending = None
         if tokens > 0:
-            self.observe(active / tokens)
+            self.observe(active / tokens, tokens)
 
-    def observe(self, nnz: float) -> None:
-        """Fold in a measured mean of active units per token."""
-        self.nnz = nnz if self.nnz is None else 0.5 * (self.nnz + nnz)
+    def observe(self, nnz: float, tokens: int) -> None:
+        """Fold in a measured mean of active units per token over `tokens` tokens."""
+        weight = tokens / (tokens + SAMPLE_TOKENS)
+        self.nnz = nnz if self.nnz is None else (1 - weight) * self.nnz + weight * nnz
         self.samples += 1
 
     def state_dict(self) -> dict:

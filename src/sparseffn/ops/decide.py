@@ -10,7 +10,8 @@ Auto mode takes the sparse path only where it was measured faster (`benchmarks/r
   - D >= AUTO_MIN_D (narrower MLPs make each gathered unit a short read whose latency is not hidden,
     and their dense GEMMs are cheap);
   - enough tokens: training >= AUTO_MIN_TOKENS_TRAIN, TwELL inference >= AUTO_MIN_TOKENS; decode
-    calls (<= DECODE_MAX_TOKENS) when the transposed down weight is at hand without a copy;
+    calls (<= DECODE_MAX_TOKENS) when captured in a CUDA graph or compiled (eager, the decode path's
+    host work per call exceeds dense torch's) and the transposed down weight is at hand without a copy;
   - and activations sparse enough: the expected active units per token must lie under the break-even
     of the path (`density_limit`). Without an estimate the functional op assumes sparse activations;
     `SparseMLP` always passes its measured estimate (nn/activity.py).
@@ -37,8 +38,12 @@ AUTO_MIN_D = 2048
 # lower counts): TwELL inference lost at 110 per token on both measured shapes (break-even ~69 at
 # D=2048/H=5632, ~83 at D=4096/H=14336).
 PREFILL_MAX_NNZ = (64.0, 0.01)
-TRAIN_MAX_NNZ = (64.0, 0.01)
-DECODE_MAX_NNZ = (512.0, 0.05)
+# The training step at D=2048/H=5632, M=16384 (mlp_train_density.csv): 2.05x at 29 active units per
+# token, 0.73x at 55.
+TRAIN_MAX_NNZ = (40.0, 0.007)
+# Decode calls pay while the union of the tokens' active units, estimated as tokens x active units per
+# token, stays under this fraction of H (decode_mlp.csv: 1.05x-1.7x up to ~8% of H, 0.71x at 25%).
+DECODE_MAX_UNION = 0.1
 HYSTERESIS = 0.8
 
 
@@ -61,6 +66,7 @@ class CallFacts:
     training: bool  # gradients or the L1 penalty: the training kernels
     interpreted: bool = False  # TRITON_INTERPRET=1 on a CPU tensor
     down_t_ready: bool = False  # down^T [H, D] at hand without a copy (decode kernels)
+    traced: bool = False  # captured in a CUDA graph or traced by torch.compile: no host work per call
 
 
 def density_limit(facts: CallFacts) -> float:
@@ -68,7 +74,7 @@ def density_limit(facts: CallFacts) -> float:
     if facts.training:
         count, fraction = TRAIN_MAX_NNZ
     elif facts.tokens <= DECODE_MAX_TOKENS:
-        count, fraction = DECODE_MAX_NNZ
+        return DECODE_MAX_UNION * facts.h / max(facts.tokens, 1)
     else:
         count, fraction = PREFILL_MAX_NNZ
     return min(count, fraction * facts.h)
@@ -122,6 +128,9 @@ def decide(facts: CallFacts, mode: str = "auto", expected_nnz: float | None = No
                                          "kernels to pay (measured break-even between 8192 and 16384)")
         kind = "training"
     elif facts.tokens <= DECODE_MAX_TOKENS:
+        if not facts.traced:
+            return ModeDecision("dense", f"{facts.tokens} tokens, eager: the decode path's host work per call "
+                                         "exceeds dense torch's (captured in a CUDA graph, it is the faster one)")
         if not facts.down_t_ready:
             return ModeDecision("dense", f"{facts.tokens} tokens: the decode kernels read down^T, which this call "
                                          "would copy (pass prepared weights, or use SparseMLP)")

@@ -50,21 +50,26 @@ def choose_mode(
 
     needs_grad / return_l1 select the training kernels; down_t_ready: the transposed down weight is
     at hand without a copy (prepared weights, or a down weight stored transposed), which auto mode
-    needs for the decode kernels; previous: the path this kind of call took last time (hysteresis).
-    Only shapes, dtypes and devices are looked at, so the decision traces under torch.compile.
+    needs for the decode kernels, which it takes under CUDA-graph capture or torch.compile; previous:
+    the path this kind of call took last time (hysteresis). Only shapes, dtypes and devices are
+    looked at, so the decision traces under torch.compile.
     """
     if mode == "dense":
         return _REQUESTED_DENSE
     d = x.shape[-1] if x.dim() else 0
-    return _decision(mode, d, x.numel() // max(d, 1), x.dtype, x.device, up_weight.shape[0],
-                     needs_grad or return_l1, down_t_ready, expected_nnz, previous)
+    tokens = x.numel() // max(d, 1)
+    traced = tokens <= DECODE_MAX_TOKENS and mode == "auto" and (
+        torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+    return _decision(mode, d, tokens, x.dtype, x.device, up_weight.shape[0], needs_grad or return_l1, down_t_ready,
+                     traced, expected_nnz, previous)
 
 
 _REQUESTED_DENSE = ModeDecision("dense", "requested")
 
 
 @functools.lru_cache(maxsize=4096)
-def _decision(mode, d, tokens, dtype, device, h, training, down_t_ready, expected_nnz, previous) -> ModeDecision:
+def _decision(mode, d, tokens, dtype, device, h, training, down_t_ready, traced, expected_nnz,
+              previous) -> ModeDecision:
     """`decide` memoized on what it looks at (a decode step asks the same question every call; the
     facts and rules cost more host time than the decode kernels' launches)."""
     facts = CallFacts(
@@ -72,7 +77,7 @@ def _decision(mode, d, tokens, dtype, device, h, training, down_t_ready, expecte
         capability=capability(device) if device.type == "cuda" else (0, 0),
         dtype=dtype, d=d, h=h, tokens=tokens, training=training,
         interpreted=device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
-        down_t_ready=down_t_ready,
+        down_t_ready=down_t_ready, traced=traced,
     )
     return decide(facts, mode, expected_nnz, previous)
 

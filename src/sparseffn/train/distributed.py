@@ -81,6 +81,15 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
+def gather_objects(obj, info: DistInfo) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank ([obj] without distribution)."""
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 @torch.no_grad()
 def check_replicas_identical(model: torch.nn.Module, info: DistInfo) -> None:
     """Raise RuntimeError if the DDP replicas' parameters differ (sum and sum of squares per tensor)."""

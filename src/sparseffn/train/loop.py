@@ -57,6 +57,7 @@ from sparseffn.train.distributed import (
     broadcast_object,
     check_replicas_identical,
     dist_from_env,
+    gather_objects,
     init_process_group,
     make_reduce,
 )
@@ -262,6 +263,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * schedule(start)
         dead.load_state_dict(payload["dead_units"])
+        _load_dispatch(payload.get("dispatch"), mlps, info)
         sampler.check_state(payload["sampler"])
         if payload.get("world_size") != info.world_size:
             say(f"note: the checkpoint was written by {payload.get('world_size')} process(es), this run has "
@@ -354,6 +356,9 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                     **layer_stats.as_row(),
                     "dead_frac": [round(v, 6) for v in dead_frac],
                     "dead_frac_all": round(sum(d * h for d, h in zip(dead_frac, hidden)) / sum(hidden), 6),
+                    # auto mode, per layer: the path of the last training call and the activity estimate
+                    "path": [m.activity.last.get("training", m.mode) if m.mode == "auto" else m.mode for m in mlps],
+                    "nnz_estimate": [None if m.activity.nnz is None else round(m.activity.nnz, 2) for m in mlps],
                 }
                 if reinit is not None:
                     row["reinit"] = reinit
@@ -427,14 +432,28 @@ def _save(out: Path, step: int, cfg: TrainConfig, wrapped, model, optimizer, sch
     else:
         check_replicas_identical(model, info)
         model_sd, optim_sd = model.state_dict(), optimizer.state_dict()
+    # every rank's layer activity (auto mode's decisions follow it; the ranks see different batches)
+    dispatch = gather_objects([m.activity.state_dict() for m in sparse_mlps(model)], info)
     if info.is_main:
         fsync_file(out / "metrics.jsonl")  # the rows this checkpoint covers reach the disk before it does
         save_checkpoint({
             "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
             "rng": rng_state(), "sampler": sampler.state_dict(), "dead_units": dead.state_dict(),
-            "config": cfg.to_dict(), "world_size": info.world_size,
+            "dispatch": dispatch, "config": cfg.to_dict(), "world_size": info.world_size,
         }, out / "checkpoints", step, cfg.keep_checkpoints)
     barrier(info)
+
+
+def _load_dispatch(saved: list | None, mlps: list, info: DistInfo) -> None:
+    """Each layer's activity as this rank had it (rank 0's when the world size changed), so auto mode
+    decides as the uninterrupted run would. Checkpoints without it start unmeasured."""
+    if not saved:
+        return
+    states = saved[info.rank] if len(saved) == info.world_size else saved[0]
+    if len(states) != len(mlps):
+        raise ValueError(f"the checkpoint's dispatch state has {len(states)} layers, the model {len(mlps)}")
+    for mlp, state in zip(mlps, states):
+        mlp.activity.load_state_dict(state)
 
 
 def _load_training_state(payload: dict, wrapped, model, optimizer, scheduler, fsdp: bool) -> None:
