@@ -7,7 +7,7 @@ sha=${1:-unknown}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}; mkdir -p "$out/results"
 timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_decode_mlp.py tests/ops/test_decide.py \
-  tests/ops/test_twell_mlp.py -k "decode or gpu" tests/nn/test_sparse_mlp.py tests/models/test_gpu_sparse_paths.py \
+  tests/ops/test_twell_mlp.py tests/nn/test_sparse_mlp.py tests/models/test_gpu_sparse_paths.py -k "decode or gpu or decide" \
   2>&1 | tee "$out/pytest.log" | tail -3
 timeout 330 python3 -m sparseffn bench train-run --data .data/corpus --steps 500 --git-sha "$sha" \
   --out-dir "$out/results" 2>&1 | tee "$out/train_run.log" | grep -E "^\||in all|Error|error" | tail -12
