@@ -104,3 +104,19 @@ def test_every_result_csv_has_its_table(tmp_path):
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+KERNEL_FILES = sorted((ROOT / "src" / "sparseffn" / "kernels").glob("[!_]*.py"))
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=[p.name for p in KERNEL_FILES])
+def test_kernel_files_open_with_a_short_docstring(path, request):
+    """A newcomer reads the math, layouts and constraints in <= 30 lines; timings go to docs/benchmarks.md."""
+    if path.name == "gate_twell.py":  # being trimmed in the dispatch rework (issue 23's list for it)
+        request.applymarker(pytest.mark.xfail(reason="docstring still carries its measurement history", strict=False))
+    import ast
+
+    tree = ast.parse(path.read_text())
+    first = tree.body[0] if tree.body else None
+    assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant), f"{path.name} has no docstring"
+    assert first.end_lineno <= 30, f"{path.name}: module docstring ends at line {first.end_lineno}"
