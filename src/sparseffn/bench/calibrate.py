@@ -1,7 +1,7 @@
 """`sparseffn bench calibrate CKPT`: what post-training thresholds cost a trained model's quality.
 
 `calibrate_thresholds` sparsifies a model without retraining (per-unit thresholds fitted to a target
-mean of active units per token, DESIGN §5). This harness measures its price. For each target it
+mean of active units per token, docs/design.md). This harness measures its price. For each target it
 reloads the checkpoint, calibrates on windows of the run's *training* split, and evaluates held-out
 cross-entropy and sparsity on the run's held-out windows, against the same checkpoint uncalibrated
 (target "none"). Rows go to a long CSV (`calibrate.csv`) with the device and git sha; `bench report`

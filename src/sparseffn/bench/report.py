@@ -1,11 +1,19 @@
-"""Benchmark CSV -> markdown table (README) and PNG plot. Tables are generated, never typed."""
+"""Benchmark CSVs -> markdown tables and PNG plots. Tables are generated, never typed.
+
+`regenerate` (what `sparseffn bench report` runs) rewrites every `<!-- bench:NAME -->` block of the
+README and of docs/benchmarks.md from the CSVs under benchmarks/results/: one block per CSV
+(`BLOCKS`) in the docs, and the README's `headline` block, a few rows drawn from several CSVs
+(`HEADLINE_ROWS`).
+"""
 
 from __future__ import annotations
 
 import csv
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from sparseffn.bench.common import pyplot, save_figure
 
@@ -255,3 +263,213 @@ def replace_block(text: str, name: str, body: str) -> str:
     if not pattern.search(text):
         raise ValueError(f"no {start} ... {end} block to replace")
     return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text)
+
+
+# ------------------------------------------------------------------------------------ regeneration
+@dataclass(frozen=True)
+class Block:
+    """A generated block: its CSV (looked up as RESULTS/csv, else RESULTS/device/csv), table and plot."""
+
+    csv: str
+    table: Callable[[list[dict]], str]
+    plot: Callable[[list[dict], Path], Path] | None = None
+    device: str = "h200"
+
+
+def deterministic_table(rows: list[dict]) -> str:
+    """Training-step time of the default and the deterministic kernels, one line per M."""
+    if not rows:
+        return "(no rows)"
+    first = rows[0]
+    by_m: dict[int, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        by_m[int(r["m"])][r["variant"]] = float(r["median_ms"])
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    lines = [
+        f"{first['gpu']}, {first['dtype']}, D={first['d']}, H={first['h']}, {first['target_nnz']} non-zeros per "
+        f"token, git {first['git_sha']}. One training step (forward + backward with the L1 penalty), "
+        f"{first['method']}.\n",
+        "| M | " + " | ".join(variants) + " |",
+        "|---|" + "---|" * len(variants),
+    ]
+    for m, times in by_m.items():
+        base = times.get(variants[0])
+        cells = []
+        for v in variants:
+            t = times.get(v)
+            cells.append("–" if t is None else f"{t:.2f} ms" + (f" ({100 * (t / base - 1):+.0f}%)" if base and v != variants[0] else ""))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _blocks() -> dict[str, Block]:
+    from sparseffn.bench import calibrate, quality  # calibrate imports torch: only when regenerating
+
+    return {
+        "mlp": Block("mlp.csv", mlp_table, plot_mlp),
+        "mlp_paper_shape": Block("mlp_paper_shape.csv", mlp_table, plot_mlp),
+        "mlp_narrow": Block("mlp_narrow.csv", mlp_table, plot_mlp),
+        "train": Block("mlp_train.csv", train_table, plot_train),
+        "deterministic": Block("deterministic.csv", deterministic_table),
+        "e2e": Block("e2e.csv", e2e_table, plot_e2e),
+        "quality": Block("quality.csv", quality.quality_table, quality.plot_quality),
+        "calibrate": Block("calibrate.csv", calibrate.calibrate_table, calibrate.plot_calibrate, device="cpu"),
+    }
+
+
+def find_csv(results_dir: Path, name: str, device: str = "h200") -> Path | None:
+    """RESULTS/NAME (a device folder was given) or RESULTS/DEVICE/NAME (the results root), or None."""
+    for path in (Path(results_dir) / name, Path(results_dir) / device / name):
+        if path.is_file():
+            return path
+    return None
+
+
+# The paper's MLP shape and density: the headline rows are read at these.
+PAPER_D, PAPER_H, PAPER_NNZ = 2048, 5632, 29.0
+HEADLINE_TOKENS = (4096, 16384, 65536)
+
+
+def _paper_cases(rows: list[dict]) -> list[dict[str, dict]]:
+    cases = _cases(rows)
+    return [cases[(PAPER_D, PAPER_H, PAPER_NNZ, m)] for m in HEADLINE_TOKENS if (PAPER_D, PAPER_H, PAPER_NNZ, m) in cases]
+
+
+def _slash(values: list[str]) -> str:
+    return " / ".join(values)
+
+
+def _inference_row(results_dir: Path) -> tuple[str, str] | None:
+    path = find_csv(results_dir, "mlp_paper_shape.csv") or find_csv(results_dir, "mlp.csv")
+    cases = _paper_cases(read_rows(path)) if path else []
+    if not cases or any("sparse" not in c or "dense" not in c for c in cases):
+        return None
+    ms = [str(int(c["sparse"]["m"])) for c in cases]
+    sparse_err = max(float(c["sparse"]["rel_err"]) for c in cases)
+    dense_err = max(float(c["sparse"]["dense_rel_err"]) for c in cases)
+    also = [f"error vs fp32 ≤ {sparse_err:.1e} (dense bf16: {dense_err:.1e})"]
+    if all("sparse_graph" in c and "dense_graph" in c for c in cases):
+        also.insert(0, f"CUDA graphs on both sides {_slash([_graph_ratio(c) for c in cases])}")
+    return (f"| MLP inference | D={PAPER_D}, H={PAPER_H}, {PAPER_NNZ:g} active units per token, M = {_slash(ms)} "
+            f"| **{_slash([_times(c['sparse'], 'speedup_vs_dense') for c in cases])}** | {'; '.join(also)} |",
+            f"{path.name} {cases[0]['sparse']['git_sha']}")
+
+
+def _train_row(results_dir: Path) -> tuple[str, str] | None:
+    path = find_csv(results_dir, "mlp_train.csv")
+    cases = _paper_cases(read_rows(path)) if path else []
+    if not cases or any("sparse" not in c for c in cases):
+        return None
+    ms = [str(int(c["sparse"]["m"])) for c in cases]
+    also = [f"peak memory {_slash([_times(c['sparse'], 'peak_vs_dense') for c in cases])}"]
+    if all("sparse_graph" in c and "dense_graph" in c for c in cases):
+        also.insert(0, f"CUDA graphs on both sides {_slash([_graph_ratio(c) for c in cases])}")
+    return (f"| MLP training step (forward + backward + L1) | the same, M = {_slash(ms)} "
+            f"| **{_slash([_times(c['sparse'], 'speedup_vs_dense') for c in cases])}** | {'; '.join(also)} |",
+            f"{path.name} {cases[0]['sparse']['git_sha']}")
+
+
+def _e2e_rows(results_dir: Path, phase: str) -> tuple[str, str] | None:
+    path = find_csv(results_dir, "e2e.csv")
+    rows = read_rows(path) if path else []
+    fused = [r for r in rows if r["provider"] == "sparse" and r["phase"] == phase and _non_mlp(r) == "fused"]
+    sparse = fused or [r for r in rows if r["provider"] == "sparse" and r["phase"] == phase]
+    if not sparse:
+        return None
+    first = sparse[0]
+    batches = _slash([f"{r['batch']}×{r['seq_len']}" for r in sparse])
+    speed = _slash([f"{float(r['speedup_vs_dense']):.2f}x" for r in sparse])
+    if phase == "forward":
+        what = f"`{first['model']}` model prefill"
+        throughput = _slash([f"{float(r['tokens_per_ms']):.0f}" for r in sparse])
+        also = f"{throughput} tokens/ms; energy per token {_slash([_times(r, 'energy_vs_dense') for r in sparse])}"
+    else:
+        what = f"`{first['model']}` model training step"
+        also = f"peak memory {_slash([_times(r, 'peak_vs_dense') for r in sparse])}"
+    weights = ("random weights, thresholds calibrated to "
+               f"{float(first['target_nnz']):g} active units per token" if first["target_nnz"] not in ("", "nan")
+               else "trained checkpoint")
+    setting = f"{batches} tokens; {weights}; {'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides"
+    return f"| {what} | {setting} | **{speed}** | {also} |", f"{path.name} {first['git_sha']}"
+
+
+def _quality_row(results_dir: Path) -> tuple[str, str] | None:
+    from sparseffn.bench.quality import with_ce_increase
+
+    path = find_csv(results_dir, "quality.csv")
+    rows = with_ce_increase(read_rows(path)) if path else []
+    sparse = [r for r in rows if r["ce_increase_pct"] != "" and float(r["zeros_pct"]) >= 99.0]
+    if not sparse:
+        return None
+    r = min(sparse, key=lambda r: float(r["ce_increase_pct"]))
+    ramp = int(r.get("l1_warmup_steps") or 0)
+    setting = (f"`{r['model']}`, {r['steps']} steps × {r['tokens_per_step']} tokens, λ = {float(r['l1_coeff']):g}"
+               + (f" ramped over {ramp} steps" if ramp else "")
+               + (", dead-unit re-init" if str(r["reinit_dead"]) == "True" else ""))
+    return (f"| Quality (L1 training) | {setting} | **{float(r['zeros_pct']):.2f}% zeros** "
+            f"| {float(r['nnz_mean']):.1f} of {float(r['hidden']):.0f} units active per token; held-out CE "
+            f"{float(r['ce_increase_pct']):+.2f}% vs λ = 0 |", f"{path.name} {r['git_sha']}")
+
+
+# The README's headline rows, in order; each returns (table line, "csv sha") or None without its CSV.
+# A decode row goes here once a decode benchmark writes its CSV.
+HEADLINE_ROWS: tuple[Callable[[Path], tuple[str, str] | None], ...] = (
+    _inference_row,
+    _train_row,
+    lambda results_dir: _e2e_rows(results_dir, "forward"),
+    lambda results_dir: _e2e_rows(results_dir, "train"),
+    _quality_row,
+)
+
+
+def headline_table(results_dir: Path) -> str | None:
+    """The README's summary: sparseffn against dense torch at the paper's shape, end to end, and quality."""
+    built = [row for make in HEADLINE_ROWS if (row := make(Path(results_dir))) is not None]
+    if not built:
+        return None
+    gpu = ""
+    if path := find_csv(results_dir, "mlp_paper_shape.csv") or find_csv(results_dir, "mlp_train.csv"):
+        first = read_rows(path)[0]
+        gpu = f"{first['gpu']}, {first['dtype']}. "
+    lines = [
+        "| result | setting | sparseffn vs dense | also |",
+        "|---|---|---|---|",
+        *(line for line, _ in built),
+        "",
+        f"{gpu}Ratios are dense time over sparseffn time (above 1: faster), memory and energy sparseffn over dense, "
+        f"from one run with both side by side. Sources (CSV, git): {', '.join(dict.fromkeys(src for _, src in built))}.",
+    ]
+    return "\n".join(lines)
+
+
+def regenerate(results_dir: str | Path, files: list[str | Path], *, plots: bool = True) -> list[str]:
+    """Rewrite the generated blocks of `files` from the CSVs under results_dir; return the CSVs used.
+
+    results_dir is benchmarks/results (device folders below it) or one device folder. A block is
+    rewritten where its marker is and its CSV exists; a CSV no file has a block for raises, as does
+    finding no CSV at all. plots: also redraw each CSV's PNG beside it.
+    """
+    results_dir = Path(results_dir)
+    texts = {Path(f): Path(f).read_text() for f in files}
+    used = []
+    for name, block in _blocks().items():
+        path = find_csv(results_dir, block.csv, block.device)
+        if path is None:
+            continue
+        rows = read_rows(path)
+        if plots and block.plot is not None:
+            block.plot(rows, path.with_suffix(".png"))
+        owners = [f for f, text in texts.items() if f"<!-- bench:{name} -->" in text]
+        if not owners:
+            raise ValueError(f"no <!-- bench:{name} --> block in {', '.join(map(str, texts))} for {path}")
+        for f in owners:
+            texts[f] = replace_block(texts[f], name, block.table(rows))
+        used.append(str(path))
+    for f, text in texts.items():
+        if "<!-- bench:headline -->" in text and (table := headline_table(results_dir)) is not None:
+            texts[f] = replace_block(text, "headline", table)
+    if not used:
+        raise FileNotFoundError(f"no benchmark CSV ({', '.join(b.csv for b in _blocks().values())}) in {results_dir}")
+    for f, text in texts.items():
+        f.write_text(text)
+    return used

@@ -1,4 +1,4 @@
-"""Realistic synthetic MLP activations for benchmarks and demos (DESIGN.md §4).
+"""Realistic synthetic MLP activations for benchmarks and demos (docs/benchmarks.md, "Protocol").
 
 Random x and weights, with the sparsity pattern of a trained ReLU + L1 model:
 

@@ -28,8 +28,8 @@ def check_matrix(t: object, name: str, layout: str = "[M, D]") -> tuple[int, int
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host code. triton.cdiv and triton.next_power_of_2 are constexpr functions in
-    Triton 3.6: called from Python they unwrap their arguments first, ~4 µs a call on the host, which
-    the launchers paid several times per launch."""
+    Triton 3.6: called from Python they unwrap their arguments first (microseconds of host time a
+    call, paid several times per launch)."""
     return -(-a // b)
 
 

@@ -6,12 +6,10 @@
 src is fp32, bf16 or fp16; rnd is round-to-nearest-even, as torch's `.to()` (exact when the dtypes
 match); on the GPU the results are bitwise torch's. Uses: the training backward rounds its fp32
 weight-gradient accumulators (the down projection's transposed) and both training passes take
-down_proj.weight^T. Why a kernel: torch's transposing copy (`.t().contiguous()`, `.t().to(...)`)
-runs a non-vectorised elementwise kernel; on the H200 (benchmarks/profile_train.py, M = 16384) it
-took 76 µs for a bf16 [2048, 5632] weight (46 MB moved: ~0.6 TB/s) and 88 µs for the fp32 [5632,
-2048] accumulator, three such copies per training step. Here each program moves a [BLOCK_R,
-BLOCK_C] tile: loads along C, stores along C (transposed: along R; Triton stages the tile through
-shared memory so both sides stay coalesced).
+down_proj.weight^T. Why a kernel: torch's transposing copy (`.t().contiguous()`) runs a
+non-vectorised elementwise kernel, several times slower than a tiled copy (docs/benchmarks.md,
+"Kernel notes"). Each program moves a [BLOCK_R, BLOCK_C] tile: loads along C, stores along C
+(transposed: along R; Triton stages the tile through shared memory so both sides stay coalesced).
 
 Layouts: src [R, C], unit stride along C, any row stride; dst contiguous. Any R, C >= 0.
 Interpreter (TRITON_INTERPRET=1, CPU tensors): its fp32 -> bf16 / fp16 cast truncates (one ulp off

@@ -1,93 +1,30 @@
 """Dense MLP on a device-chosen subset of rows, without host synchronisation (the dense backup).
 
-Math. For x [M, D] and row flags f [M] (on the device), every flagged row m gets
+For x [M, D] and row flags f [M] on the device, every flagged row m gets, in fp32,
 
-    gated:      g = x[m] gate^T (fp32)   u = x[m] up^T (fp32)   h = relu(g - θ) * u      (fp32)
-    non-gated:  g = x[m] up^T   (fp32)                          h = relu(g - θ)          (fp32)
-    out[m] = h down^T = Σ_j h_j · down_weight_t[j]      fp32 accumulation, rounded to x's dtype once
+    gated:      h = relu(x[m] gate^T - θ) * (x[m] up^T)       non-gated:  h = relu(x[m] up^T - θ)
+    out[m] = Σ_j h_j · down_weight_t[j]  (rounded to x's dtype once)    row_l1[m] = Σ_j |h_j|  (optional)
 
-θ [H] fp32 or None (0). relu keeps NaN (as torch does). Optionally (`row_l1`, the training
-forward's L1 penalty) every flagged row also gets
+Unflagged rows keep their bytes in `out` and `row_l1`. This is the exact path for the overflow rows
+of the TwELL MLP (ops/twell_mlp.py, ops/train_mlp.py). The number R of flagged rows never leaves
+the device, so a call can be captured in a CUDA graph:
+  1. `_compact_rows_kernel` (one program) lists the flagged rows and R, unless the caller passes the
+     list `row_split.classify_rows` already built (any order: a row's result does not depend on it);
+  2. `_dense_rows_mlp_kernel` runs a persistent grid (<= #SMs programs, fixed at launch) that reads R
+     and loops over the cdiv(R, BLOCK_R) x cdiv(D, BLOCK_DY) tiles that exist (none when R = 0).
+A tile is "swap AB": units (or the D slice) are the tensor-core M dimension, the few tokens N. Each
+y-slice tile recomputes its rows' g and u (the price of not holding all of D in registers), and the
+slice-0 tile alone writes row_l1 (one writer per element: no atomics, deterministic). h stays fp32
+through the down GEMM as two terms of x's dtype, h = hi + lo (fp16: scaled per token by a power of
+two first), so its rounding error sits far below one output rounding (docs/design.md, "Dense backup").
 
-    row_l1[m] = Σ_j |h_j|          fp32, over all H units (the per-token term of the layer's L1)
-
-Rows with f[m] == 0 are not touched: their bytes in `out` (and `row_l1`) stay exactly what the
-caller wrote. This is the overflow path of the TwELL MLP (ops/twell_mlp.py, and of the training
-MLP, ops/train_mlp.py): the caller passes f = (counts > slots).any(1), computed on the device.
-
-No host synchronisation. The number R of flagged rows is data-dependent and never leaves the
-device, so the whole call can be captured in a CUDA graph:
-  1. `_compact_rows_kernel` (one program) scans f in BLOCK chunks with `tl.cumsum` and writes the
-     ascending ids of the flagged rows to ids[0:R] and R to count[0] (ids[R:] unspecified). Its
-     steps are serial: 51 µs at M = 65536 on the H200, 13 µs at 16384. A caller that classified
-     the rows already passes that list instead (`row_list`, from `row_split.classify_rows`: one
-     atomic place per block of rows, any order; each row's result does not depend on the order).
-  2. `_dense_rows_mlp_kernel` covers the worst case, cdiv(M, BLOCK_R) row blocks x n_d =
-     cdiv(D, BLOCK_DY) slices of y, with a persistent grid of min(that, #SMs x programs_per_sm)
-     programs fixed at launch. Each program reads R from count[0] and loops over the tiles that
-     exist, cdiv(R, BLOCK_R) x n_d of them (slice index fastest, so the n_d tiles of a row block run
-     side by side and share the gate/up reads through L2). With R = 0 (the common case) the cost is
-     the scan plus one wave of programs that load one int32 and leave; otherwise it scales with
-     cdiv(R, BLOCK_R); R = M (all rows flagged) is computed like any other R. (A grid of one program
-     per worst-case tile that exits early would cost cdiv(M, 16) x n_d CTA launches even when R = 0,
-     each holding ~120 KB of shared memory, so one CTA per SM at a time: many waves.)
-
-Tile (row block b, y slice s), "swap AB" so the tensor-core M dimension is the units or the D
-slice (wgmma needs 64 rows per warpgroup) and the handful of tokens is the N dimension:
-    rows  = ids[b*BLOCK_R : (b+1)*BLOCK_R]                   (gathered, masked past R)
-    for each chunk of BLOCK_H units:
-        g^T = gate[chunk] @ x[rows]^T, u^T = up[chunk] @ x[rows]^T    [BLOCK_H, BLOCK_R] fp32,
-              K-loop over D in BLOCK_K steps (tl.dot, tensor cores)
-        h^T = relu(g^T - θ) * u^T                                     [BLOCK_H, BLOCK_R] fp32
-        y^T += down_weight_t[chunk, slice]^T @ h^T                    [BLOCK_DY, BLOCK_R] fp32
-    out[rows, slice] = y (rounded once)
-    row_l1[rows] = Σ over chunks of Σ_units |h^T|       (WRITE_L1; slice 0 only, see below)
-Recompute factor: each of the n_d slice tiles of a row block recomputes the whole g, u of its
-rows (the down GEMM is not repeated), so the gate/up GEMMs cost n_d times their dense flops: at
-D = 2048 with BLOCK_DY = 512, n_d = 4, and a gated backup row costs (2·4 + 2) / 3 ≈ 3.3x its dense
-flops (non-gated (4 + 2) / 2 = 3x; the 2 is the split down GEMM below), the extra gate/up weight
-reads coming mostly from L2. Acceptable because overflow rows are rare; keeping y for the whole of
-D in registers ([16, 2048] fp32 = 128 KB per tile) is what the split avoids. Not measured yet.
-
-Row L1: every slice tile of a row block recomputes the same h, so each could produce Σ|h|; only
-slice 0 stores it (the others mask the store), so each row_l1 element has one writer: no atomics,
-deterministic (chunk sums added in unit order). WRITE_L1 is a constexpr: without row_l1 the kernel
-is the same as before (no extra reduction).
-
-Loads: when the launcher proves alignment (`ALIGNED`: D % 8 == 0, 16-byte aligned bases and row
-strides) the kernel states it with `tl.multiple_of` / `tl.max_constancy`, so weight and x tiles move
-as 16-byte vectors through the cp.async pipeline whatever Triton's run-time specialization sees;
-otherwise element loads (correct for any D and strides).
-
-h stays fp32 through the down GEMM. Tensor cores take x's dtype, so h is split into two terms of
-that dtype, h = hi + lo with hi = h.to(dtype), lo = (h - hi).to(dtype), and the down GEMM runs on
-both (2 MMAs): hi + lo carries 16 (bf16) / 22 (fp16) significant bits, an error of about 2^-17 /
-2^-23 relative per term, far below one output rounding (a plain cast of h would be 2^-9 / 2^-12).
-fp16's range is small (65504), so for fp16 each token's column of h^T is first scaled by a power of
-two (exact) that brings its largest |h| into [1, 2); the partial product is scaled back in fp32.
-bf16 has fp32's range and needs no scale.
-
-Layouts:
-    x              [M, D]  bf16 / fp16, any row stride (a non-unit stride along D is copied)
-    row_flags      [M]     bool or integer (non-zero = compute), any stride
-    gate_weight    [H, D]  x's dtype, unit stride along D, any row stride (or None: non-gated)
-    up_weight      [H, D]  same; down_weight_t [H, D] = down_proj.weight^T, same. Views of the
-                           interleaved [H, 2, D] / [H, 1, D] up_down tensor (row stride 2·D / D)
-                           are taken as they are, no copies.
-    threshold      [H]     fp32 or None
-    out            [M, D]  x's dtype, unit stride along D, any row stride
-    row_l1         [M]     fp32, any stride, or None
-    ids [M] int32 and count [1] int32 are allocated per call (stream-ordered, graph-capturable).
-
-Constraints: any M >= 0, D >= 0, H >= 0 (H = 0 writes zeros to flagged rows); M < 2**31. Offsets
-that can pass 2**31 (row * stride, unit * stride) are int64. D = 0 with row_l1 launches no MLP
-tile: row_l1 of flagged rows is then set by torch ops on the device (h = relu(-θ) non-gated, 0
-gated; no sync). Compiled variants depend on dtype, gated, threshold, row_l1 on/off and the
-config (a function of D only), never on M.
-
-Interpreter (TRITON_INTERPRET=1, CPU tensors): dot operands are cast to fp32 (DOT_IN_FP32), since
-its low-precision `tl.dot` is wrong; the hi/lo split of h still runs (on the interpreter's
-truncating casts).
+Layouts: x, out [M, D] bf16 / fp16, any row stride; row_flags [M] bool or integer, any stride;
+gate_weight, up_weight, down_weight_t [H, D] = down_proj.weight^T in x's dtype, unit stride along D,
+any row stride (views of the interleaved up/down weight work as they are); threshold [H] fp32 or
+None; row_l1 [M] fp32 or None. On CUDA only the 16-byte-aligned path runs (D % 8 == 0; see the
+launcher). Any M, D, H >= 0 (M < 2**31); row and unit offsets are int64. Compiled variants depend
+on dtype, gated, threshold, row_l1 and the config (a function of D), never on M.
+Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (its low-precision tl.dot is wrong).
 """
 
 from __future__ import annotations
@@ -145,7 +82,17 @@ def _mlp_tile(
     DOT_IN_FP32: tl.constexpr,
 ):
     """out[rows, slice] for the compacted entries [pid_r * BLOCK_R, +BLOCK_R) and y slice pid_d
-    (and row_l1[rows] when WRITE_L1 and pid_d == 0)."""
+    (and row_l1[rows] when WRITE_L1 and pid_d == 0):
+
+        rows = ids[pid_r * BLOCK_R : +BLOCK_R]                          (masked past count)
+        for each chunk of BLOCK_H units:
+            g^T, u^T = gate[chunk] @ x[rows]^T, up[chunk] @ x[rows]^T    [BLOCK_H, BLOCK_R] fp32
+            h^T = relu(g^T - θ) * u^T                                    [BLOCK_H, BLOCK_R] fp32
+            y^T += down_weight_t[chunk, slice]^T @ (hi + lo)             [BLOCK_DY, BLOCK_R] fp32
+        out[rows, slice] = y (rounded once);  row_l1[rows] = Σ |h| (slice 0 only)
+
+    With ALIGNED the loads are stated 16-byte aligned (tl.multiple_of) for vector loads through
+    the cp.async pipeline; otherwise element loads."""
     low = down_ptr.dtype.element_ty
     SCALE_H: tl.constexpr = low == tl.float16  # fp16 needs per-token scaling of h (docstring)
 
@@ -320,9 +267,9 @@ def default_config(d: int, *, cuda: bool) -> DenseRowsConfig:
 
     GPU, D % 8 == 0 (16-byte vector loads, cp.async pipeline): 16 tokens per tile, 64-unit
     chunks, BLOCK_K 64, y slices of up to 512 columns (n_d = 4 at D = 2048), 8 warps at 512 and 4
-    below, 3 stages: 161-183 registers at D = 2048, no spills (ptxas, sm_90a). Other D (element
-    loads through registers): slices of up to 256, 8 warps, 2 stages, also without spills.
-    Not yet tuned on the H200. Interpreter: big blocks, since each block operation is one numpy call.
+    below, 3 stages: no spills at D = 2048 (ptxas, sm_90a). Other D (element loads through
+    registers): slices of up to 256, 8 warps, 2 stages, also without spills. Not tuned by a sweep.
+    Interpreter: big blocks, since each block operation is one numpy call.
     """
     block_dy = min(max(next_power_of_2(max(d, 1)), 64), 512)
     if not cuda:
@@ -446,7 +393,7 @@ def dense_rows_mlp(
     count int32 [1]) naming the rows ids[0:count] in any order, each once (what `classify_rows`
     writes; the launch then skips its own scan of the flags); gate_weight [H, D] or None
     (non-gated: h = relu(x up^T - θ)); up_weight [H, D]; down_weight_t [H, D] (down_proj.weight^T;
-    weights need unit stride along D, any row stride, e.g. `up_down[:, 0]`, `up_down[:, 1]`);
+    weights need unit stride along D, any row stride, e.g. two views of an interleaved [H, 2, D] tensor);
     threshold fp32 [H] or None; out [M, D] in x's dtype, written in the flagged rows only.
     row_l1: None, or fp32 [M] (any stride) that gets Σ_j |h_j| (fp32) in the flagged rows only.
     g, u, h and y are fp32, y is rounded once. `config` overrides `default_config(D)`. Returns out.

@@ -1,108 +1,32 @@
 """Backward of the dense MLP on a device-chosen subset of rows (the training path's dense backup).
 
-Math. The training forward computes, for the rows flagged in f [M] (on the device), the MLP of
-kernels/dense_rows_mlp.py and the layer's L1 term (1/M) Σ_rows Σ_j |h_j|. For each flagged row m,
-with upstream gradient dy[m] and l1_grad = ∂L/∂l1 / M (a 1-element fp32 tensor on the device, read
-inside the kernels, never on the host), everything in fp32:
+Each flagged row m (f [M] on the device) with dy[m] and l1_grad = ∂L/∂l1 / M (fp32 [1], read on the device):
 
     dh_j = dy[m] · down_weight_t[j] + l1_grad · sign(h_j)
-    gated:      du_j = dh_j p_j,   dg_j = dh_j u_j [g_j - θ_j > 0]
-                dx[m] = Σ_j du_j up[j] + dg_j gate[j]
-                grad_gate[j] += dg_j x[m],  grad_up[j] += du_j x[m],  grad_down_t[j] += h_j dy[m]
-    non-gated:  df_j = dh_j [g_j - θ_j > 0]                    (g = x up^T, p = h = relu(g - θ))
-                dx[m] = Σ_j df_j up[j]
-                grad_up[j] += df_j x[m],  grad_down_t[j] += p_j dy[m]
+    gated:      du_j = dh_j p_j   dg_j = dh_j u_j [g_j - θ_j > 0]   dx[m] = Σ_j du_j up[j] + dg_j gate[j]
+                grad_gate[j] += dg_j x[m]   grad_up[j] += du_j x[m]   grad_down_t[j] += h_j dy[m]
+    non-gated:  df_j = dh_j [g_j - θ_j > 0]   dx[m] = Σ_j df_j up[j]
+                grad_up[j] += df_j x[m]   grad_down_t[j] += p_j dy[m]          (all fp32)
 
-The relu derivative at exactly 0 is 0 and NaN passes through (as torch's relu backward: the zero
-side is g - θ <= 0); sign(0) = 0. dx is written for the flagged rows only, rounded once to x's
-dtype; the other rows of dx_out keep their bytes. The three fp32 [H, D] accumulators already hold
-the ordinary rows' weight gradients (kernels/unit_grads.py); the flagged rows' terms are ADDED.
-Below, "first" is the weight of the projection that goes through the relu (gate when gated, up
-otherwise) and "d_first" its pre-activation gradient (dg or df); "d_up" is du (gated only).
+relu' is 0 at 0 and keeps NaN, as in torch; sign(0) = 0. dx is written for flagged rows only (rounded
+once); their weight terms are ADDED to fp32 [H, D] accumulators that already hold the ordinary rows'
+(kernels/unit_grads.py). "first" is the weight under the relu (gate when gated, up otherwise).
 
-No host synchronisation. `_compact_rows_kernel` (kernels/dense_rows_mlp.py) writes the ascending
-ids of the R flagged rows and R to device memory; both kernels below run persistent grids fixed at
-launch (<= #SMs programs, graph-capturable) that read R and loop over the tiles that exist. With R
-= 0 (the common case) the cost is the scan plus two waves of programs that load R (and l1_grad)
-and leave (the accumulators and dx_out are not touched); R = M is computed like any other R.
+Two kernels, persistent grids fixed at launch (graph-capturable), reading the flagged-row list of
+kernels/dense_rows_mlp.py and looping over the tiles that exist (none when R = 0):
+  1. `_dense_rows_mlp_backward_dx_kernel`: tiles (block of rows, dx slice); recomputes g, u and
+     e = dy · down_weight_t on tensor cores, then dx^T[slice] += first^T d_first^T + up^T d_up^T;
+  2. `_dense_rows_mlp_backward_dw_kernel`: tiles (chunk of units, group of D slices); each owns its
+     accumulator tiles and walks the row blocks in order (read-add-write through global memory).
+One writing program per output element, fixed order, no float atomics: deterministic. fp32 MMA
+operands are split into hi + lo terms of x's dtype, as in the forward. Costs several times a dense
+backward of the same rows (docs/design.md, "Dense backup"); overflow rows are rare.
 
-Determinism: each output element has exactly one writing program, and each program walks its
-work in a fixed order: no float atomics, so two runs give identical bits whatever the scheduling.
-
-1. `_dense_rows_mlp_backward_dx_kernel`: tiles (row block b of BLOCK_R compacted rows, dx slice s
-   of BLOCK_DX columns), cdiv(R, BLOCK_R) x n_dx of them, slice fastest (the n_dx tiles of a row
-   block run side by side and share the weight reads through L2). "Swap AB" as in the forward: the
-   units / the D slice are the tensor-core M dimension, the few tokens the N dimension:
-       for each chunk of BLOCK_H units:
-           g^T, u^T = first[chunk] @ x[rows]^T, up[chunk] @ x[rows]^T     [BLOCK_H, BLOCK_R] fp32
-           e^T = down_weight_t[chunk] @ dy[rows]^T                         [BLOCK_H, BLOCK_R] fp32
-                 (one K-loop over all of D, tl.dot: the recompute)
-           d_first^T, d_up^T from g, u, e, θ, l1_grad                      [BLOCK_H, BLOCK_R] fp32
-           dx^T[slice] += first[chunk, slice]^T @ d_first^T + up[chunk, slice]^T @ d_up^T
-                                                                           [BLOCK_DX, BLOCK_R] fp32
-       dx[rows, slice] = dx (rounded once)
-2. `_dense_rows_mlp_backward_dw_kernel`: tiles (chunk c of BLOCK_H_W units, D group q of
-   slices_per_tile slices of BLOCK_DW columns), n_chunks x n_groups of them (when R > 0). The
-   program owns grad[c, group] of all three accumulators and walks the row blocks in order:
-       for each block of BLOCK_R_W compacted rows:
-           d_first^T, d_up^T, h^T  for (chunk, rows) as above            [BLOCK_H_W, BLOCK_R_W] fp32
-           for (acc, a, v) in (grad_down_t, dy, h), (grad_first, x, d_first), (grad_up, x, d_up):
-               for each slice of the group (read-add-write of the fp32 accumulator):
-                   acc[c, slice]^T += a[rows, slice]^T @ v               [BLOCK_DW, BLOCK_H_W] fp32
-   "Swap AB" again: the D slice is the MMA M dimension, the units N, the rows K. One matrix at a
-   time keeps fewer operands live (x slices are read twice when gated, from L2). The accumulator
-   tiles go through global memory (L2 / HBM) once per row block instead of registers: registers
-   could hold only a narrow D slice of three [BLOCK_H_W, ·] accumulators, and every slice would
-   then recompute g, u, e. A CTA barrier separates one row block's stores from the next block's
-   loads of the same tiles (threads of the CTA may hold different elements).
-
-Cost (expected, not measured). With F = 2·H·D flops per row (one dense GEMM), a dense backward of
-the flagged rows costs 6F gated (e, dx: 2, dW: 3) and 4F non-gated. Here, gated:
-  - dx kernel: the recompute (g, u, e: 3F) is repeated by each of the n_dx = cdiv(D, BLOCK_DX)
-    slice tiles of a row block, and the dx GEMMs run twice (hi + lo, below): 3F·n_dx + 4F;
-  - dw kernel: the recompute repeats once per D group (n_groups = floor(#SMs / #chunks), at least
-    1: one wave of tiles), the three weight GEMMs run twice (hi + lo): 3F·n_groups + 6F; plus the
-    accumulator traffic, read and written once per row block: cdiv(R, BLOCK_R_W) x 3 x H x D x 8
-    bytes (any method reads and writes them at least once when R > 0).
-  At D = 2048, H = 5632 (n_dx = 8 with BLOCK_DX = 256; 88 chunks of 64 units on 132 SMs:
-  n_groups = 1) that is 28F + 9F = 37F tensor-core flops, about 6x a dense backward, on narrow
-  MMAs (N = 16 tokens in the dx kernel) that run below peak; non-gated 2F·n_dx + 2F + 2F·n_groups
-  + 4F = 24F against 4F. Acceptable because overflow rows are rare (<= 1% of tokens at the paper's
-  density), where the latency of the few tiles matters more than flops (the D split gives the dx
-  kernel n_dx tiles per row block to spread); with all rows flagged this path is several times
-  slower than a dense backward. The weight reads of the recompute come mostly from L2.
-
-fp32 operands of tensor-core GEMMs (d_first, d_up, h) are split into two terms of x's dtype,
-v = hi + lo with hi = v.to(dtype), lo = (v - hi).to(dtype), and both are multiplied (2 MMAs): 16
-(bf16) / 22 (fp16) significant bits, far below one rounding of the output. For fp16 (max 65504)
-the values are first scaled by an exact power of two bringing the largest |v| into [1, 2): in the
-dx kernel one scale per token (column of d^T; the MMA's K dimension is the units) shared by d_first
-and d_up, in the dw kernel one scale per unit and matrix (row of d^T; K is the rows); the fp32
-partial products are scaled back. bf16 has fp32's range and needs no scale.
-
-Loads: as in the forward, `ALIGNED` (D % 8 == 0, 16-byte aligned bases and row strides of every
-[·, D] operand and accumulator) states alignment with `tl.multiple_of` / `tl.max_constancy` for
-16-byte vector loads; otherwise element loads. On CUDA only the aligned path runs (the forward's
-unaligned path computed wrong rows on the H200): misaligned x / dy / dx_out go through aligned
-copies (no sync); D % 8 != 0, misaligned weights or accumulators are refused.
-
-Layouts:
-    x, dy          [M, D]  bf16 / fp16 (dy: x's dtype), any row stride (non-unit stride along D is copied)
-    row_flags      [M]     bool or integer (non-zero = flagged), any stride
-    gate_weight    [H, D]  x's dtype, unit stride along D, any row stride (or None: non-gated)
-    up_weight      [H, D]  same; down_weight_t [H, D] = down_proj.weight^T, same (up_down views ok)
-    threshold      [H]     fp32 or None;   l1_grad [1] fp32 (or None: no L1 term)
-    dx_out         [M, D]  x's dtype, unit stride along D, any row stride; written in flagged rows
-    grad_gate_acc  [H, D]  fp32, unit stride along D, any row stride (None when non-gated)
-    grad_up_acc, grad_down_t_acc   [H, D] fp32, same
-    ids [M] int32 and count [1] int32 are allocated per call (stream-ordered, graph-capturable).
-
-Constraints: any M >= 0, D >= 0, H >= 0; M < 2**31. Offsets that can pass 2**31 (row * stride,
-unit * stride) are int64. Compiled variants depend on dtype, gated, threshold, l1_grad on/off,
-alignment and the config (a function of D only), never on M or R.
-
-Interpreter (TRITON_INTERPRET=1, CPU tensors): dot operands are cast to fp32 (DOT_IN_FP32), since
-its low-precision `tl.dot` is wrong; the hi/lo splits still run (on its truncating casts).
+Layouts: x, dy, dx_out [M, D] bf16 / fp16, any row stride; gate_weight, up_weight, down_weight_t
+[H, D] in x's dtype, unit stride along D; threshold [H] fp32 or None; l1_grad [1] fp32 or None;
+grad_*_acc [H, D] fp32. CUDA runs only the 16-byte-aligned path (the forward's unaligned path
+computed wrong rows on the H200): misaligned x / dy / dx_out are copied, D % 8 != 0 and misaligned
+weights refused. Any M, D, H >= 0 (M < 2**31); offsets int64; compiled variants never depend on M.
 """
 
 from __future__ import annotations
@@ -234,7 +158,17 @@ def _dx_tile(
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DX: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    """dx[rows, slice] for the compacted entries [pid_r * BLOCK_R, +BLOCK_R) and dx slice pid_d."""
+    """dx[rows, slice] for the compacted entries [pid_r * BLOCK_R, +BLOCK_R) and dx slice pid_d.
+
+    "Swap AB": units / the D slice are the MMA M dimension, the few tokens N.
+        for each chunk of BLOCK_H units:
+            g^T, u^T = first[chunk] @ x[rows]^T, up[chunk] @ x[rows]^T     [BLOCK_H, BLOCK_R] fp32
+            e^T = down_weight_t[chunk] @ dy[rows]^T                         [BLOCK_H, BLOCK_R] fp32
+            d_first^T, d_up^T from g, u, e, θ, l1_grad                      [BLOCK_H, BLOCK_R] fp32
+            dx^T[slice] += first[chunk, slice]^T @ d_first^T + up[chunk, slice]^T @ d_up^T
+        dx[rows, slice] = dx (rounded once)
+    fp16: one power-of-two scale per token (column of d^T: the MMA's K is the units), shared by
+    d_first and d_up."""
     low = first_ptr.dtype.element_ty
     SCALE: tl.constexpr = low == tl.float16  # fp16 needs a per-token scale (module docstring)
 
@@ -406,7 +340,18 @@ def _dw_tile(
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DW: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    """grad[chunk pid_h, D group pid_g] += the terms of all R flagged rows, row blocks in order."""
+    """grad[chunk pid_h, D group pid_g] += the terms of all R flagged rows, row blocks in order.
+
+        for each block of BLOCK_R compacted rows:
+            d_first^T, d_up^T, h^T for (chunk, rows)                      [BLOCK_H, BLOCK_R] fp32
+            for (acc, a, v) in (grad_down_t, dy, h), (grad_first, x, d_first), (grad_up, x, d_up):
+                for each slice of the group:
+                    acc[chunk, slice]^T += a[rows, slice]^T @ v            [BLOCK_DW, BLOCK_H] fp32
+    "Swap AB": the D slice is the MMA M dimension, the units N, the rows K. One matrix at a time
+    keeps fewer operands live. The accumulator tiles go through global memory once per row block
+    (registers could hold only a narrow D slice of three accumulators, and each slice would then
+    recompute g, u, e); a CTA barrier separates one block's stores from the next block's loads of
+    the same tiles. fp16: one power-of-two scale per unit and matrix (row of d^T: K is the rows)."""
     units = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     h_ok = units < H
     units64 = units.to(tl.int64)
@@ -556,8 +501,8 @@ def default_backward_config(d: int, *, cuda: bool) -> DenseRowsBackwardConfig:
     chunks, BLOCK_K 64, dx slices of up to 256 columns (n_dx = 8 at D = 2048), 8 warps, 3 stages:
     115-186 registers, no spills (ptxas, sm_90a; 512-column slices spill when gated). dw kernel
     64 units x 128 columns per accumulator tile, 32 rows per step, BLOCK_K 32, 8 warps, 2 stages:
-    214-254 registers, no spills (one CTA per SM, as the persistent grid assumes). Not yet timed
-    on the H200. Interpreter: big blocks, since each block operation is one numpy call.
+    214-254 registers, no spills (one CTA per SM, as the persistent grid assumes). Not tuned by a
+    sweep. Interpreter: big blocks, since each block operation is one numpy call.
     """
     block_dx = min(max(next_power_of_2(max(d, 1)), 64), 256)
     if not cuda:

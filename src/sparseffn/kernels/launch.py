@@ -1,17 +1,9 @@
 """Launching a Triton kernel with less host work than `kernel[grid](...)`.
 
-Why. At a few thousand tokens a sparse MLP step is bound by host work, not GPU work: a training
-step makes 18 Triton launches and ~50 torch calls, an inference call 5 launches. Triton 3.6's
-launch path cost 20-33 µs per launch of a 20-argument kernel on the lent H200 hosts; timed piece by
-piece there: its argument binder 9.5 µs, the C launcher 11.4 µs (with tensors, whose pointers it
-fetches and checks one by one), cache key, launch metadata and the rest ~7 µs.
-Measured on two H200 hosts, each in one process with Triton's path and this one alternated 8 times
-(medians; `benchmarks/profile_host.py`'s A/B): host time of an inference call at M = 16, 506 -> 353
-and 539 -> 486 µs; of a training step at M = 16, 2478 -> 2226 and 3034 -> 2737 µs; wall time of
-back-to-back calls at M = 4096, inference 0.41 -> 0.45 ms (no gain) and 0.60 -> 0.47 ms, training
-2.58 -> 2.39 and 2.89 -> 2.88 ms. A no-op 20-argument kernel gained little (28.5 -> 27.1 µs): the
-Python key below costs about what Triton's native binder does; the rest of Triton's path is what is
-saved.
+Why. At a few thousand tokens a sparse MLP step is bound by host work, not GPU work (a training step
+makes about 18 Triton launches), and Triton's per-launch path (argument binder, C launcher checking
+each tensor, cache key, metadata) costs tens of µs per 20-argument launch on the hosts measured
+(docs/benchmarks.md, "Kernel notes").
 
 How. `Launcher(kernel)[grid](*args, **meta)` launches exactly what `kernel[grid](*args, **meta)`
 would. The first launch of each argument key goes through Triton (which compiles, caches and
@@ -28,13 +20,12 @@ never stands for two compiled variants:
 (`tests/kernels/test_launch.py` checks the refinement against Triton's own binder.) Arguments of
 any other type, tensors off the current device, and launches while a Triton launch hook is set
 (profilers) always take Triton's path. Pointers are passed as integers, which skips the launcher's
-per-tensor check that the memory is device-accessible: the key holds each tensor's device, and a key
-is kept only when every tensor is on the current CUDA device. Positional arguments are the kernel's
-leading parameters; the rest, constexprs only (else the launch is not kept), come by name in `meta`,
-whose values must be hashable.
+per-tensor device-access check: a key is kept only when every tensor is on the current CUDA device.
+Positional arguments are the kernel's leading parameters; the rest, constexprs only (else the launch
+is not kept), come by name in `meta`, whose values must be hashable.
 
-The cache is per Launcher (one per kernel), holds one entry per argument key: it stays put when
-only sizes change (M, a stride), grows with dtypes, alignments and constexprs, as Triton's does.
+The cache is per Launcher (one per kernel), one entry per argument key: it stays put when only
+sizes change (M, a stride) and grows with dtypes, alignments and constexprs, as Triton's does.
 A kernel decorated under TRITON_INTERPRET=1 (Triton's interpreter) is always launched through Triton.
 """
 
@@ -78,7 +69,7 @@ _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 def _keys_and_raw(args: tuple) -> tuple[list, list]:
     """([_arg_key(a) for a in args], [_raw(a) for a in args]) in one pass, plain tensors (one pointer
     read, no isinstance through torch's metaclass) and ints first: a launch's key is its largest host
-    cost (20-argument kernels: 8.2 -> 6.2 µs per launch, with its lookup, on this project's CPU)."""
+    cost."""
     keys, raw = [], []
     for arg in args:
         kind = type(arg)

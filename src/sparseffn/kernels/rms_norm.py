@@ -8,31 +8,24 @@ Math (Hugging Face LlamaRMSNorm semantics), for x [M, D] and weight [D]:
     y    = weight * n                                 fp32 product rounded once to
                                                       out dtype = torch.promote_types(weight.dtype, x.dtype)
 
-rstd is computed with a correctly rounded square root and division (sqrt_rn, div_rn). Given rstd,
-y equals HF's y bit for bit: the fp32 product is the one torch's multiply forms (exact when both
-operands are 16-bit, one rounding when one is fp32), rounded once to the output dtype. rstd itself
-differs from HF's by summation order and by the rounding of torch.rsqrt only.
-
-Backward, all in fp32 from dy (y's dtype), x, weight and rstd (xhat = xf * rstd, dyw = dy * weight):
+rstd uses a correctly rounded sqrt and division (sqrt_rn, div_rn); given rstd, y equals HF's y bit
+for bit, and rstd differs from HF's only by summation order and torch.rsqrt's rounding.
+Backward, in fp32 from dy (y's dtype), x, weight and rstd (xhat = xf * rstd, dyw = dy * weight):
 
     dx      = rstd * (dyw - xhat * mean_j(dyw * xhat))      rounded to x.dtype
     dweight = Σ_rows dy * n                                  n rounded to x.dtype as in forward
 
-dweight is summed without atomics: each backward program accumulates its rows' dy * n in fp32
-registers and writes one row of a [programs, D] fp32 buffer, which torch sums over programs
-(`.sum(0)`) and rounds once to weight.dtype. The rows a program visits depend only on the grid
-size, so the result is deterministic for a given device.
+dweight has no atomics: each backward program sums its rows' dy * n in fp32 registers into one row
+of a [programs, D] fp32 buffer, which torch sums (`.sum(0)`) and rounds once to weight.dtype. The
+rows a program visits depend only on the grid size: deterministic for a given device.
 
-Layout. Each program holds BLOCK_M whole rows in registers (BLOCK_D = next power of two >= D,
-masked past D). Row offsets are int64; x, dy, dx and y take a row stride (the last dimension must
-be contiguous: the launchers copy otherwise). weight is read contiguous.
-
-Grid. Forward: one program per block of BLOCK_M rows. Backward: min(row blocks, SMs x
-programs_per_sm) programs, each striding over the row blocks (program p takes blocks p, p + G, ...).
-
-Constraints. x [M, D], any M >= 0, 1 <= D <= MAX_D; x, dy, weight: bf16, fp16 or fp32 in any mix;
-dy has y's shape; all on one device (CUDA, or CPU under TRITON_INTERPRET=1). Compiled variants do
-not depend on M (`do_not_specialize`); the block config is a function of D only.
+Layout and grid. A program holds BLOCK_M whole rows in registers (BLOCK_D = next power of two >= D,
+masked); row offsets int64; x, dy, dx, y take a row stride (last dimension contiguous, else the
+launchers copy). Forward: one program per block of rows. Backward: min(row blocks, SMs x
+programs_per_sm) programs, program p taking blocks p, p + G, ...
+Constraints: x [M, D], any M >= 0, 1 <= D <= MAX_D; x, dy, weight bf16, fp16 or fp32 in any mix; one
+device (CUDA, or CPU under TRITON_INTERPRET=1). Compiled variants do not depend on M
+(`do_not_specialize`); the block config is a function of D only.
 """
 
 from __future__ import annotations

@@ -7,11 +7,9 @@ and likewise c1, c2, s1, s2 of cos and sin at the token's (b, s):
     backward:  dx1  = g1 * c1 + g2 * s2          dx2  = g2 * c2 - g1 * s1     (g = d out)
 
 The backward is the transpose of the forward's per-pair 2 x 2 map, i.e. the forward with (s1, s2)
-replaced by (-s2, -s1). cos and sin are read at all d positions: nothing assumes c1 == c2 (Hugging
-Face builds cos = cat(freqs, freqs), so they are equal there). Everything is computed in fp32 and
-rounded once to the output dtype. Hugging Face's `apply_rotary_pos_emb` gives
-torch.promote_types(x.dtype, cos.dtype) (e.g. fp32 for bf16 q under autocast with fp32 cos), and
-so do the launchers.
+replaced by (-s2, -s1). cos and sin are read at all d positions (nothing assumes c1 == c2). All in
+fp32, rounded once to the output dtype torch.promote_types(x.dtype, cos.dtype), as Hugging Face's
+`apply_rotary_pos_emb` gives (e.g. fp32 for bf16 q under autocast with fp32 cos).
 
 Layout. Any strides with a contiguous last dimension (the launchers copy otherwise): q and k are
 usually the [B, H, S, d] transposed views of [B, S, H, d] projections, and cos / sin are often

@@ -1,38 +1,28 @@
 """Splitting long rows of a TwELL activation over several programs (token-major kernels).
 
 The token-major kernels (twell_up_down.py, twell_train.py) run a row as one serial chain of weight
-row loads in one program. The heavy tail of the activations (~0.5% of the tokens at ~12x the mean
-count, max ~370 at mean 29) made those few rows finish each launch alone: on the H200 at
-M = 4096 the inference pass took 0.234 ms as drawn and 0.143 ms with the rows over 4x the mean
-left out (5% of the units), the training forward 0.224 / 0.140 ms and backward 0.366 / 0.246 ms
-(benchmarks/probe_l2.py).
-
-So a launch splits them:
+row loads in one program, so the few rows of the heavy tail (~0.5% of the tokens at ~12x the mean
+count) would finish each launch alone (docs/benchmarks.md, "Kernel notes"). A launch splits them:
 1. `classify_rows` (one pass over counts [M, n_tiles]) finds each row's overflow (some count > slots:
-   the dense backup's rows), as a flag per row and/or as a list of those rows (ids and their count,
-   in no particular order: the backup takes the list as is, without a scan of M flags of its own).
-   It also lists the ordinary rows with more than `piece` valid slots, at most `cap` of them
-   (split_ids, the list length in state[cap]); split_flags[m] says which rows were taken. Rows past the capacity stay whole: nothing is dropped.
+   the dense backup's rows), as a flag per row and/or as a list (ids and count, in no particular
+   order: the backup takes it as is). It also lists the ordinary rows with more than `piece` valid
+   slots, at most `cap` of them (split_ids, the length in state[cap]; split_flags[m] says which rows
+   were taken). Rows past the capacity stay whole: nothing is dropped.
 2. In the kernel, the first cap * max_pieces programs each take piece `pid % max_pieces` (valid
    slots [piece · PIECE, piece · PIECE + PIECE)) of listed row `pid // max_pieces`, so the pieces
    start in the first wave beside the row programs, which skip the listed rows.
-3. `gather_pieces`: a piece stores its fp32 partial (and an optional scalar, the training
-   forward's Σ|h|) in its own slot of a [cap, max_pieces, D] buffer, then counts its arrival on
-   the row's counter (state[i]); the last piece to arrive adds the partials in piece order (so the
-   result does not depend on timing) and resets the counter to 0, leaving the list reusable.
+3. `gather_pieces`: a piece stores its fp32 partial (and an optional scalar, the training forward's
+   Σ|h|) in its own slot of a [cap, max_pieces, D] buffer, then counts its arrival on the row's
+   counter (state[i]); the last piece to arrive adds the partials in piece order (so the result does
+   not depend on timing) and resets the counter to 0, leaving the list reusable.
 
-Bits. A listed row adds its pieces' partials; a long row the list has no room for runs whole, as one
-sequential sum. The two round differently in fp32. So when a call has more than `cap` long rows
-(~330 heavy rows at M = 65536 on the synthetic activations, against 256), which rows are split
-follows the programs' arrival, and the outputs of those rows (y, the training forward's row L1, dx)
-can differ in their last bits from run to run; either way each is an fp32 sum rounded once. With
-`deterministic=True` (what `torch.use_deterministic_algorithms(True)` selects in `sparse_mlp`) the
-kernels also sum those whole rows piece by piece, in piece order, so every row has the same bits
-whichever rows were listed. That is not the default: as the only path it cost 2-3% of the
-inference call at M = 16384 / 65536 and 3.5% of the training step at 16384 on the H200 (graph
-replays and `bench mlp --train`, alternated with the code before); as the deterministic variant,
-one graph-replay run of the inference call measured 1086 / 4282 µs at M = 16384 / 65536 against
-1018-1022 / 4068-4247 µs for the default (git 5ab88e5). The default kernels are unchanged.
+Bits. A listed row sums its pieces' partials; a long row the list has no room for runs whole, as one
+sequential sum; the two round differently in fp32. So past `cap` long rows in one call, which rows
+are split follows the programs' arrival, and those rows' outputs (y, row L1, dx) can differ in their
+last bits from run to run (each is still an fp32 sum rounded once). With `deterministic=True` (what
+`torch.use_deterministic_algorithms(True)` selects in `sparse_mlp`) the kernels sum whole rows piece
+by piece too, in piece order, so every row has the same bits whichever rows were listed. It is a
+variant, not the default, because it costs a few percent (docs/benchmarks.md, "Deterministic mode").
 
 Buffers (per launch, on the device): split_flags uint8 [M], split_ids int32 [cap], state int32
 [cap + 1] (zeroed), partials fp32 [cap * max_pieces * D] (+ [cap * max_pieces] for a scalar), with

@@ -1,75 +1,32 @@
 """Token-major kernels of the sparse MLP training path on a TwELL-packed first activation.
 
-Math, per ordinary (non-overflow) row m of x [M, D], over the valid slots (t, k) of that row
-(`k < counts[m, t]`, unit j = t * tile + columns[m, t, k], p_j = values[m, t, k] > 0):
+Per ordinary (non-overflow) row m of x [M, D], over its valid slots (t, k) (`k < counts[m, t]`,
+unit j = t * tile + columns[m, t, k], p_j = values[m, t, k] > 0, so the ReLU masks are 1):
 
-  forward
-    gated:      u_j = x[m] · up_weight[j]     h_j = p_j · u_j
-    non-gated:                                h_j = p_j        (p came from the up weight)
-                y[m] = Σ_j h_j · down_weight_t[j]              row_l1[m] = Σ_j |h_j|
-  backward (l1_grad[0] = upstream grad of the layer's L1 scalar / M, read on the device)
-                dh_j = dy[m] · down_weight_t[j] + l1_grad[0] · sign(h_j)
-    gated:      du_j = dh_j · p_j     dg_j = dh_j · u_j
-                dx[m] = Σ_j du_j · up_weight[j] + dg_j · gate_weight[j]
-    non-gated:  df_j = dh_j (stored in dg)       dx[m] = Σ_j df_j · up_weight[j]
-  (p_j > 0 on the support, so the ReLU masks are 1.)
+  forward     gated: u_j = x[m] · up_weight[j], h_j = p_j u_j;  non-gated: h_j = p_j
+              y[m] = Σ_j h_j · down_weight_t[j]                 row_l1[m] = Σ_j |h_j|
+  backward    dh_j = dy[m] · down_weight_t[j] + l1_grad[0] · sign(h_j)   (l1_grad = ∂L/∂l1 / M, on device)
+              gated: du_j = dh_j p_j, dg_j = dh_j u_j, dx[m] = Σ_j du_j up_weight[j] + dg_j gate_weight[j]
+              non-gated: df_j = dh_j (stored in dg), dx[m] = Σ_j df_j up_weight[j]
 
-Products, u, h, dh, du, dg and the accumulations of y and dx are fp32; y and dx are rounded to the
-activation dtype once, at the store. Per-slot results (u in the forward; du, dg in the backward)
-are stored fp32 at the slot's own position (m, t, k) of a [M, n_tiles, slots] tensor, so later
-kernels read them by slot (unit_grads.py's CSR scatter reads them token-major and moves them into
-its entry order for the weight-gradient kernel).
-Overflow rows (some `counts[m, t] > slots`, docs/format.md rule 3) are skipped: none of their
-output rows or slots is written (the dense-rows kernels own them). Unspecified slots are never read.
+Everything is fp32 until y and dx are rounded once at the store. Per-slot results (u forward; du, dg
+backward) are stored fp32 at the slot's own position of a [M, n_tiles, slots] tensor, which
+unit_grads.py regroups by unit for the weight gradients. Overflow rows (some count > slots) are
+skipped entirely: the dense-rows kernels own them. Unspecified slots are never read.
 
-Layouts:
-    x, dy          [M, D]                 bf16 / fp16, unit stride along D (any row stride)
-    values         [M, n_tiles, slots]    x's dtype, contiguous            (TwELL, docs/format.md)
-    columns        [M, n_tiles, slots]    int16, tile-local, contiguous
-    counts         [M, n_tiles]           int32, true counts, contiguous
-    gate_weight    [H, D]                 gate_proj.weight (gated backward only)
-    up_weight      [H, D]                 up_proj.weight (gated; non-gated: the first weight, read
-                                          by the backward only)
-    down_weight_t  [H, D]                 down_proj.weight^T: row j = down_proj.weight[:, j]
-                   weights: x's dtype, unit stride along D, any row stride
-    out, dx_out    [M, D]                 x's dtype, unit stride along D (any row stride)
-    u_out / u_slots, du_out, dg_out
-                   [M, n_tiles, slots]    fp32, contiguous; only valid slots of ordinary rows
-    row_l1_out     [M]                    fp32
-    l1_grad        [1]                    fp32, on the device (never read on the host)
+Layouts: x, dy, out, dx_out [M, D] bf16 / fp16, unit stride along D; values / columns / counts as in
+docs/format.md; gate_weight, up_weight, down_weight_t = down_proj.weight^T [H, D] in x's dtype, unit
+stride along D; u / du / dg slots [M, n_tiles, slots] fp32; row_l1_out [M] and l1_grad [1] fp32.
 
-Why a new kernel rather than flags on `twell_up_down` (same design, different inputs). The
-inference kernel reads one interleaved [H, 2, D] copy of (up, down) built once per module. In
-training the weights change every optimizer step, so that copy would cost a read and a write of
-both matrices per layer and step (~90 MB at the 2B shape) and double their memory; these kernels
-read the two (three in the backward) [H, D] matrices through separate pointers instead - the same
-bytes per active unit, as 2 (3) rows of D issued together instead of one row of 2 D. They also
-need each unit's slot position (to store u, du, dg), which the inference register list does not
-carry. The inference variants measured within 5% of its default on the H200 (lookahead, register
-prefetch, persistent grid) are not carried over; the inference kernel, its tuned variants and its
-tests stay untouched. What is reused (the part that made it fast, DESIGN.md §3):
-  1. a program owns BLOCK_M consecutive tokens and one BLOCK_D slice of y / dx; per token it scans
-     the counts (BLOCK_T tiles at a time) and skips overflow rows;
-  2. batch slot gather: BLOCK_N valid slots at once, lane i finding its (tile, slot) from the
-     counts alone (`t = #{tiles with cumsum(counts) <= i}`, a [BLOCK_N, BLOCK_T] compare, no memory
-     traffic), then all BLOCK_N columns and values load together into a register list of
-     (unit << 32 | bits of fp32 p) plus the row-local slot index t * slots + k. Lanes past nnz
-     repeat the last valid slot with p = 0 and are masked out of every store and sum, so weight
-     loads need no per-unit mask; only the ~nnz valid slots are visited;
-  3. per chunk of BLOCK_U units (one tl.gather from each list), every weight row of the chunk is
-     issued at once ([BLOCK_U, BLOCK_D] tiles, 16-byte vectors when ALIGNED), the row dot products
-     reduce over D in registers, and the chunk's contribution is summed into the fp32 row.
-     L2 hints: weight rows evict_last (every token using the unit re-reads them), streamed token
-     data evict_first.
-When BLOCK_D >= D (the default up to D = 8192) x[m] / dy[m] and y[m] / dx[m] stay in registers
-for the whole row and each weight row is read once per (token, active unit): 2 rows in the gated
-forward, 1 non-gated; 3 in the gated backward, 2 non-gated. For larger D the grid splits D and
-each D-slice program re-reads whole rows to form u (forward) or dh (backward) over all of D; only
-the programs of the first D-slice store the per-slot results and row_l1.
+The program structure is twell_up_down.py's (tokens per program, batch slot gather from the counts,
+chunks of unit rows issued together, long rows split by row_split.py). Why a separate kernel: the
+weights change every optimizer step, so the inference kernel's interleaved [H, 2, D] copy would cost
+a read and a write of both matrices per layer and step; these kernels read the [H, D] matrices
+through separate pointers (the same bytes per active unit) and carry each unit's slot position.
+With BLOCK_D < D each D-slice program re-reads whole rows to form u or dh over all of D.
 
-Constraints: M >= 0, any D >= 1, any H, 1 <= slots <= tile <= 32768, n_tiles = cdiv(H, tile).
-Offsets that can pass 2**31 (token rows, flat slot indices, weight rows) are int64. M is not
-specialized on: the compiled variants depend on (dtype, D, n_tiles, slots, config) only.
+Constraints: M >= 0, any D >= 1, any H, 1 <= slots <= tile <= 32768, n_tiles = cdiv(H, tile); offsets
+that can pass 2**31 are int64; compiled variants depend on (dtype, D, n_tiles, slots, config), not M.
 """
 
 from __future__ import annotations
@@ -516,8 +473,8 @@ class TwellTrainConfig:
 def _base_config(d: int, max_block_u: int) -> TwellTrainConfig:
     """The whole row of D in one program up to D = 8192, 8 contiguous elements per thread along D,
     up to 4 warps, ~8K elements per weight tile of a chunk (at most max_block_u units), batches of
-    64 slots, 2 tokens per program: twell_up_down.default_config's structure, which measured best
-    there."""
+    64 slots, 2 tokens per program: twell_up_down.default_config's structure. The inference
+    kernel's tuned variants (lookahead, register prefetch, persistent grid) are not carried over."""
     block_d = min(next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
     num_warps = max(1, min(4, block_d // 512))
     block_u = max(1, min(max_block_u, 8192 // block_d))
@@ -530,8 +487,8 @@ def default_forward_config(d: int) -> TwellTrainConfig:
     """Heuristic forward config for hidden size d (2 weight rows per unit when gated): block_u 4
     at D = 2048, up to 8 for small D. ptxas (sm_90a, bf16, D = 2048): 128 registers gated, 71
     non-gated, no spills; the deterministic variant (long rows summed piece by piece) took 168
-    gated, 3 programs per SM instead of 4, and the kernel 18% longer at M = 16384 (H200: 0.62 /
-    0.52 ms), so at D = 2048 the cap is 128 (no spills in either variant)."""
+    gated, 3 programs per SM instead of 4, and ran slower (docs/benchmarks.md, "Kernel notes"),
+    so at D = 2048 the cap is 128 (no spills in either variant)."""
     base = _base_config(d, 8)
     if base.block_d == 2048 and base.num_warps == 4:
         return dataclasses.replace(base, max_regs=128)

@@ -1,79 +1,28 @@
 """Fused up + down projection of the sparse MLP, reading the gate activation packed in TwELL.
 
-Math, per ordinary (non-overflow) row m of x [M, D], over the valid slots (t, k) of that row
-(`k < counts[m, t]`, unit j = t * tile + columns[m, t, k], p_j = values[m, t, k]):
+Per ordinary (non-overflow) row m of x [M, D], over its valid slots (t, k) (`k < counts[m, t]`,
+unit j = t * tile + columns[m, t, k], p_j = values[m, t, k]):
 
     gated:      u_j = x[m] · up_weight[j]      h_j = p_j · u_j      y[m] = Σ_j h_j · down_weight[:, j]
     non-gated:  h_j = p_j                                           y[m] = Σ_j h_j · down_weight[:, j]
 
-Products, u, h and the accumulation of y are fp32; y is rounded to x's dtype once, at the store
-(the published kernels round every product to bf16). Rows with some `counts[m, t] > slots`
-(overflow rows, docs/format.md rule 3) are skipped: their rows of `out` are left untouched for the
-dense backup path. Unspecified slots (`k >= counts[m, t]`) are never read.
+Products, u, h and the sum are fp32; y is rounded to x's dtype once, at the store. Overflow rows
+(some `counts[m, t] > slots`, docs/format.md) are skipped: their rows of `out` are left to the dense
+backup. Unspecified slots (`k >= counts[m, t]`) are never read.
 
-Layouts:
-    x              [M, D]                 bf16 / fp16, unit stride along D (any row stride)
-    values         [M, n_tiles, slots]    x's dtype, contiguous          (TwELL, docs/format.md)
-    columns        [M, n_tiles, slots]    int16, tile-local, contiguous
-    counts         [M, n_tiles]           int32, true counts, contiguous
-    up_weight      [H, D]                 up_proj.weight (gated only)
-    down_t         [H, D]                 down_proj.weight^T: row j = the down column of unit j
-                   both x's dtype, unit stride along D, any row stride: an active unit costs two
-                   contiguous D-element reads (a module whose down_proj.weight is stored transposed
-                   hands its storage over as is, without a copy)
-    out            [M, D]                 x's dtype, unit stride along D (any row stride)
+Layouts: x, out [M, D] bf16 / fp16, unit stride along D (any row stride); values [M, n_tiles, slots]
+x's dtype, columns (int16, tile-local) and counts [M, n_tiles] (int32, true counts) contiguous, as
+in docs/format.md; up_weight [H, D] (gated only) and down_t [H, D] = down_proj.weight^T (row j = the
+down column of unit j), x's dtype, unit stride along D, any row stride: an active unit costs two
+contiguous D-element reads (a down weight stored transposed, as SparseMLP stores it, is read as is).
 
-Program structure (grid = (cdiv(M, BLOCK_M), cdiv(D, BLOCK_D)), or with `persistent` k programs
-per SM that take rows p, p + grid, ...): a program owns its tokens and one BLOCK_D-wide slice of y.
-For each token it
-  1. scans the row's counts (BLOCK_T tiles at a time) and skips the row if any count > slots;
-  2. gathers a batch of BLOCK_N valid slots at once: lane i finds its tile from the counts alone
-     as `t = #{tiles with cumsum(counts) <= i}` and its slot as `k = i - Σ_{those tiles} counts`
-     (a [BLOCK_N, BLOCK_T] compare, no memory traffic), then all BLOCK_N columns and values load
-     together and become one register list of (unit << 32 | bits of fp32 p). Lanes past nnz
-     repeat the last valid slot with p = 0, so the weight loads need no per-unit mask. Rows with
-     more than BLOCK_N active units take more batches; the ~nnz valid slots are visited, never
-     the n_tiles·slots mostly empty ones;
-  3. per chunk of BLOCK_U units (unit, p pulled from the list by one tl.gather), issues the
-     down-row loads [BLOCK_U, BLOCK_D] and (gated) the up-row loads together, so 2·BLOCK_U
-     independent 16-byte-vectorized unit rows are in flight; the up dot products reduce over D
-     to u [BLOCK_U] (fp32), then y += Σ_u (p·u) · down.
-When BLOCK_D >= D (the default for D <= 8192) x[m] and y[m] stay in registers for the whole row
-and each weight element is read exactly once per (token, active unit). For larger D the grid splits
-D: the down rows are still read once, but each D-slice program re-reads the whole up rows to form u
-(a cost of (cdiv(D, BLOCK_D) - 1) extra up-row reads; correct for any D).
-
-Latency: a chunk of the first kernel was a chain of two memory latencies (the columns of its slots,
-streamed from HBM, then the weight rows). The batch gather (2) takes the columns out of the chunk
-chain; the variants below overlap what is left (UpDownConfig fields, all exact, all tested):
-  lookahead   the next token's counts scan and columns/values batch are issued before this token's
-              chunks (rows of one program), so a token starts with its unit list in registers;
-  prefetch    register double buffering: chunk c + 1's loads are issued before chunk c is
-              reduced (costs a second chunk of registers);
-  evict       L2 eviction hints: weight rows evict_last (they are re-read by every token using the
-              unit), streamed x / values / columns / counts / out evict_first;
-  max_regs    a register cap (ptxas .maxnreg) that buys more resident programs per SM;
-  block_n     = block_u gives the first kernel's structure (columns loaded per chunk).
-Triton's software-pipelined version of the chunk loop (`tl.range(num_stages > 1)`, weight rows
-staged in shared memory by cp.async) faulted on sm_90 (H200: illegal memory access at block_n 64)
-and was removed; the chunk loop is a plain loop.
-
-Long rows (split_slots, split_cap; kernels/row_split.py): one program runs a row as a serial chain
-of chunks, so the few rows of the heavy tail finished the launch alone (0.234 ms at M = 4096 on the
-H200 with them, 0.143 ms with the rows over 4x the mean left out). Rows of more than split_slots
-valid slots are listed (up to split_cap; the same pass over counts yields the overflow flags for
-the dense backup), and the first split_cap * max_pieces programs of the launch run their pieces
-beside the row programs; the last piece of a row to arrive adds the fp32 partials in piece order
-and writes the row. The price: a few small buffers, one memset and the classification launch.
-
-Reuse across tokens (not implemented; on the synthetic activations of DESIGN.md §4 reading each
-unit once per group of tokens would save 3% of the row reads at 8 tokens, 34% at 128): tokens of
-a program are processed one after the other, so a hot unit shared by them is re-read (from L1 at
-best). The exact reuse variant would, per tile, take the union of the BLOCK_M tokens' columns (callers sort/group
-tokens so unions stay small), load each union unit's [2, D] row once into a [BLOCK_U, D] chunk, and
-compute U = X[BLOCK_M, D] @ Wu_chunk^T and Y += (P ⊙ U)[BLOCK_M, BLOCK_U] @ Wd_chunk with tl.dot,
-P being the scattered [BLOCK_M, BLOCK_U] slice of the activation (zeros where a token does not use
-a unit).
+Grid (cdiv(M, BLOCK_M), cdiv(D, BLOCK_D)): a program owns a few tokens and one slice of y. Per token
+it scans the counts, gathers BLOCK_N valid slots at once into a register list (unit, p), then loads
+the weight rows of BLOCK_U units together and accumulates; only the ~nnz valid slots are visited,
+never the n_tiles·slots mostly empty ones. With BLOCK_D >= D (the default up to D = 8192) x[m] and
+y[m] stay in registers and each weight element is read once per (token, active unit). Rows with
+many active units are split over programs (kernels/row_split.py); few-token calls use short pieces.
+Design and its measurements: docs/design.md ("Inference"), docs/benchmarks.md ("Kernel notes").
 
 Constraints: M >= 1 (M = 0 returns the empty output), any D >= 1, any H, 1 <= slots <= tile <= 32768,
 n_tiles = cdiv(H, tile). Offsets that can pass 2**31 (token rows, slot indices, weight rows) are
@@ -366,7 +315,7 @@ def _twell_up_down_kernel(
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides
     ONE_D_BLOCK: tl.constexpr,    # BLOCK_D >= D: x[m] is loaded once per token, u needs no loop
     EVEN_D: tl.constexpr,         # D % BLOCK_D == 0: no mask along D
-    BLOCK_M: tl.constexpr,        # tokens per program (consecutive; no reuse, see docstring)
+    BLOCK_M: tl.constexpr,        # tokens per program (consecutive; no reuse across them: docs/design.md)
     PERSISTENT: tl.constexpr,     # instead: program p takes rows p, p + grid, p + 2 grid, ...
     BLOCK_U: tl.constexpr,        # active units per chunk (weight rows loaded together)
     BLOCK_N: tl.constexpr,        # compact slots per batch (columns/values gathered together)
@@ -379,6 +328,21 @@ def _twell_up_down_kernel(
     PIECE: tl.constexpr,          # valid slots per piece of a split row (a multiple of BLOCK_N)
     PIECE_ORDER: tl.constexpr,    # SPLIT, deterministic: long rows run whole also sum piece by piece
 ):
+    """y = down(p ⊙ (x up^T)) for the ordinary rows (module docstring). Per token a row program
+      1. scans the row's counts (BLOCK_T tiles at a time) and skips the row if any count > slots;
+      2. gathers BLOCK_N valid slots at once: lane i finds its tile from the counts alone as
+         `t = #{tiles with cumsum(counts) <= i}` and its slot as `k = i - Σ_{those tiles} counts`
+         (a [BLOCK_N, BLOCK_T] compare, no memory traffic); the columns and values then load
+         together into one register list of (unit << 32 | bits of fp32 p). Lanes past nnz repeat
+         the last valid slot with p = 0, so the weight loads need no per-unit mask;
+      3. per chunk of BLOCK_U units (one tl.gather from the list) issues the down rows and (gated)
+         the up rows together, 2·BLOCK_U independent 16-byte-vectorized rows in flight; the up dot
+         products reduce over D to u [BLOCK_U] fp32, then y += Σ_u (p·u) · down.
+    With BLOCK_D < D the grid splits D: down rows are still read once, but each D-slice program
+    re-reads the whole up rows to form u. Variants of the chunk loop (UpDownConfig: LOOKAHEAD,
+    PREFETCH, EVICT, max_regs) overlap the latency chain columns -> weight rows. Triton's
+    software-pipelined chunk loop (`tl.range(num_stages > 1)`, rows staged through shared memory)
+    faulted on sm_90 (illegal memory access), so the chunk loop is a plain loop."""
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] this program's slice of y
     mask_d = offs_d < D
@@ -564,11 +528,8 @@ class UpDownConfig:
 
 # Token-count buckets of the launch heuristic: (largest M, slots per piece = slots per batch). With few
 # tokens the grid has few row programs, each a serial chain over its ~30 units, so rows are cut into
-# short pieces that run side by side. H200, bf16, D = 2048 / H = 5632, 29 active units per token, tile
-# 256, each call captured in a CUDA graph (the classification launch included; an ad-hoc sweep of
-# pieces 8-64 at git f9ca885): the default config (pieces of 128, 2 tokens per program) took 17.5 /
-# 28.1 / 38.2 / 59.6 µs at M = 1 / 16 / 64 / 256; pieces of 16 took 15.6 / 17.5 / 22.5 / 45.1 µs and
-# pieces of 32 17.3 / 20.0 / 26.1 / 32.9 µs. Three buckets, so at most three compiled variants per shape.
+# short pieces that run side by side (the sweep behind these: docs/benchmarks.md, "Kernel notes").
+# Three buckets, so at most three compiled variants per shape.
 _SMALL_M_PIECES = ((64, 16), (512, 32))
 
 
@@ -580,12 +541,8 @@ def default_config(d: int, m: int | None = None) -> UpDownConfig:
     pieces, and at D = 2048 (4 warps) registers capped at 128 (4 programs per SM). Other D keep
     the compiler's register count. Given m, calls of at most 512 tokens split rows into pieces of
     16 (m <= 64) or 32 slots, one token per program (_SMALL_M_PIECES); m=None is the large-M config.
-
-    Measured (H200, bf16, D = 2048, H = 5632, 29 active units per token with a tail to ~370,
-    git ef09de9, an ad-hoc sweep of these configs): this config takes 0.147 / 0.489 / 1.932 ms at M = 4096 / 16384 /
-    65536, against 0.234 / 0.593 / 2.008 ms for the earlier default (no split, 96 registers) and
-    0.211 / 0.558 / 1.926 ms for no split at 128 registers. The split kernel spills under the
-    96-register cap: 0.180 / 0.611 / 2.433 ms there."""
+    The sweep that chose it: docs/benchmarks.md, "Kernel notes" (the split kernel spills under a
+    96-register cap)."""
     piece = next((p for max_m, p in _SMALL_M_PIECES if m is not None and m <= max_m), None)
     return _bucket_config(d, piece)
 
@@ -609,9 +566,8 @@ def benchmark_configs(d: int) -> list[UpDownConfig]:
 
     Occupancy at d = 2048 (ptxas, sm_90a, bf16 gated): 4 warps hold a [block_u, 2048] chunk of
     up and down rows in 16 * block_u registers per thread; 65536 registers per SM give 3
-    programs at 168 registers, 4 at 104-128, 5 at 96, 6 at 80 (2 warps: 6 at 168).
-    H200 times at M = 4096 (ms) noted below are from the sweep before rows were split and the
-    default moved from 96 to 128 registers (its default then: 0.231)."""
+    programs at 168 registers, 4 at 104-128, 5 at 96, 6 at 80 (2 warps: 6 at 168). Their times on
+    the H200: docs/benchmarks.md, "Kernel notes"."""
     base = default_config(d)
     r = dataclasses.replace
     w2 = max(1, base.num_warps // 2)
@@ -622,10 +578,10 @@ def benchmark_configs(d: int) -> list[UpDownConfig]:
         r(base, max_regs=96),                  # 5 programs per SM, but spills
         # the first kernel's structure: columns loaded per chunk, no lookahead, no L2 hints,
         # compiler's registers
-        r(base, block_n=base.block_u, lookahead=False, evict=False, max_regs=None),  # 0.268
-        r(base, max_regs=104),                 # 4 programs per SM: 0.224
-        r(base, max_regs=104, lookahead=False),  # 0.219
-        r(base, max_regs=None),                # 168 registers, 3 programs: 0.223
+        r(base, block_n=base.block_u, lookahead=False, evict=False, max_regs=None),
+        r(base, max_regs=104),                 # 4 programs per SM
+        r(base, max_regs=104, lookahead=False),
+        r(base, max_regs=None),                # 168 registers, 3 programs
         # one change at a time from the default
         r(base, block_u=half),
         r(base, block_n=32),
@@ -633,12 +589,12 @@ def benchmark_configs(d: int) -> list[UpDownConfig]:
         r(base, block_m=4),
         r(base, persistent=5),
         # 2 warps per program: fewer warps per cross-warp reduction, 6 programs at 168 registers
-        r(base, num_warps=w2, max_regs=168),   # 0.239
+        r(base, num_warps=w2, max_regs=168),
         # register double buffering
-        r(base, block_u=half, prefetch=True, max_regs=None),  # 0.255
-        r(base, prefetch=True, max_regs=None),  # 0.283
+        r(base, block_u=half, prefetch=True, max_regs=None),
+        r(base, prefetch=True, max_regs=None),
         # 8 warps, 8 units per chunk
-        r(base, block_u=base.block_u * 2, num_warps=base.num_warps * 2, max_regs=128),  # 0.222
+        r(base, block_u=base.block_u * 2, num_warps=base.num_warps * 2, max_regs=128),
     ]
     return list(dict.fromkeys(configs))
 

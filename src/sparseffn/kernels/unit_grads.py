@@ -1,110 +1,29 @@
 """Unit-major (transposed) work of the sparse MLP backward: the weight gradients.
 
-Math. The weight gradients are sums over tokens where a unit is active. For the valid slots of
-the ordinary (non-overflow) rows of a TwELL activation (docs/format.md), slot s = (m, t, k) with
-unit j = t * tile + columns[m, t, k], p_s = values[s], and the per-slot results of the token-major
-kernels (twell_train.py: u_s from the forward, du_s, dg_s from the backward, all fp32):
+The weight gradients are sums over the tokens where a unit is active. Over the valid slots s =
+(m, t, k) of the ordinary rows of a TwELL activation (unit j = t * tile + columns[m, t, k], p_s =
+values[s]) and the per-slot fp32 results of twell_train.py (u_s forward, du_s and dg_s backward):
 
-    gated:      grad_gate[j]   = Σ_{s of j} dg_s · x[m_s]
-                grad_up[j]     = Σ_{s of j} du_s · x[m_s]
-                grad_down_t[j] = Σ_{s of j} (p_s u_s) · dy[m_s]          (h = p u, fp32)
-    non-gated:  grad_up[j]     = Σ_{s of j} dg_s · x[m_s]     (dg holds d(first projection))
-                grad_down_t[j] = Σ_{s of j} p_s · dy[m_s]
+    gated:      grad_gate[j] = Σ_{s of j} dg_s x[m_s]    grad_up[j] = Σ_{s of j} du_s x[m_s]
+                grad_down_t[j] = Σ_{s of j} (p_s u_s) dy[m_s]
+    non-gated:  grad_up[j] = Σ_{s of j} dg_s x[m_s]      grad_down_t[j] = Σ_{s of j} p_s dy[m_s]
 
-grad_down_t is [H, D] = (dL/d down_proj.weight)^T. Accumulation is fp32; the three outputs are fp32
-[H, D] buffers that are OVERWRITTEN, every row (units without entries get 0); the dense-rows kernels
-add the overflow rows' contributions into the same buffers afterwards and the caller casts.
+grad_down_t is [H, D] = (dL/d down_proj.weight)^T. The three fp32 [H, D] outputs are OVERWRITTEN,
+every row (units without entries get 0); the dense-rows backward then adds the overflow rows' terms
+and the caller rounds. Two steps, no host synchronisation (fixed-size buffers, counts on device):
+  1. `slots_by_unit`: a CSR over units of the valid slots (offsets [H + 1], entries = token ids),
+     the weight-gradient coefficients moved into entry order in the same pass, and the units'
+     order hottest first. deterministic=True orders each unit's entries by token.
+  2. `unit_weight_grads`: per unit and D slice, an fp32 sum over the unit's entries on CUDA cores,
+     gathering x / dy rows; a unit's sum is never split across programs (no atomics, no scratch).
+Why CUDA cores and not tensor cores: the work is ~3 FMAs per gathered element, so the per-step
+index work and the gathers set the pace (docs/design.md, "Training").
 
-Two steps, no host synchronisation anywhere (fixed-size buffers; counts stay on the device):
-
-1. `slots_by_unit`: a CSR over units of the valid slots of ordinary rows.
-       offsets  [H + 1]              index dtype; offsets[H] = number of entries E (on the device)
-       entries  [M * n_tiles * slots] index dtype; entries[offsets[j]:offsets[j+1]] are the tokens
-                                     (rows m) of the slots of unit j (the weight-gradient kernel
-                                     gathers x[m], dy[m]); entries past E are unspecified
-       coefficients [n, M * n_tiles * slots] fp32 (when asked for): the weight-gradient
-                                     coefficients of entry e in column e: row 0 dg, row 1 h (p u
-                                     gated, p non-gated), row 2 du (gated only)
-   index dtype: int32 when M * n_tiles * slots < 2**31, else int64.
-   The scatter reads each slot's coefficients where it reads its column (token-major: contiguous)
-   and writes them at the slot's entry position. The weight-gradient kernel then reads them
-   contiguously per unit. Read there at the flat slot index instead, every entry of every D slice
-   cost up to four scattered 4-byte reads from [M, n_tiles, slots] arrays that do not fit in L2
-   (46 MB each at M = 16384), which also evicted the x / dy slices the gathers reuse.
-       order    [H] int32            the units hottest first, the weight-gradient kernel's program
-                                     order (step 2)
-   Launches: a histogram of the valid slots per unit (one program per row, integer atomics), the
-   offsets and order of the units (_unit_offsets_kernel: each unit's rank from comparisons with all
-   H counts, up to _RANK_MAX_UNITS units; torch's cumsum and stable argsort above), and a scatter in
-   which every valid slot takes its place among its unit's entries from a cursor:
-   fast (deterministic=False): one shared cursor row, the histogram itself counted down by atomics
-       (entry = offsets[j] + the count left). Each row is one program, so the order inside a unit
-       is whatever order the atomics ran in. Cost ~ the valid slots (masked loads touch only their
-       columns) and three launches (H200, M = 16384, the paper's shape: 156 µs in all).
-   deterministic=True: a counting sort by row blocks. The rows are cut into n_blocks blocks of
-       consecutive rows (at most _MAX_DET_BLOCKS blocks, at least _MIN_DET_ROWS rows each); the
-       histogram is per block ([n_blocks, H], integer atomics: exact); a prefix over the blocks
-       (one more launch, in place, the unit totals into offsets) turns it into each block's first
-       place per unit; then one program per block walks its rows in order with plain loads/stores
-       of its own cursors and a barrier between rows. Each row holds a unit at most once, so
-       within a unit the entries come out in ascending token order (ascending flat slot index):
-       the result does not depend on scheduling. Cost over the fast path: a [n_blocks, H] index
-       scratch (<= 1024 * H * 4 bytes: 23 MB at H = 5632), its prefix, and a scatter whose
-       programs are serial over their rows; no sort of the fixed-size [M * n_tiles * slots] slot
-       array (a stable radix sort of that array, the obvious alternative, moves ~24x more keys
-       than there are entries at the paper's sparsity). Measured: see `sparse_mlp`'s docs
-       (README, "Deterministic mode").
-
-2. `unit_weight_grads`: per unit j and D slice, a reduction over the unit's entries on CUDA cores
-   in fp32. One step takes BLOCK_E entries e of the unit, gathers the token rows X = x[m_e, slice]
-   and DY = dy[m_e, slice] ([BLOCK_E, BLOCK_D], 16-byte vectors when ALIGNED, converted to fp32)
-   and the entries' fp32 coefficients (contiguous, entry order), and adds
-       acc_first [BLOCK_D] += Σ_e dg_e X[e]      (grad_gate gated; grad_up non-gated)
-       acc_up    [BLOCK_D] += Σ_e du_e X[e]      (gated only)
-       acc_down  [BLOCK_D] += Σ_e h_e DY[e]      (h = p u gated, p non-gated)
-   The layout covers the slice with the program's threads (8 columns of 16 bytes per thread; 4 warps
-   span 1024 columns), so the sum over a step's entries stays in each thread's registers. At the
-   unit's last step the accumulators are stored and restart at 0 for the program's next unit.
-   Precision: fp32 products and fp32 sums, as an fp32 FMA loop (the order: the step's entries, then
-   the steps); no range limit of x's dtype applies to the coefficients (fp16 included). Non-finite
-   coefficients, x or dy give non-finite results. When D % BLOCK_D == 0 the dead lanes of a unit's
-   partial last step gather token 0's rows unmasked (their coefficients are 0, so finite rows add
-   exact zeros: bitwise the masked result); a non-finite value in x[0] or dy[0] then reaches those
-   units too, as dense torch's GEMMs (0 * inf = NaN) spread it to every unit.
-   Why CUDA cores. The work is ~3 FMAs per gathered element (~0.7 GFMA at M = 4096, D = 2048,
-   nnz 29: tens of µs at the H200's fp32 rate); what costs is the per-step work and the gathers.
-   The tensor-core version this replaced (16-row MMAs [16, BLOCK_E] @ [BLOCK_E, 256], each fp32
-   coefficient split into three terms of x's dtype, fp16 range scaling) was issue-bound at small
-   slices: 0.40 / 0.89 ms at M = 4096 / 16384 against 0.157 / 0.599 ms for this one (H200, one
-   training step's inputs, the kernel alone, do_bench, L2 flushed; the whole call with the argsort
-   of units it then ran: 0.449 -> 0.205 ms at M = 4096, benchmarks/results/h200/unit_grads_sweep.txt).
-   Programs. Units run hottest first (longest-processing-time order: most entries first, ties by
-   id). The order must be exact: by powers-of-two buckets of the counts the kernel took 10% / 14%
-   longer at M = 16384 / 65536, in unit-id order 32% / 33% longer (H200, the paper's shape, 8
-   units per program). The grid is (n_groups = cdiv(H, UNITS), D slices); program (g, s) takes
-   the ordered positions g, 2G-1-g, 2G+g, 4G-1-g, ... (a snake over rounds of G, so every program
-   gets one unit of each round: balanced totals) and walks all their steps in ONE flat loop of
-   sum_j max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one empty step that stores
-   its zeros). The step -> (unit, first entry) map is a handful of reductions over the program's UNITS
-   slots (one-hot on first_step <= i < last_step), so no work depends on data-dependent control
-   flow. A unit's sum is never split across programs: deterministic given the entry order, no
-   atomics, no scratch. The D slice is the slow grid axis: all units of one slice run together, so
-   the x / dy slices (2 * M * BLOCK_D * 2 bytes: 32 MB at M = 8192, BLOCK_D = 1024) tend to stay in
-   L2 while the units of a token read them. Bytes moved: 2 rows of BLOCK_D per entry and slice,
-   gathered from L2, and 12 (gated) / 8 bytes of coefficients per entry and slice, read
-   contiguously.
-
-Layouts:
-    columns   [M, n_tiles, slots]  int16 tile-local, contiguous;  counts [M, n_tiles] int32, contiguous
-    x, dy     [M, D]               bf16 / fp16 (one dtype), unit stride along D, any row stride
-    values    [M, n_tiles, slots]  x's dtype, contiguous       (SlotCoefficients, read by the scatter)
-    u_slots, du_slots, dg_slots
-              [M, n_tiles, slots]  fp32, contiguous (gated: all three; non-gated: dg_slots only)
-    grad_*_out [H, D]              fp32, unit stride along D (any row stride)
-
+Layouts: columns [M, n_tiles, slots] int16 tile-local, counts [M, n_tiles] int32, both contiguous;
+x, dy [M, D] bf16 / fp16 (one dtype), unit stride along D; values [M, n_tiles, slots] x's dtype and
+u / du / dg slots [M, n_tiles, slots] fp32 (non-gated: dg only), contiguous; grad_*_out [H, D] fp32,
+unit stride along D. Index dtype int32 when M * n_tiles * slots < 2**31, else int64.
 Constraints: any M >= 0, D >= 1, H >= 1, 1 <= slots <= tile <= 32768, n_tiles = cdiv(H, tile).
-The weight-gradient kernel takes `slots_by_unit`'s result, built with the coefficients.
-
 Interpreter (TRITON_INTERPRET=1, CPU tensors): the same kernels (no tl.dot).
 """
 
@@ -139,15 +58,13 @@ _MAX_DET_BLOCKS = 1024  # deterministic slots_by_unit: row blocks at most ([n_bl
 _MIN_DET_ROWS = 16      # ... and rows per block at least
 _SLOT_LANES = 2048      # [BLOCK_T, BLOCK_S] slots per step of the slot kernels
 _SLOT_WARPS = 2        # one row per program, ~29 valid slots: small programs, more rows in flight per SM
-                       # (H200, M = 16384, cold L2: slots_by_unit 0.215 ms on 2 warps, 0.316 ms on 4)
 _PREFIX_BLOCKS = 64    # [blocks, units] tile of _block_prefix_kernel: 64 x 32 int32, 128-byte rows
 _PREFIX_UNITS = 32
 _ORDER_UNITS = 16      # units per program of _unit_offsets_kernel ([16, 512] comparisons per step)
 _ORDER_STEP = 512
-# Up to this many units the offsets and the order come from _unit_offsets_kernel: H * H comparisons
-# on the H200 took 14 µs at H = 5632 and 54 µs at 14336 (1.0 ms at 65536), torch's cumsum + stable
-# radix argsort ~20 µs of GPU time at any H, but ~8 torch calls of host work (~0.25 ms per step on
-# the lent hosts).
+# Up to this many units the offsets and the order come from _unit_offsets_kernel (H * H comparisons,
+# one launch); above it from torch's cumsum + stable argsort, whose GPU time does not grow with H but
+# which costs ~8 torch calls of host work per step (docs/benchmarks.md, "Kernel notes").
 _RANK_MAX_UNITS = 8192
 
 
@@ -328,8 +245,26 @@ def _unit_weight_grads_kernel(
     BLOCK_D: tl.constexpr,        # gradient columns per program (the D slice)
     UNITS: tl.constexpr,          # units per program (snake over the hottest-first order)
 ):
-    """Program (g, s): the rows of the units at sorted positions g, 2G-1-g, 2G+g, ... (G = n_groups)
-    in D slice s, one flat loop over all their steps (module docstring)."""
+    """Program (g, s): the units at sorted positions g, 2G-1-g, 2G+g, 4G-1-g, ... (G = n_groups: a
+    snake over rounds of G, so every program gets one unit of each round) in D slice s.
+
+    Units run hottest first (most entries first, ties by id); the order must be exact (coarser
+    orders measured slower: docs/benchmarks.md, "Kernel notes"). The program walks all its units'
+    steps in ONE flat loop of Σ_j max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one
+    empty step that stores its zeros); the step -> (unit, first entry) map is a few reductions over
+    the UNITS slots, so no work depends on data-dependent control flow. One step gathers BLOCK_E
+    entries' rows X = x[m_e, slice], DY = dy[m_e, slice] ([BLOCK_E, BLOCK_D], 16-byte vectors when
+    ALIGNED, converted to fp32) and their coefficients (contiguous, entry order), and adds
+        acc_first [BLOCK_D] += Σ_e dg_e X[e]      (grad_gate gated; grad_up non-gated)
+        acc_up    [BLOCK_D] += Σ_e du_e X[e]      (gated only)
+        acc_down  [BLOCK_D] += Σ_e h_e DY[e]      (h = p u gated, p non-gated)
+    The threads cover the slice (8 columns of 16 bytes each; 4 warps span 1024 columns), so the sum
+    over a step's entries stays in each thread's registers: fp32 products and sums, no range limit
+    of x's dtype on the coefficients. With EVEN_D the dead lanes of a unit's last step gather token
+    0's rows unmasked against zero coefficients (bitwise the masked result for finite rows; a
+    non-finite x[0] or dy[0] then reaches those units, as dense GEMMs spread it to every unit).
+    D slices are the slow grid axis, so the x / dy slices tend to stay in L2 while a slice's units
+    read them."""
     g = tl.program_id(0)
     pid_d = tl.program_id(1)
 
@@ -439,12 +374,12 @@ class SlotCoefficients(NamedTuple):
 
 
 class SlotsByUnit(NamedTuple):
-    """The valid slots of the ordinary rows grouped by unit (module docstring, step 1).
+    """The valid slots of the ordinary rows grouped by unit (`slots_by_unit`).
 
     offsets       [H + 1]             index dtype; offsets[H] = E, the number of entries (on device)
     entries       [capacity]          index dtype; tokens (rows), unit j's at offsets[j]:offsets[j+1]
     order         [H]                 int32; the units hottest first (the weight-gradient kernel's
-                                      program order; module docstring, step 2)
+                                      program order)
     coefficients  [n, capacity] fp32  entry order (None when not asked for): row 0 dg, row 1 h (p u
                                       gated, p non-gated), row 2 du (gated only)
     capacity = M * n_tiles * slots (E is unknown on the host); entries past E are unspecified."""
@@ -483,12 +418,25 @@ def slots_by_unit(
     deterministic: bool,
     coefficients: SlotCoefficients | None = None,
 ) -> SlotsByUnit:
-    """The valid slots of the ordinary rows of a TwELL activation grouped by unit (CSR, see the
-    module docstring), and, when `coefficients` is given, the weight-gradient coefficients of each
-    entry moved into entry order in the same pass (read token-major, contiguous: the weight-gradient
-    kernel then reads them contiguously per unit). deterministic=True orders each unit's entries by
-    token (bitwise reproducible); False leaves the order to the atomics. All on columns'
-    device, indices int32 (int64 when M * n_tiles * slots >= 2**31); no host synchronisation."""
+    """The valid slots of the ordinary rows of a TwELL activation grouped by unit (CSR: `SlotsByUnit`),
+    and, when `coefficients` is given, the weight-gradient coefficients of each entry moved into
+    entry order in the same pass (read token-major, contiguous, so the weight-gradient kernel reads
+    them contiguously per unit rather than scattered over [M, n_tiles, slots] arrays larger than L2).
+    All on columns' device, indices int32 (int64 when M * n_tiles * slots >= 2**31), no host sync.
+
+    Launches: a histogram of the valid slots per unit (one program per row, integer atomics), the
+    offsets and the hottest-first order (`_unit_offsets_kernel`: each unit's rank from comparisons
+    with all H counts, up to _RANK_MAX_UNITS units; torch's cumsum and stable argsort above), and a
+    scatter in which every valid slot takes its place among its unit's entries from a cursor:
+      deterministic=False: one shared cursor row, the histogram itself counted down by atomics, so
+        the order inside a unit is whatever order the atomics ran in;
+      deterministic=True: a counting sort by blocks of consecutive rows (at most _MAX_DET_BLOCKS
+        blocks of at least _MIN_DET_ROWS rows): a per-block histogram [n_blocks, H], a prefix over
+        the blocks, then one program per block walks its rows in order with its own cursors. Each
+        row holds a unit at most once, so a unit's entries come out in ascending token order
+        whatever the scheduling. Cost: a [n_blocks, H] index scratch (<= 1024 * H * 4 bytes), its
+        prefix and serial scatter programs; no sort of the [M * n_tiles * slots] slot array (a
+        stable radix sort of it would move ~24x more keys than there are entries at 29 per token)."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     for name, value in (("tile", tile), ("h", h), ("slots", slots)):
@@ -596,14 +544,9 @@ class UnitGradsConfig:
 def default_unit_grads_config(d: int) -> UnitGradsConfig:
     """From D only (M adds no compiled variant): 8 entries per step, a slice of up to 1024 columns
     and one warp per 256 of them (up to 4), so that each thread holds 8 columns of every entry of a
-    step and the sums over entries stay in registers; 4 units per program, no pipelining stages.
-    H200, bf16, D = 2048 / H = 5632, nnz 29, one training step's inputs (do_bench, L2 flushed):
-    4 / 8 units per program at M = 16384 / 65536: 0.555 / 0.600 and 2.75 / 2.85 ms (16 took 25% /
-    13% longer than 8 in a run with a coarser order). At 8 units per program and M = 4096 / 16384
-    (entries per step, slice, warps): 8, 1024, 4: 0.157 / 0.599 ms; 4, 1024, 4:
-    0.187 / 0.782; 8, 2048, 8: 0.176 / 0.663; 4, 2048, 8: 0.217 / 0.824 (2 stages: the same); with
-    warps left over for the entries (8, 1024, 8 or 8, 512, 4) the sums cross warps through shared
-    memory on every step: 1.09 / 3.85 and 1.07 / 3.76 ms."""
+    step and the sums over entries stay in registers (warps left over for the entries would make
+    the sums cross warps through shared memory on every step); 4 units per program, no pipelining
+    stages. The sweep behind it: docs/benchmarks.md, "Kernel notes"."""
     block_d = min(1024, max(16, next_power_of_2(d)))
     return UnitGradsConfig(block_e=8, block_d=block_d, num_warps=min(4, max(1, block_d // 256)), num_stages=1,
                            units_per_program=4, max_regs=None)
@@ -636,9 +579,9 @@ def unit_weight_grads(
     config: UnitGradsConfig | None = None,
 ) -> None:
     """Overwrite the fp32 [H, D] weight gradients from `slots_by_unit`'s result, built with the
-    coefficients (see the module docstring for the math). Non-gated: `grad_gate_out` must be None
-    and grad_up_out receives the first weight's gradient. `config` overrides
-    `default_unit_grads_config(D)`. No host synchronisation."""
+    coefficients (the math: module docstring; the kernel: `_unit_weight_grads_kernel`). Non-gated:
+    `grad_gate_out` must be None and grad_up_out receives the first weight's gradient. `config`
+    overrides `default_unit_grads_config(D)`. No host synchronisation."""
     gated = _check_gated(gated)
     m, d = check_matrix(x, "x")
     dev = x.device

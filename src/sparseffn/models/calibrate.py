@@ -1,4 +1,4 @@
-"""`calibrate_thresholds`: per-unit thresholds that give every layer a target sparsity (DESIGN §4, §5).
+"""`calibrate_thresholds`: per-unit thresholds that give every layer a target sparsity (docs/design.md, "Thresholds").
 
 For each layer in order (a layer's θ changes the inputs of the later layers), on the sample batches:
 

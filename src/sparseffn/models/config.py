@@ -1,4 +1,4 @@
-"""`SparsityConfig`: how a model is sparsified and trained for sparsity (DESIGN §1, §5).
+"""`SparsityConfig`: how a model is sparsified and trained for sparsity (docs/design.md).
 
 Recorded by `sparsify_` as `model.config.sparseffn` (a plain dict), so `save_pretrained` writes it to
 config.json and `load_pretrained` rebuilds the same sparse model.
@@ -36,7 +36,7 @@ def _int(value: object, name: str) -> int:
 class SparsityConfig:
     """Sparsity settings of a model.
 
-    l1_coeff: λ of `loss = ce + λ · mean over layers of l1` (DESIGN §1; released checkpoints use 2e-5).
+    l1_coeff: λ of `loss = ce + λ · mean over layers of l1` (docs/design.md; the paper's released checkpoints use 2e-5).
     l1_warmup_steps: steps over which the training loop ramps λ from 0 (0 = no ramp).
     activation: the gate activation; only "relu" exists.
     threshold: a global θ every unit starts with at `sparsify_` (None = 0, plain ReLU); per-unit

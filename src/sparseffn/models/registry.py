@@ -1,4 +1,4 @@
-"""Model configs by name and `build_model`: Llama-style causal LMs with ReLU gates (DESIGN §1).
+"""Model configs by name and `build_model`: Llama-style causal LMs with ReLU gates (docs/design.md).
 
 Every config: hidden_act "relu", tied input/output embeddings, RoPE θ = 1e5, heads of 64, no GQA
 (key/value heads = heads), RMSNorm ε = 1e-5, context 2048. Sizes (parameters at the default vocab):

@@ -2,11 +2,8 @@
 
 The kernels are registered as custom ops (with fake implementations and autograd) so that
 torch.compile, torch.export and make_fx see one opaque node. In plain eager mode that dispatch buys
-nothing and costs host time: ~8 µs per call of a custom op with this signature on this project's
-2-core CPU machine (an op doing nothing against its body, torch 2.13). On the lent H200's hosts
-(benchmarks/profile_host.py, M = 1) `sparseffn::twell_mlp` took 550 µs against 297 µs for its body
-on one machine, 315 µs against 333 µs on another: their host time is noisy. So eager calls run the
-bodies directly, and everything else goes through the ops.
+nothing and costs host time (docs/benchmarks.md, "Kernel notes"), so eager calls run the bodies
+directly, and everything else goes through the ops.
 """
 
 from __future__ import annotations

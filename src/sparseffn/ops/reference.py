@@ -5,7 +5,7 @@ MLP in Hugging Face layouts (gate/up [H, D], down [D, H]):
     gated:      y = down( relu(x gate^T - θ) * (x up^T) )
     non-gated:  y = down( relu(x up^T - θ) )            (gate_weight=None)
 
-L1 penalty of one layer (DESIGN.md §1): mean over tokens of the per-token sum of |h| over the H units.
+L1 penalty of one layer (docs/design.md): mean over tokens of the per-token sum of |h| over the H units.
 """
 
 from __future__ import annotations

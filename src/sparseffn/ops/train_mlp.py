@@ -1,6 +1,6 @@
 """The sparse MLP for training: forward + backward on TwELL with the L1 penalty folded in.
 
-Math (DESIGN.md §1, §3), HF layouts, θ a per-unit constant:
+Math (docs/design.md), HF layouts, θ a per-unit constant:
 
     gated:      g = x Wg^T, p = relu(g - θ), u = x Wu^T, h = p ⊙ u
     non-gated:  p = relu(x Wu^T - θ), h = p
@@ -218,8 +218,7 @@ def _gradients(ctx, dy, dl1, backward):
 def _setup_context(ctx, inputs, output):
     _save(ctx, inputs, output[2:])
     # The packed forms are bookkeeping for backward: no gradient flows through them (materialising zero
-    # gradients for the [M, n_tiles, slots] outputs cost ~0.7 ms of host time and a fill kernel per step
-    # at M = 4096 on the H200).
+    # gradients for the [M, n_tiles, slots] outputs would cost host time and a fill kernel per step).
     ctx.mark_non_differentiable(*output[2:])
 
 

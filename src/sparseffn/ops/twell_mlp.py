@@ -90,7 +90,7 @@ def dense_mlp(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The MLP with three torch GEMMs in x's dtype (the eager path and the dense backup).
 
-    Differentiable through torch autograd. With return_l1, also the layer's L1 penalty (DESIGN §1):
+    Differentiable through torch autograd. With return_l1, also the layer's L1 penalty (docs/design.md):
     the mean over tokens of Σ_j |h_j|, summed in fp32 (fp64 for fp64 inputs) from h in x's dtype;
     0 over no tokens.
     """
