@@ -1,4 +1,4 @@
-"""`sparseffn` command line: demo, train, eval, pack-demo, bench, env."""
+"""`sparseffn` command line: demo, train, eval, generate, pack-demo, bench, env."""
 
 from __future__ import annotations
 
@@ -51,8 +51,12 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple
         if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, dest=field.name, type=type(field.default), default=field.default,
-                            help=f"(default: {field.default})")
+        if isinstance(field.default, bool):
+            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default,
+                                help=f"(default: {field.default})")
+        else:
+            parser.add_argument(flag, dest=field.name, type=type(field.default), default=field.default,
+                                help=f"(default: {field.default})")
 
 
 def _cmd_env(_: argparse.Namespace) -> int:
@@ -115,6 +119,28 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                            batches=args.batches, batch_size=args.batch_size, device=args.device,
                            out_dir=args.out_dir)
     print("\n".join(lines))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from sparseffn.models.generate import CapturedDecoder
+    from sparseffn.train.eval import load_for_eval, resolve_target
+
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tokenizer, _ = load_for_eval(resolve_target(args.run), device)
+    if device.type == "cuda":
+        model.to(torch.bfloat16)
+    ids = torch.tensor([tokenizer.encode(args.prompt)], device=device)
+    if ids.shape[1] == 0:
+        raise ValueError("prompt: the tokenizer made no tokens of it; give some text")
+    # a CUDA graph per decode step on a GPU (captured=False or a CPU: every step eagerly, same tokens)
+    eager_steps = 5 if device.type == "cuda" and args.captured else args.max_new_tokens
+    decoder = CapturedDecoder(model, batch_size=1, max_length=ids.shape[1] + args.max_new_tokens,
+                              eager_steps=eager_steps)
+    out = decoder.generate(ids, args.max_new_tokens)
+    print(tokenizer.decode(out[0].tolist()))
     return 0
 
 
@@ -181,6 +207,14 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
     return _run_bench(args, DecodeBenchConfig, run_decode_bench, decode_table, plot_decode, "decode_mlp")
 
 
+def _cmd_bench_decode_model(args: argparse.Namespace) -> int:
+    from sparseffn.bench.decode_model import (DecodeModelBenchConfig, decode_model_table, plot_decode_model,
+                                              run_decode_model_bench)
+
+    return _run_bench(args, DecodeModelBenchConfig, run_decode_model_bench, decode_model_table, plot_decode_model,
+                      "decode_model")
+
+
 def _cmd_bench_train_run(args: argparse.Namespace) -> int:
     from sparseffn.bench.train_run import TrainRunBenchConfig, plot_train_run, run_train_run_bench, train_run_table
 
@@ -210,6 +244,7 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from sparseffn.bench.calibrate import CalibrateBenchConfig
     from sparseffn.bench.decode import DecodeBenchConfig
+    from sparseffn.bench.decode_model import DecodeModelBenchConfig
     from sparseffn.bench.train_run import TrainRunBenchConfig
     from sparseffn.bench.e2e import E2EBenchConfig
     from sparseffn.bench.mlp import MLPBenchConfig
@@ -262,6 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out-dir", default=None, help="where eval.json and eval_layers.png go (default: RUN/eval)")
     ev.set_defaults(func=_cmd_eval)
 
+    gen = sub.add_parser("generate", help="greedy text from a trained run (a CUDA graph per decode step on a GPU)")
+    gen.add_argument("run", metavar="RUN_DIR", help="a run directory, its model/ folder or a checkpoints/step_*.pt file")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    gen.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    gen.add_argument("--captured", action=argparse.BooleanOptionalAction, default=True,
+                     help="replay each decode step from a CUDA graph on a GPU (default: on)")
+    gen.set_defaults(func=_cmd_generate)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     mlp = bench.add_parser("mlp", help="sparse MLP inference (or, with --train, a training step) vs dense torch "
                                        "(CSV + PNG under --out-dir)")
@@ -278,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "and CUDA-graphed, cold and warm L2 (CSV + PNG under --out-dir)")
     _add_dataclass_flags(dec, DecodeBenchConfig)
     dec.set_defaults(func=_cmd_bench_decode)
+    dm = bench.add_parser("decode-model", help="whole-model generation, dense vs sparse MLPs: Hugging Face eager "
+                                               "generate and a CUDA-graph decode step (CSV + PNG under --out-dir)")
+    _add_dataclass_flags(dm, DecodeModelBenchConfig)
+    dm.set_defaults(func=_cmd_bench_decode_model)
     run = bench.add_parser("train-run", help="a training run from initialization, dense vs auto mode: speed, "
                                              "sparsity and paths per step (CSV + PNG under --out-dir)")
     _add_dataclass_flags(run, TrainRunBenchConfig)

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from sparseffn.cli import main
 from sparseffn.train.checkpoint import list_checkpoints
@@ -64,3 +65,18 @@ def test_plots_from_metrics(trained_run, tmp_path):
     empty.write_text("")
     with pytest.raises(ValueError, match="no training rows"):
         plot_metrics(empty, tmp_path)
+
+
+def test_generate_cli_continues_a_prompt(trained_run, capsys):
+    """`sparseffn generate RUN_DIR --prompt ...` prints the prompt and its greedy continuation (CPU: every
+    step eagerly; the same tokens as Hugging Face's greedy generate)."""
+    from sparseffn.cli import main
+
+    assert main(["generate", str(trained_run.out_dir), "--prompt", "To be, or not", "--max-new-tokens", "6",
+                 "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    ids = torch.tensor([trained_run.tokenizer.encode("To be, or not")])
+    model = trained_run.model.eval()
+    want = model.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids),
+                          pad_token_id=0)
+    assert text == trained_run.tokenizer.decode(want[0].tolist()) + "\n"

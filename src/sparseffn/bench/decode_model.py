@@ -1,0 +1,229 @@
+"""`sparseffn bench decode-model`: whole-model generation, dense vs sparse MLPs, in the same harness.
+
+The model: a named config (default `2b`, random weights, per-unit thresholds calibrated so every layer
+has `target_nnz` active units per token) or a checkpoint directory. For each batch size, a random
+prompt of `prompt` tokens and `new_tokens` greedy tokens, for the dense model (every sparse layer in
+mode "dense") and the sparse one (auto mode):
+
+    eager      Hugging Face `generate` as users call it (dynamic cache, eager): tokens/s, ms per token
+    captured   models.generate.CapturedDecoder: static cache, one decode step replayed from a CUDA graph
+               (auto mode sends the sparse layers to the decode kernels there): tokens/s, ms per token
+               p50 / p99 of the replayed steps, peak memory
+
+and, between the captured runs, the greedy agreement: the first step where the sparse tokens differ
+from the dense ones, with the dense logits' top-1 / top-2 margin there, and the prefill logits' error.
+Rooflines: the bytes each step must read (dense: every weight; sparse: all but the up and down rows of
+inactive units, at the measured activity) over the HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from sparseffn.bench.common import ints, pyplot, save_figure, write_csv
+from sparseffn.bench.timing import device_slug, run_metadata
+
+HBM_TB_S = 4.8  # the H200's datasheet bandwidth, for the rooflines
+CSV_FIELDS = (
+    "gpu", "torch", "triton", "git_sha", "model", "target_nnz", "batch", "prompt", "new_tokens", "provider", "mlp",
+    "tokens_per_s", "ms_per_token_p50", "ms_per_token_p99", "speedup_vs_dense", "peak_mib", "roofline_ms",
+    "first_divergence", "divergence_margin", "prefill_logits_rel_err", "decode_paths",
+)
+
+
+@dataclass(frozen=True)
+class DecodeModelBenchConfig:
+    model: str = "2b"  # a name in sparseffn.models.MODEL_NAMES or a checkpoint directory
+    target_nnz: float = 29.0
+    batches: str = "1,4,16,64"
+    prompt: int = 512
+    new_tokens: int = 256
+    vocab_size: int = 49152
+    dtype: str = "bfloat16"
+    calibration_batch_size: int = 4
+    eager: bool = True  # also time Hugging Face's eager generate
+    seed: int = 0
+    out_dir: str = "benchmarks/results"
+    git_sha: str = ""
+
+
+def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | None = None,
+                           log: Callable[[str], None] = print) -> list[dict]:
+    from sparseffn.models import (MODEL_NAMES, SparsityConfig, build_model, calibrate_thresholds, load_pretrained,
+                                  sparse_layers)
+
+    device = device or torch.device("cuda")
+    if device.type != "cuda":
+        raise ValueError("bench decode-model captures CUDA graphs: it needs a CUDA device")
+    dtype = getattr(torch, cfg.dtype)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    length = cfg.prompt + cfg.new_tokens
+    if cfg.model in MODEL_NAMES:
+        model = build_model(cfg.model, SparsityConfig(), vocab_size=cfg.vocab_size, device=device, dtype=dtype,
+                            seed=cfg.seed, max_position_embeddings=length)
+        calib = torch.randint(cfg.vocab_size, (cfg.calibration_batch_size, cfg.prompt), generator=gen).to(device)
+        calibrate_thresholds(model, [calib], cfg.target_nnz)
+        target = cfg.target_nnz
+    elif Path(cfg.model).is_dir():
+        model = load_pretrained(cfg.model, device=device, dtype=dtype)
+        target = float("nan")
+    else:
+        raise ValueError(f"model must be one of {MODEL_NAMES} or a checkpoint directory, got {cfg.model!r}")
+    model.eval()
+    layers = sparse_layers(model)
+    for layer in layers:
+        layer.expected_nnz = None  # auto mode decides from what each layer measures
+    meta = run_metadata(device)
+    if cfg.git_sha:
+        meta["git_sha"] = cfg.git_sha
+    common = dict(meta, model=cfg.model, target_nnz=target, prompt=cfg.prompt, new_tokens=cfg.new_tokens)
+    rows: list[dict] = []
+    path = Path(cfg.out_dir) / device_slug(device) / "decode_model.csv"
+    vocab = model.config.vocab_size
+    for batch in ints(cfg.batches):
+        prompt = torch.randint(vocab, (batch, cfg.prompt), generator=gen).to(device)
+        rows += _batch_rows(cfg, model, layers, prompt, dict(common, batch=batch), log)
+        write_csv(rows, path, CSV_FIELDS)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _set_mode(layers, mode: str) -> None:
+    for layer in layers:
+        layer.mode = mode
+
+
+def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
+    from sparseffn.models.generate import CapturedDecoder
+
+    batch = prompt.shape[0]
+    results = {}
+    for mlp, mode in (("dense", "dense"), ("sparse", "auto")):
+        _set_mode(layers, mode)
+        if cfg.eager:
+            results[("eager", mlp)] = _eager(model, prompt, cfg.new_tokens)
+        decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens, record_times=True)
+        decoder.generate(prompt, cfg.new_tokens)  # captures the step
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        tokens = decoder.generate(prompt, cfg.new_tokens)
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        steps = sorted(decoder.step_ms)
+        paths = sorted({str(getattr(layer, "last_decision", None) and layer.last_decision.mode) for layer in layers})
+        results[("captured", mlp)] = dict(tokens=tokens, p50=steps[len(steps) // 2],
+                                          p99=steps[min(len(steps) - 1, int(0.99 * len(steps)))],
+                                          tokens_per_s=1e3 * batch / statistics.fmean(steps), peak=peak,
+                                          paths="/".join(paths))
+        del decoder
+    _set_mode(layers, "auto")
+    agreement = _agreement(model, layers, prompt, results[("captured", "dense")]["tokens"],
+                           results[("captured", "sparse")]["tokens"], cfg.prompt)
+    roof = _rooflines(model, layers, batch)
+    rows = []
+    for (provider, mlp), r in results.items():
+        base = results[(provider, "dense")]["tokens_per_s"]
+        rows.append(dict(common, provider=provider, mlp=mlp, tokens_per_s=round(r["tokens_per_s"], 1),
+                         ms_per_token_p50=round(r["p50"], 4), ms_per_token_p99=round(r["p99"], 4),
+                         speedup_vs_dense=round(r["tokens_per_s"] / base, 3),
+                         peak_mib=round(r["peak"], 1) if "peak" in r else "",
+                         roofline_ms=round(roof[mlp], 4), decode_paths=r.get("paths", ""),
+                         **(agreement if mlp == "sparse" else {})))
+    cap_d, cap_s = results[("captured", "dense")], results[("captured", "sparse")]
+    log(f"batch {batch}: captured dense {cap_d['p50']:.3f} ms/token, sparse {cap_s['p50']:.3f} "
+        f"({cap_d['p50'] / cap_s['p50']:.2f}x; rooflines {roof['dense']:.3f} / {roof['sparse']:.3f}); "
+        + (f"eager {results[('eager', 'dense')]['p50']:.2f} / {results[('eager', 'sparse')]['p50']:.2f} ms; "
+           if cfg.eager else "")
+        + f"first divergence {agreement['first_divergence']} (margin {agreement['divergence_margin']})")
+    return rows
+
+
+def _eager(model, prompt, new_tokens) -> dict:
+    """Hugging Face's generate, eager, greedy: tokens/s and ms per token (the whole call over its tokens)."""
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  attention_mask=torch.ones_like(prompt), pad_token_id=0)
+    model.generate(prompt[:, :8], max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt[:, :8]),
+                   pad_token_id=0)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(prompt, **kwargs)
+    torch.cuda.synchronize()
+    ms = 1e3 * (time.perf_counter() - start) / new_tokens
+    return dict(p50=ms, p99=ms, tokens_per_s=1e3 * prompt.shape[0] / ms)
+
+
+@torch.no_grad()
+def _agreement(model, layers, prompt, dense_tokens, sparse_tokens, p: int) -> dict:
+    """First generated position where the sparse tokens differ from the dense ones (any row), the dense
+    logits' top-1 / top-2 margin there, and the prefill logits' relative error sparse vs dense."""
+    differ = (dense_tokens[:, p:] != sparse_tokens[:, p:]).any(0).nonzero()
+    first = int(differ[0]) if differ.numel() else -1
+    _set_mode(layers, "dense")
+    dense_logits = model(input_ids=prompt).logits[:, -1].float()
+    margin = ""
+    if first >= 0:
+        logits = model(input_ids=dense_tokens[:, :p + first]).logits[:, -1].float()
+        top = logits.topk(2, dim=-1).values
+        row = int((dense_tokens[:, p + first] != sparse_tokens[:, p + first]).nonzero()[0])
+        margin = round(float(top[row, 0] - top[row, 1]), 5)
+    _set_mode(layers, "auto")
+    sparse_logits = model(input_ids=prompt).logits[:, -1].float()
+    err = float((sparse_logits - dense_logits).norm() / dense_logits.norm())
+    return dict(first_divergence=first, divergence_margin=margin, prefill_logits_rel_err=f"{err:.3e}")
+
+
+def _rooflines(model, layers, batch: int) -> dict[str, float]:
+    """ms per step if every byte each step must read streamed at HBM_TB_S: dense every weight; sparse
+    the same minus the up and down rows of units no token of the batch activates (measured activity)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    skipped = 0
+    for layer in layers:
+        h = getattr(layer, "intermediate_size", None)
+        nnz = getattr(getattr(layer, "activity", None), "nnz", None)
+        if h is None or nnz is None or layer.gate_proj is None:
+            continue
+        union = min(h, nnz * batch)
+        row_bytes = 2 * layer.hidden_size * layer.up_proj.weight.element_size()  # an up row and a down column
+        skipped += (h - union) * row_bytes
+    return {"dense": total / (HBM_TB_S * 1e9), "sparse": (total - skipped) / (HBM_TB_S * 1e9)}
+
+
+def decode_model_table(rows: list[dict]) -> str:
+    """Markdown: per batch, dense and sparse ms per token and tokens/s (captured, eager), speed-up,
+    rooflines, agreement."""
+    lines = ["| batch | path | dense ms/token (p50 / p99) | sparse ms/token (p50 / p99) | speed-up | rooflines dense / "
+             "sparse ms | peak MiB dense / sparse | greedy: first divergence (margin) | prefill logits err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for batch in dict.fromkeys(int(r["batch"]) for r in rows):
+        for provider in ("captured", "eager"):
+            pick = {r["mlp"]: r for r in rows if int(r["batch"]) == batch and r["provider"] == provider}
+            if set(pick) != {"dense", "sparse"}:
+                continue
+            d, s = pick["dense"], pick["sparse"]
+            lines.append(
+                f"| {batch} | {provider} | {float(d['ms_per_token_p50']):.3f} / {float(d['ms_per_token_p99']):.3f} | "
+                f"{float(s['ms_per_token_p50']):.3f} / {float(s['ms_per_token_p99']):.3f} | "
+                f"**{float(s['speedup_vs_dense']):.2f}x** | {float(d['roofline_ms']):.3f} / {float(s['roofline_ms']):.3f} | "
+                f"{d['peak_mib'] or '–'} / {s['peak_mib'] or '–'} | {s['first_divergence']} ({s['divergence_margin']}) | "
+                f"{s['prefill_logits_rel_err']} |")
+    return "\n".join(lines)
+
+
+def plot_decode_model(rows: list[dict], path: Path) -> Path:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for provider, mlp in (("captured", "dense"), ("captured", "sparse"), ("eager", "dense"), ("eager", "sparse")):
+        pts = [(int(r["batch"]), float(r["tokens_per_s"])) for r in rows if r["provider"] == provider and r["mlp"] == mlp]
+        if pts:
+            ax.plot(*zip(*sorted(pts)), "-o" if provider == "captured" else "--s", label=f"{provider}, {mlp} MLPs")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens/s")
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
