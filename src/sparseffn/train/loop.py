@@ -357,6 +357,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                     "dead_frac": [round(v, 6) for v in dead_frac],
                     "dead_frac_all": round(sum(d * h for d, h in zip(dead_frac, hidden)) / sum(hidden), 6),
                     # auto mode, per layer: the path of the last training call and the activity estimate
+                    "peak_mib": round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None,
                     "path": [m.activity.last.get("training", m.mode) if m.mode == "auto" else m.mode for m in mlps],
                     "nnz_estimate": [None if m.activity.nnz is None else round(m.activity.nnz, 2) for m in mlps],
                 }
