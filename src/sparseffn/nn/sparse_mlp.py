@@ -11,7 +11,9 @@ One copy of the weights. `down_proj.weight` [D, H] is stored transposed (its `.t
 contiguous): the layout the sparse kernels read (row j = unit j's down column), while every dense
 path (F.linear), state dicts, `save_pretrained` and optimizers see an ordinary [D, H] parameter.
 A down weight that arrives contiguous (a loader that assigns new tensors) is re-stored on the next
-forward, in place (`param.data`), so optimizers keep their parameter.
+forward, in place (`param.data`), so optimizers keep their parameter. FSDP2 shards only contiguous
+parameters: `contiguous_down_(module)` stores it contiguous and keeps it so (the sparse kernels then
+read a transposed copy per call, as for any Hugging Face layout).
 
 L1. With `track_l1=None` (the default) a forward computes the layer's differentiable L1 penalty
 (mean over tokens of Σ_j |h_j|) into `last_l1` in training mode, or when gradients flow to its
@@ -96,6 +98,7 @@ class SparseMLP(nn.Module):
         self.last_l1: torch.Tensor | None = None
         self.activity = Activity()
         self.last_decision: ModeDecision | None = None
+        self.down_transposed = True  # keep down_proj.weight stored transposed (False: as given, e.g. for FSDP)
         self._threshold_active = False  # whether any θ_j != 0 (kept by set_threshold_/load_state_dict)
         self._dense_class: type | None = None  # the Hugging Face class from_dense replaced, if any
 
@@ -234,7 +237,7 @@ class SparseMLP(nn.Module):
             if _any_bias(gate_proj, up_proj, down_proj):
                 weights = None
             else:
-                if not stored_transposed(down_proj.weight) and not _tracing(x):
+                if self.down_transposed and not stored_transposed(down_proj.weight) and not _tracing(x):
                     store_transposed_(down_proj)  # a loader assigned a contiguous tensor: re-store it, in place
                 weights = [None if lin is None else lin.weight for lin in (gate_proj, up_proj, down_proj)]
         else:  # PEFT adapters, accelerate hooks, other modules: the weights they apply, if readable
@@ -313,6 +316,19 @@ class SparseMLP(nn.Module):
 
     def __setattr__(self, name, value):
         super().__setattr__(name, checked_attribute(name, value))
+
+
+def contiguous_down_(module: nn.Module) -> nn.Module:
+    """Every SparseMLP of `module` stores down_proj.weight contiguous ([D, H] row-major) from now on, in
+    place: what FSDP2's fully_shard needs. Returns module."""
+    for mlp in module.modules():
+        if isinstance(mlp, SparseMLP):
+            mlp.down_transposed = False
+            weight = mlp.down_proj.weight
+            if not weight.is_contiguous() and weight.device.type != "meta":
+                with torch.no_grad():
+                    weight.data = weight.data.contiguous()
+    return module
 
 
 def store_transposed_(linear: nn.Linear) -> nn.Linear:

@@ -408,6 +408,9 @@ def _wrap(model: torch.nn.Module, cfg: TrainConfig, info: DistInfo, device: torc
     if cfg.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        from sparseffn.nn.sparse_mlp import contiguous_down_
+
+        contiguous_down_(model)  # fully_shard takes contiguous parameters only
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
