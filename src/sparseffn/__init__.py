@@ -13,12 +13,14 @@ from sparseffn.models import (
     unfuse_non_mlp_,
     unsparsify_,
 )
+from sparseffn.models.generate import CapturedDecoder
 from sparseffn.nn import SparseMLP
 from sparseffn.ops import SparseMLPWeights, choose_mode, l1_penalty, sparse_mlp, sparse_mlp_reference
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CapturedDecoder",
     "Hybrid",
     "SparseMLP",
     "SparseMLPWeights",

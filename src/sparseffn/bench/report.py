@@ -302,10 +302,76 @@ def deterministic_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def layout_table(rows: list[dict]) -> str:
+    """TwELL inference with up and down^T read as two row-strided tensors vs one interleaved copy."""
+    if not rows:
+        return "(no rows)"
+    first = rows[0]
+    lines = [f"{first['gpu']}, git {first['git_sha']}, {first['target_nnz']} active units per token, median of "
+             "CUDA-event timings with L2 flushed, dense torch in the same run.\n",
+             "| D×H | M | dense ms | separate (one copy) ms | interleaved (second copy) ms | separate / interleaved |",
+             "|---|---|---|---|---|---|"]
+    by_case: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        by_case[(int(r["d"]), int(r["h"]), int(r["m"]))][r["layout"]] = float(r["median_ms"])
+    for (d, h, m), t in by_case.items():
+        lines.append(f"| {d}×{h} | {m} | {t['dense']:.3f} | {t['separate']:.3f} ({t['dense'] / t['separate']:.2f}x) | "
+                     f"{t['interleaved']:.3f} ({t['dense'] / t['interleaved']:.2f}x) | "
+                     f"{t['separate'] / t['interleaved']:.3f} |")
+    return "\n".join(lines)
+
+
+def decode_sweep_table(rows: list[dict]) -> str:
+    """The decode kernels' config sweep: per M and kernel, the default and the best whole-call time."""
+    if not rows:
+        return "(no rows)"
+    first = rows[0]
+    lines = [f"{first['gpu']}, git {first['git_sha']}, D={first['d']}, H={first['h']}, {first['target_nnz']} active "
+             "units per token; each config is the whole call (both kernels) graph-replayed with L2 flushed, one "
+             "kernel's parameters varied from that run's default at a time.\n",
+             "| M | kernel | configs | fastest µs | its parameters | slowest µs |", "|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if not r.get("error"):
+            groups[(int(r["m"]), r["part"])].append(r)
+    keys = {"gate": ("block_h", "block_k", "gate_warps", "gate_stages"),
+            "down": ("block_s", "block_d", "down_warps", "down_stages", "prefix")}
+    for (m, part), rs in groups.items():
+        best, worst = min(rs, key=lambda r: float(r["us"])), max(rs, key=lambda r: float(r["us"]))
+        params = ", ".join(f"{k} {best[k] or 'auto'}" for k in keys[part])
+        lines.append(f"| {m} | {part} | {len(rs)} | {float(best['us']):.1f} | {params} | {float(worst['us']):.1f} |")
+    return "\n".join(lines)
+
+
+def multi_gpu_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    first = rows[0]
+    lines = [f"{first['gpus_on_host']}× {first['gpu']} over NCCL, torch {first['torch']}, git {first['git_sha']}, "
+             f"`{first['model']}`, {first['global_batch_tokens']} tokens per step in all GPUs; {first['steps_note']}.\n",
+             "| GPUs | parallel | mode | tokens/s | per GPU | scaling (per GPU vs 1 GPU) | auto / dense | peak MiB per GPU "
+             "| layers sparse at the end |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['gpus']} | {r['parallel']} | {r['mode']} | {int(r['tokens_per_s']):,} | "
+                     f"{int(r['tokens_per_s_per_gpu']):,} | {float(r['scaling_efficiency']):.2f} | "
+                     f"{float(r['auto_vs_dense']):.2f}x | {r['peak_mib_per_gpu']} | {r['sparse_layers_last']} |")
+    return "\n".join(lines)
+
+
 def _blocks() -> dict[str, Block]:
     from sparseffn.bench import calibrate, quality  # calibrate imports torch: only when regenerating
+    from sparseffn.bench.decode import decode_table, plot_decode
+    from sparseffn.bench.decode_model import decode_model_table, plot_decode_model
+    from sparseffn.bench.train_run import plot_train_run, train_run_table
 
     return {
+        "decode": Block("decode_mlp.csv", decode_table, plot_decode),
+        "decode_sweep": Block("decode_sweep.csv", decode_sweep_table),
+        "decode_model": Block("decode_model.csv", decode_model_table, plot_decode_model),
+        "train_run": Block("train_run.csv", train_run_table, plot_train_run),
+        "train_density": Block("mlp_train_density.csv", train_table),
+        "layout": Block("layout.csv", layout_table),
+        "multi_gpu": Block("multi_gpu.csv", multi_gpu_table, device="h200x2"),
         "mlp": Block("mlp.csv", mlp_table, plot_mlp),
         "mlp_paper_shape": Block("mlp_paper_shape.csv", mlp_table, plot_mlp),
         "mlp_narrow": Block("mlp_narrow.csv", mlp_table, plot_mlp),
@@ -411,11 +477,47 @@ def _quality_row(results_dir: Path) -> tuple[str, str] | None:
             f"{float(r['ce_increase_pct']):+.2f}% vs λ = 0 |", f"{path.name} {r['git_sha']}")
 
 
+def _decode_row(results_dir: Path) -> tuple[str, str] | None:
+    path = find_csv(results_dir, "decode_mlp.csv")
+    rows = read_rows(path) if path else []
+    pick = {(int(r["m"]), r["provider"]): r for r in rows if r["l2"] == "cold" and int(r["d"]) == PAPER_D
+            and int(r["h"]) == PAPER_H and float(r["target_nnz"]) == PAPER_NNZ}
+    ms = [m for m in (1, 4, 16, 64) if (m, "sparse_graph") in pick and (m, "dense_graph") in pick]
+    if not ms:
+        return None
+    ratios = [f"{float(pick[(m, 'dense_graph')]['median_us']) / float(pick[(m, 'sparse_graph')]['median_us']):.2f}x"
+              for m in ms]
+    auto = [f"{float(pick[(m, 'dense_graph')]['median_us']) / float(pick[(m, 'auto_graph')]['median_us']):.2f}x"
+            for m in ms]
+    return (f"| MLP decode (CUDA graphs on both sides, L2 flushed) | the same, M = {_slash(map(str, ms))} tokens per call "
+            f"| **{_slash(ratios)}** | auto mode {_slash(auto)} (it keeps dense where dense is faster) |",
+            f"{path.name} {pick[(ms[0], 'sparse_graph')]['git_sha']}")
+
+
+def _train_run_row(results_dir: Path) -> tuple[str, str] | None:
+    from sparseffn.bench.train_run import phase_speeds
+
+    path = find_csv(results_dir, "train_run.csv")
+    rows = read_rows(path) if path else []
+    summary = {r["mode"]: r for r in rows if r["kind"] == "summary"}
+    if not {"dense", "auto"} <= set(summary):
+        return None
+    dense_phase, sparse_phase = phase_speeds(rows)
+    first = next(r["mode"] for r in rows if r["kind"] == "summary")
+    wall = (f"wall time {float(summary['auto']['wall_s']):.0f} s vs dense {float(summary['dense']['wall_s']):.0f} s "
+            f"(the {first} run came first in the process and carries its warm-up)")
+    return (f"| Training run from initialization (auto mode) | `{summary['auto']['model']}`, L1 recipe to ≥ 99% "
+            f"zeros, auto vs dense mode, same seed | **{dense_phase:.2f}x while the layers are dense, "
+            f"{sparse_phase:.2f}x once they run sparse** (tokens/s) | {wall} |",
+            f"{path.name} {summary['auto']['git_sha']}")
+
+
 # The README's headline rows, in order; each returns (table line, "csv sha") or None without its CSV.
-# A decode row goes here once a decode benchmark writes its CSV.
 HEADLINE_ROWS: tuple[Callable[[Path], tuple[str, str] | None], ...] = (
     _inference_row,
+    _decode_row,
     _train_row,
+    _train_run_row,
     lambda results_dir: _e2e_rows(results_dir, "forward"),
     lambda results_dir: _e2e_rows(results_dir, "train"),
     _quality_row,

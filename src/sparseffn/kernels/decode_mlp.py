@@ -15,12 +15,10 @@ and down matrices only the rows of units some token activates.
         2. y[:, cols] = Σ over the list, BLOCK_S units at a time, h_t[j, :M] ⊗ down_t[j, cols]
         in list order (ascending j): y is deterministic, no atomics.
 
-Why this shape. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D]
-matrices, this path the gate matrix plus two D-rows per distinct active unit, each read once per
-call however many tokens use the unit. Capacities are H (no overflow: at any density the result is
-exact, at worst dense-sized), and nothing syncs with the host, so a call can be captured in a CUDA
-graph. The loops keep their reductions out of the loop body (2-D accumulators summed once) so a
-program's time is its loads' latency, not a chain of cross-thread reductions.
+Why. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D] matrices,
+this path the gate matrix plus two D-rows per distinct active unit, read once per call however many
+tokens use it. Capacities are H (exact at any density, at worst dense-sized); no host sync, so a
+call can be captured in a CUDA graph. Loops keep reductions out of their bodies (2-D accumulators).
 
 Layouts. x [M, D]; first (gate, or up when not gated), up: [H, D]; down_t [H, D] = down_proj.weight^T
 (row j = the down column of unit j); every weight and x with unit stride along D, any row stride.

@@ -1,73 +1,30 @@
 """Gate GEMM + ReLU + TwELL packing in one kernel: the packing is the GEMM's epilogue.
 
-Math. For x [M, D], a weight W [H, D] (Hugging Face layout) and an optional per-neuron threshold
-θ [H] (fp32; None means 0):
+For x [M, D], W [H, D] (the gate weight, or up when non-gated) and θ [H] (fp32, or None = 0):
 
-    acc = x @ W^T                  fp32 accumulation on tensor cores (wgmma on sm_90)
-    p   = (acc - θ).to(x.dtype)    rounded once, to the activation dtype
-    p[m, j] is *active* iff not p[m, j] <= 0: positive, or NaN (relu(NaN) = NaN, and TwELL keeps
-    NaN), so a stored value is never zero and a NaN input reaches the output as in dense torch
+    acc = x @ W^T (fp32, tensor cores)     p = (acc - θ).to(x.dtype)   (rounded once)
+    p[m, j] is active iff not p <= 0 (positive, or NaN: a NaN input reaches the output as in torch)
 
-The kernel is generic: the gated MLP runs it with the gate weight, the non-gated one with the up
-weight ("gate" is only the role).
+Output, the sparse part of a TwELL activation (docs/format.md), n_tiles = ceil(H / tile):
+    values [M, n_tiles, slots] x.dtype, columns (int16, tile-local) same shape, counts [M, n_tiles]
+    int32 (TRUE counts, may exceed slots). Slots k < min(count, slots) hold distinct active entries
+    in unspecified order; a row with a count > slots is an overflow row the caller recomputes densely.
 
-Output: the sparse part of a TwELL activation (docs/format.md). The TwELL tile is the kernel's
-N-tile (BLOCK_N), so each program packs its own [BLOCK_M, tile] output tile straight from the
-accumulator registers, with no global synchronisation:
+The TwELL tile is the GEMM's N-tile, so each program packs its own [BLOCK_M, tile] output tile
+straight from the accumulator registers (`_epilogue`), with no global synchronisation.
+Grid: persistent on CUDA (#SMs x programs_per_sm programs over grouped tiles, the tile and k loops
+flattened; TMA descriptors from sm_90 on when the tensors allow, masked pointer loads otherwise),
+else one program per tile. Calls of 1 <= M <= FEW_TOKENS on a GPU write the dense relu output with
+32-column N-blocks, then `_pack_twell_kernel` packs it. Below sm_90 (no TMA, no PTX bf16 compare)
+the same kernel runs its portable path (NATIVE_BF16=False) with configs sized to the shared memory.
 
-    n_tiles = ceil(H / tile)
-    values  [M, n_tiles, slots]  x.dtype   active entries of each (row, tile), in unspecified order
-    columns [M, n_tiles, slots]  int16     tile-local column of each value
-    counts  [M, n_tiles]         int32     TRUE number of active entries of each (row, tile), may exceed slots
+Constraints: x 2-D [M, D] bf16/fp16, any strides, M, D >= 0; W [H, D] same dtype and device, unit
+stride along D; tile in 32, 64, 128, 256; 1 <= slots <= tile. Compiled variants do not depend on M.
+Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (DOT_IN_FP32).
 
-Slots k < min(count, slots) hold distinct active entries of their (row, tile); slots past that are
-not written (unspecified, as the format allows). A row with some count > slots is an overflow row: the
-caller finds it from `counts` and recomputes it on the dense backup path; nothing is dropped
-silently.
-
-Epilogue (the part that costs; the ANCHORS probe with `tl.cumsum` + `tl.store` took 1.3x the GEMM).
-On sm_90 the accumulator of a warp covers 16 rows; in a row, quad lane q (0..3) of the thread holds
-columns 8j + 2q + b (b = 0, 1; j = 0..tile/8-1) in registers. `tl.cumsum` only runs on blocked
-layouts and `tl.store` re-lays its operands out for coalescing, so both move the whole tile through
-shared memory (and at tile 256 with 8 warps they need more shared memory than the SM has). The
-epilogue here never leaves the accumulator layout:
-  1. each thread counts its active entries per row (in-register sums; columns past H excluded);
-  2. the 4 counts of a quad are packed into the bytes of one int32 (two warp shuffles); each lane
-     takes the byte sum of the lanes before it as its first slot, the total is the tile's count;
-  3. each thread walks its own registers in ascending column order (register-only column splits,
-     recursively down to the quad), storing each active entry at its lane's next slot while that
-     slot is below min(slots, the lane's end): columns past H come last and are never stored.
-So the slot order is (quad lane, column) rather than column order, which TwELL allows. Test,
-predicate and both stores are one inline-PTX block per element on the GPU (`tl.store` under the
-interpreter). Per (row, tile) the slot base pointer is int64 (row * n_tiles + tile) * slots; the
-per-element offset is the int32 slot. `scan_epilogue=True` selects the plain cumsum version
-(column order) as a reference. Roughly 15 SASS instructions per accumulator element, no spills,
-no shared memory beyond the pipeline buffers (sm_90, tile 256, 8 warps).
-
-ptxas pitfalls met on the way (each serializes every wgmma of the main loop, which costs far more
-than the epilogue): a `tl.dot`-based prefix sum in the epilogue (C7515: its accumulator is
-initialised by plain moves), and lane-dependent selects feeding the slot arithmetic (C7514). Check
-the ptxas output for "Potential Performance Loss" after changing the epilogue.
-
-Grid. persistent (default on CUDA): grid = #SMs x programs_per_sm, each program loops over output
-tiles in grouped order (GROUP_M row blocks sweep all N-tiles, so x and W tiles are reused from L2),
-with the tile and k loops flattened so the next tile's loads are in flight during the epilogue. It
-reads x and W through host-built TMA descriptors when the tensors allow (unit inner stride,
-16-byte aligned base and row stride; TMA zero-fills every edge), masked pointer loads otherwise.
-Non-persistent: one program per tile. Few-token calls (1 <= M <= FEW_TOKENS, on a GPU) run the same
-kernel in its dense-output mode with 32-column N-blocks (7x the programs at tile 256), then
-`_pack_twell_kernel` (one program per (row, tile), tl.cumsum: slots in column order).
-
-Constraints. x: 2-D [M, D], bf16 or fp16, any strides, any M >= 0, D >= 0. weight: [H, D], same
-dtype and device, unit stride along D. threshold: None or fp32 [H]. tile: 32, 64, 128 or 256
-(it is BLOCK_N). 1 <= slots <= tile, any integer.
-
-Compiled variants do not depend on M: M is `do_not_specialize`d, TMA descriptor shapes are not
-specialized, and the block config is a function of (D, H, dtype, tile) only; few-token calls add two
-variants (M <= 16, M <= 64: few_tokens_config).
-
-Interpreter (TRITON_INTERPRET=1, CPU tensors): dot operands are cast to fp32 (DOT_IN_FP32) because
-low-precision `tl.dot` is wrong there; results then differ from the GPU by summation order only.
+ptxas pitfalls (each serializes every wgmma of the main loop): a `tl.dot`-based prefix sum in the
+epilogue (C7515) and lane-dependent selects feeding the slot arithmetic (C7514). Check the ptxas
+output for "Potential Performance Loss" after changing the epilogue.
 """
 
 from __future__ import annotations
@@ -249,7 +206,18 @@ def _epilogue(p, rows, cols, pid_n, num_pid_n, values_ptr, columns_ptr, counts_p
               SLOTS: tl.constexpr, MODE: tl.constexpr, SCAN_EPILOGUE: tl.constexpr, ASM_STORES: tl.constexpr,
               NATIVE_BF16: tl.constexpr):
     """Pack the [BLOCK_M, BLOCK_N] tile p (activation dtype, accumulator layout) of rows `rows`
-    and N-tile pid_n. Rows past M can be active (θ < 0): every store is masked by row."""
+    and N-tile pid_n. Rows past M can be active (θ < 0): every store is masked by row.
+
+    On sm_90 the accumulator of a warp covers 16 rows; in a row, quad lane q (0..3) of the thread
+    holds columns 8j + 2q + b (b = 0, 1) in registers. `tl.cumsum` and `tl.store` would move the
+    tile through shared memory (more than an SM has at tile 256, 8 warps), so this never leaves the
+    accumulator layout: (1) each thread counts its active entries per row; (2) the 4 counts of a
+    quad are packed into the bytes of one int32 (two shuffles) and each lane takes the byte sum of
+    the lanes before it as its first slot; (3) each thread walks its registers in ascending column
+    order, storing each active entry at its lane's next slot while below min(slots, the lane's end).
+    Slots come out in (quad lane, column) order, which TwELL allows; columns past H come last and
+    are never stored. Test, predicate and stores are one inline-PTX block per element on the GPU.
+    SCAN_EPILOGUE selects the plain tl.cumsum version (column order) as a reference."""
     BLOCK_M: tl.constexpr = p.shape[0]
     BLOCK_N: tl.constexpr = p.shape[1]
     # > 0 or NaN; columns past H hold 0, or NaN when x holds an inf: masked
@@ -448,16 +416,10 @@ def fit_shared_memory(config: GateTwellConfig, tile: int, arch: tuple[int, int])
     return config
 
 
-# Few tokens (1 <= M <= FEW_TOKENS on a GPU). The packing GEMM's grid is one program per (row block
-# of 128, tile of 256): 22 programs at M <= 128 for H = 5632, so the gate GEMM of a decode step read its
-# 23 MB on 22 SMs: 28.6 µs at M = 1 / 16 / 64 on the H200 (graph replays, bf16, D = 2048; cuBLAS ~10).
-# Instead the same kernel writes the dense relu output with N-blocks of 32 columns (176 programs, one
-# per block, pointer loads) and a second kernel packs it: the GEMM alone took 15.6 / 15.3 / 16.4 µs
-# at M = 1 / 16 / 64 with these configs (measured with the packing epilogue at tile 32; ad-hoc sweep
-# at git f9ca885). The whole sparse call, graph replays: 47.3 / 58.1 / 68.8 µs at M = 1 / 16 / 64 before
-# (f9ca885), 33.1 / 35.1 / 42.2 µs with this path and the small-M up/down config (dense: 41.0 / 40.8 /
-# 43.1). A split-K variant of the packing GEMM (partials summed by the last program of a tile)
-# spilled registers and ran no faster (26 µs at M = 1, 76 µs at M = 64) and was dropped.
+# Few tokens (1 <= M <= FEW_TOKENS on a GPU): one program per (row block, tile) would leave most SMs
+# idle, so the GEMM writes the dense relu output over 32-column N-blocks and a second kernel packs it
+# (measurements: docs/benchmarks.md, "Kernel notes"). Inference calls this small take the decode
+# kernels; this path serves explicit gate_twell calls and the training forward.
 FEW_TOKENS = 64
 _FEW_TOKENS_BLOCK_N = 32
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("training", "decode", "prefill")
 SAMPLE_TOKENS = 1024  # a sample of n tokens gets weight n / (n + SAMPLE_TOKENS) in the estimate
 
 
