@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import sparseffn
 from sparseffn import SparseMLP, SparsityConfig, collect_l1, sparsify_, unsparsify_
 from sparseffn.models import named_sparse_mlps, set_track_l1, sparse_mlps, sparsity_config
 from sparseffn.ops.reference import l1_penalty
@@ -237,3 +238,17 @@ def test_thresholds_set_after_sparsify_reach_the_saved_config(tmp_path):
     model.model.layers[0].mlp.set_threshold_(0.1)  # behind sparseffn's back: save_pretrained re-syncs
     model.save_pretrained(tmp_path)
     assert "load_pretrained" in json.loads((tmp_path / "config.json").read_text())["hidden_act"]
+
+
+def test_dispatch_report_names_each_layer_and_what_auto_mode_decided():
+    model = sparsify_(tiny_lm()).eval()
+    report = sparseffn.dispatch_report(model)
+    assert [r["layer"] for r in report] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(r["nnz_estimate"] is None and r["last_reason"] is None for r in report)
+    with torch.no_grad():
+        for _ in range(6):  # the activity sample of call 0 is read at call 4
+            model(input_ids=token_ids())
+    report = sparseffn.dispatch_report(model)
+    assert all(r["mode"] == "auto" and r["samples"] == 1 and r["nnz_estimate"] > 0 for r in report)
+    assert all(r["paths"] == {"decode": "dense"} or r["paths"] == {"prefill": "dense"} for r in report)
+    assert all(r["last_reason"] and "dense" not in r["last_reason"] for r in report)  # a blocker named (CPU, fp32)

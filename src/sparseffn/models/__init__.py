@@ -10,6 +10,7 @@ from sparseffn.models.pretrained import load_pretrained
 from sparseffn.models.registry import MODEL_NAMES, build_model, model_config, parameter_count
 from sparseffn.models.sparsify import (
     collect_l1,
+    dispatch_report,
     named_sparse_layers,
     named_sparse_mlps,
     set_track_l1,
@@ -27,6 +28,7 @@ __all__ = [
     "build_model",
     "calibrate_thresholds",
     "collect_l1",
+    "dispatch_report",
     "fuse_non_mlp_",
     "load_pretrained",
     "model_config",

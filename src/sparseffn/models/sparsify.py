@@ -221,6 +221,21 @@ def unsparsify_(model: nn.Module) -> nn.Module:
     return model
 
 
+def dispatch_report(model: nn.Module) -> list[dict]:
+    """What auto mode decided for each sparse layer, from what it measured: one dict per layer with
+    its name, mode, expected_nnz hint, measured active units per token (None before the first
+    sample is read), samples taken, the last path per kind of call (training / decode / prefill)
+    and the reason of its last decision."""
+    report = []
+    for name, layer in named_sparse_layers(model):
+        activity = layer.activity
+        decision = layer.last_decision
+        report.append({"layer": name, "mode": layer.mode, "expected_nnz": layer.expected_nnz,
+                       "nnz_estimate": activity.nnz, "samples": activity.samples, "paths": dict(activity.last),
+                       "last_reason": None if decision is None else decision.reason})
+    return report
+
+
 def set_track_l1(model: nn.Module, enabled: bool | None) -> nn.Module:
     """Set `track_l1` on every sparse layer: True / False to always / never compute the L1 penalty,
     None (the default) to follow the layer's mode (training mode, or gradients flowing)."""
