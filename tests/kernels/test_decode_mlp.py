@@ -20,6 +20,7 @@ GPU = torch.cuda.is_available()
 # the interpreter is slow: small blocks where they add loop steps that matter
 SMALL = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, prefix=64)  # several steps in every loop
 LARGE = DecodeConfig(block_h=32, block_k=128, block_s=32, block_d=64)
+SWAPPED = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, units_as_m=True)  # sm_100's MMA form
 
 
 def _problem(m, d, h, *, gated=True, dtype=torch.bfloat16, active=0.1, seed=0, threshold=False):
@@ -78,6 +79,8 @@ def _check(y, x, gate, up, down, theta):
 def test_matches_reference(m, gated):
     x, gate, up, down, theta = _problem(m, 80, 200, gated=gated, active=0.08, seed=m)
     _check(_run(x, gate, up, down, theta, SMALL), x, gate, up, down, theta)
+    if m > 1 and gated:
+        _check(_run(x, gate, up, down, theta, SWAPPED), x, gate, up, down, theta)
 
 
 @pytest.mark.parametrize("active", [0.0, 1.0])

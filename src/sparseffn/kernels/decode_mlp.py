@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import (TL_DTYPES, cdiv, check_capability, check_config_fields, interpreting, mma,
-                                        next_power_of_2, num_sms)
+from sparseffn.kernels._runtime import (TL_DTYPES, capability, cdiv, check_capability, check_config_fields,
+                                        interpreting, mma, next_power_of_2, num_sms)
 from sparseffn.kernels.launch import Launcher
 
 MAX_TOKENS = 64
@@ -48,14 +48,18 @@ __all__ = ["MAX_TOKENS", "DecodeConfig", "decode_mlp", "default_config", "launch
 
 @triton.jit
 def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, D, stride_xm, stride_wh,
-              M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+              M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, UNITS_AS_M: tl.constexpr,
+              DOT_IN_FP32: tl.constexpr):
     """[M_PAD, BLOCK_H] fp32: x[rows] · w[units]^T over all of D; rows of w with unit_on false are
-    masked off (no memory traffic)."""
+    masked off (no memory traffic). UNITS_AS_M: the MMA computes the transposed product (units as
+    its M dimension; sm_100's compiler fails on the other form at 64 tokens)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
     if M_PAD == 1:
         acc2 = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)  # [BLOCK_H, BLOCK_K] products, summed once
+    elif UNITS_AS_M:
+        acc_t = tl.zeros((BLOCK_H, M_PAD), dtype=tl.float32)
     else:
         acc = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -65,10 +69,14 @@ def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, D, stride_xm, stride_w
         xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
         if M_PAD == 1:
             acc2 += w.to(tl.float32) * xv.to(tl.float32)
+        elif UNITS_AS_M:
+            acc_t = mma(w, tl.trans(xv), acc_t, DOT_IN_FP32)
         else:
             acc = mma(xv, tl.trans(w), acc, DOT_IN_FP32)
     if M_PAD == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
+    elif UNITS_AS_M:
+        acc = tl.trans(acc_t)
     return acc
 
 
@@ -91,6 +99,7 @@ def _decode_gate_up_kernel(
     M_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    UNITS_AS_M: tl.constexpr,  # sm_100 and later (see _rows_dot)
     DOT_IN_FP32: tl.constexpr,
 ):
     units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -100,7 +109,7 @@ def _decode_gate_up_kernel(
     out_dtype = h_ptr.dtype.element_ty
 
     acc = _rows_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, D, stride_xm, stride_fh,
-                    M_PAD, BLOCK_H, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+                    M_PAD, BLOCK_H, BLOCK_K, UNITS_AS_M, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
     if HAS_THRESHOLD:
         theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
         acc = acc - theta[None, :]
@@ -111,7 +120,7 @@ def _decode_gate_up_kernel(
     if GATED:
         if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
             u = _rows_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, D, stride_xm, stride_uh,
-                          M_PAD, BLOCK_H, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
+                          M_PAD, BLOCK_H, BLOCK_K, UNITS_AS_M, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
             h = h * u
     h_ptrs = h_ptr + units.to(tl.int64)[None, :] * M_PAD + rows[:, None]  # [M_PAD, BLOCK_H] of h_t
     tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
@@ -191,12 +200,15 @@ class DecodeConfig:
     down_warps: int = 4
     down_stages: int = 3
     prefix: int = 4096  # flags per step of K2's compaction
+    units_as_m: bool | None = None  # K1's MMA with units as M (None: from sm_100 on, where the other fails)
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
                                             "down_warps", "down_stages", "prefix"),
                             powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix"),
                             at_least=((("block_k", "block_s"), 16, "tl.dot"), (("block_h",), 2, "a 2-D tile")))
+        if self.units_as_m is not None and not isinstance(self.units_as_m, bool):
+            raise TypeError(f"DecodeConfig.units_as_m must be None or a bool, got {self.units_as_m!r}")
         if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
                                          or self.block_d < 16 or self.block_d & (self.block_d - 1)):
             raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
@@ -299,7 +311,8 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     _gate_up_launch[(cdiv(h, config.block_h),)](
         x, first_weight, up, threshold, hidden, scratch, m, d, h, x.stride(0), first_weight.stride(0), up.stride(0),
         GATED=gated, HAS_THRESHOLD=threshold is not None, M_PAD=mp, BLOCK_H=config.block_h,
-        BLOCK_K=config.block_k, DOT_IN_FP32=dot_fp32, num_warps=config.gate_warps, num_stages=config.gate_stages,
+        BLOCK_K=config.block_k, UNITS_AS_M=config.units_as_m if config.units_as_m is not None
+        else capability(x.device) >= (10, 0), DOT_IN_FP32=dot_fp32, num_warps=config.gate_warps, num_stages=config.gate_stages,
     )
     _down_launch[(cdiv(d, block_d),)](
         hidden, scratch, scratch[1], down_t, y, m, d, h, down_t.stride(0), y.stride(0),
@@ -309,9 +322,10 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     return y
 
 
-def compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) of the variants decode_mlp launches: bf16/fp16,
-    gated or not, threshold on/off, every padded M with its default config."""
+def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
+    """(jit_function, signature, constexprs[, options]) of the variants decode_mlp launches on a GPU
+    of capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
+    config."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -332,7 +346,7 @@ def compile_specs(with_options: bool = False):
                        "flags_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32", "stride_xm": "i32",
                        "stride_fh": "i32", "stride_uh": "i32"}
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "M_PAD": mp, "BLOCK_H": cfg.block_h,
-                      "BLOCK_K": cfg.block_k, "DOT_IN_FP32": False}
+                      "BLOCK_K": cfg.block_k, "UNITS_AS_M": arch >= (10, 0), "DOT_IN_FP32": False}
                 if not has_threshold:
                     cx["threshold_ptr"] = None
                 add(_decode_gate_up_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
