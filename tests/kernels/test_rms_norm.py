@@ -1,7 +1,7 @@
 """RMSNorm kernels (kernels/rms_norm.py) and the `sparseffn::rms_norm` op against fp64 truth and HF.
 
 Truth: `rms_norm_reference` in fp64 (no intermediate rounding), gradients by fp64 autograd.
-Rule (STYLE.md, flash-attention): max|out - ref| <= 2 max|hf_same_dtype - ref| + one ulp of the
+Rule (docs/design.md, "Exactness": flash-attention): max|out - ref| <= 2 max|hf_same_dtype - ref| + one ulp of the
 output dtype at max|ref|, where hf_same_dtype is transformers' LlamaRMSNorm run in the test's
 dtypes. Given the kernel's own rstd, y must equal HF's formula bit for bit (the rest of the forward
 is one exactly-rounded product). The floor is one ulp of the coarsest dtype the semantics round to

@@ -1,6 +1,6 @@
 """Rotary-embedding kernel (kernels/rope.py) and the `sparseffn::rope` op against fp64 truth and HF.
 
-Truth: `rope_reference` in fp64, gradients by fp64 autograd (cos / sin get none). Rule (STYLE.md,
+Truth: `rope_reference` in fp64, gradients by fp64 autograd (cos / sin get none). Rule (docs/design.md, "Exactness",
 flash-attention): max|out - ref| <= 2 max|hf_same_dtype - ref| + one ulp of the output dtype at
 max|ref|, hf_same_dtype being transformers' `apply_rotary_pos_emb` in the test's dtypes. Outputs
 must also have HF's dtype and strides. cos / sin come both as HF builds them (cos = cat(f, f),

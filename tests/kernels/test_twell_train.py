@@ -5,7 +5,7 @@ of every kind (zero, sparse, exactly `slots` in every tile, one tile at slots + 
 slots shuffled, unspecified slots holding NaN / inf and out-of-range columns. Every output is
 pre-filled with a sentinel: overflow rows and unspecified slots must keep it bit for bit.
 
-Tolerances (STYLE.md "Tests"): y and dx follow the flash-attention rule
+Tolerances (docs/design.md, "Exactness"): y and dx follow the flash-attention rule
 `max|out - ref| <= 2 max|torch_lowp - ref| + floor` and, per element, `eps·|ref| + fp32 slack`
 (fp32 accumulation, one rounding to the low dtype; the interpreter truncates: one ulp). Per-slot
 fp32 results (u, du, dg) and row_l1 are compared, after mapping slots to units, at fp32 tolerance

@@ -4,7 +4,7 @@ Every packed input is adversarial: slots are shuffled inside each tile and the u
 NaN / inf / huge values and out-of-range or negative columns, so reading one of them poisons the row
 or faults. Overflow rows must be left exactly as the caller wrote them.
 
-Tolerances (STYLE.md "Tests"): the flash-attention rule `max|out - ref| <= 2 max|torch_lowp - ref|
+Tolerances (docs/design.md, "Exactness"): the flash-attention rule `max|out - ref| <= 2 max|torch_lowp - ref|
 + floor`, and, tighter and per element, `|out - ref| <= eps·|ref| + fp32 slack`: y is accumulated in
 fp32 and rounded once (the interpreter truncates: one ulp), so any dropped, duplicated or
 bf16-rounded product shows.
