@@ -45,10 +45,14 @@ def l1_wanted(layer, weights) -> bool:
     return layer.training or (torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in weights))
 
 
+def traced(x: torch.Tensor) -> bool:
+    """Whether this call is traced (torch.compile) or captured into a CUDA graph."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def counted(x: torch.Tensor) -> bool:
     """Whether a call takes part in the activity's bookkeeping: not traced, captured or recomputed."""
-    return not (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-                or torch._C._current_graph_task_id() != -1)
+    return not (traced(x) or torch._C._current_graph_task_id() != -1)
 
 
 def auto_decision(layer, x: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, training: bool,

@@ -42,8 +42,10 @@ import torch
 from torch import nn
 
 from sparseffn.nn.activity import Activity
-from sparseffn.nn.dispatch import auto_decision, checked_attribute, count_call, counted, dense_l1, l1_wanted
+from sparseffn.nn.dispatch import (auto_decision, checked_attribute, count_call, counted, dense_l1, l1_wanted,
+                                   traced)
 from sparseffn.nn.projections import is_plain, resolved_weights
+from sparseffn.nn.thresholded import finish_threshold_
 from sparseffn.ops.decide import ModeDecision
 from sparseffn.ops.sparse_mlp import MODES, sparse_mlp
 from sparseffn.ops.twell_mlp import stored_transposed
@@ -197,12 +199,7 @@ class SparseMLP(nn.Module):
             self.threshold.copy_(threshold.detach().to(torch.float32).expand(h))
         else:
             raise TypeError(f"threshold must be None, a number or a tensor of shape [H], got {type(threshold).__name__}")
-        if not bool(torch.isfinite(self.threshold).all()):
-            self.threshold.zero_()
-            self._threshold_active = False
-            raise ValueError("threshold must be finite; the module's threshold was reset to zero")
-        self._threshold_active = bool(self.threshold.any())
-        return self
+        return finish_threshold_(self)
 
     @property
     def has_threshold(self) -> bool:
@@ -237,7 +234,7 @@ class SparseMLP(nn.Module):
             if _any_bias(gate_proj, up_proj, down_proj):
                 weights = None
             else:
-                if self.down_transposed and not stored_transposed(down_proj.weight) and not _tracing(x):
+                if self.down_transposed and not stored_transposed(down_proj.weight) and not traced(x):
                     store_transposed_(down_proj)  # a loader assigned a contiguous tensor: re-store it, in place
                 weights = [None if lin is None else lin.weight for lin in (gate_proj, up_proj, down_proj)]
         else:  # PEFT adapters, accelerate hooks, other modules: the weights they apply, if readable
@@ -339,11 +336,6 @@ def store_transposed_(linear: nn.Linear) -> nn.Linear:
         with torch.no_grad():
             weight.data = weight.data.t().contiguous().t()
     return linear
-
-
-def _tracing(x: torch.Tensor) -> bool:
-    """Whether this call is traced (torch.compile) or captured into a CUDA graph: no bookkeeping then."""
-    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _any_bias(*linears: nn.Linear | None) -> bool:

@@ -57,12 +57,7 @@ class ThresholdedLayer(nn.Module):
             self.threshold.copy_(expanded)
         else:
             raise TypeError(f"threshold must be None, a number or a tensor, got {type(threshold).__name__}")
-        if not bool(torch.isfinite(self.threshold).all()):
-            self.threshold.zero_()
-            self._threshold_active = False
-            raise ValueError("threshold must be finite; the module's threshold was reset to zero")
-        self._threshold_active = bool(self.threshold.any())
-        return self
+        return finish_threshold_(self)
 
     @property
     def has_threshold(self) -> bool:
@@ -95,3 +90,14 @@ class ThresholdedLayer(nn.Module):
 
     def __setattr__(self, name, value):
         super().__setattr__(name, checked_attribute(name, value))
+
+
+def finish_threshold_(layer: nn.Module) -> nn.Module:
+    """After `layer.threshold` was written: reset it to zero and raise if any value is not finite,
+    else record whether any unit has a non-zero θ (one host sync). Returns layer."""
+    if not bool(torch.isfinite(layer.threshold).all()):
+        layer.threshold.zero_()
+        layer._threshold_active = False
+        raise ValueError("threshold must be finite; the module's threshold was reset to zero")
+    layer._threshold_active = bool(layer.threshold.any())
+    return layer
