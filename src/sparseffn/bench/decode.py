@@ -161,7 +161,27 @@ def _decision_under_capture(x: torch.Tensor, up: torch.Tensor, expected_nnz: flo
         return choose_mode(x, up, expected_nnz=expected_nnz, down_t_ready=True).mode
 
 
-def sweep_configs(d: int = 2048, h: int = 5632, tokens: str = "1,16,64", target_nnz: float = 29,
+def _sweep_grids(m: int) -> tuple[list[dict], list[dict]]:
+    """The gate-kernel and down-kernel parameter changes `sweep_configs` tries at m tokens."""
+    if m == 1:
+        gate = [dict(block_h=bh, block_k=bk, gate_warps=w, gate_stages=1)
+                for bh, bk, w in itertools.product((4, 8), (1024, 2048), (4, 8)) if bh * bk <= 16384]
+        down = [dict(split=sp, block_d=bd, block_s=128, down_stages=1)
+                for sp, bd in itertools.product((1, 2, 4, 8), (32, 64))]
+    elif m <= 8:
+        gate = [dict(block_h=bh, block_k=bk, gate_warps=w, gate_stages=1)
+                for bh, bk, w in itertools.product((2, 4, 8), (1024, 2048), (4, 8)) if bh * bk <= 8192]
+        down = [dict(split=sp, block_d=bd, block_s=64, down_stages=st)
+                for sp, bd, st in itertools.product((1, 4, 8), (32, 64), (1, 2))]
+    else:
+        gate = [dict(block_h=bh, block_k=bk, gate_stages=4, units_as_m=um)
+                for bh, bk, um in itertools.product((16, 32, 64), (128, 256), (False, True))]
+        down = [dict(split=sp, block_d=bd, block_s=128)
+                for sp, bd in itertools.product((1, 2, 4, 8), (32, 64, 128))]
+    return gate, down
+
+
+def sweep_configs(d: int = 2048, h: int = 5632, tokens: str = "1,2,4,8,16,32,64", target_nnz: float = 29,
                   device: torch.device | None = None, log: Callable[[str], None] = print) -> list[dict]:
     """Each decode config of a grid, graph-replayed with L2 flushed, per token count: the whole call
     (both kernels) with one kernel's parameters varied at a time from the default. Returns rows."""
@@ -171,23 +191,15 @@ def sweep_configs(d: int = 2048, h: int = 5632, tokens: str = "1,16,64", target_
         mlp = synthetic_mlp(m, d, h, target_nnz, dtype=torch.bfloat16, device=device, seed=0)
         down_t = mlp.down_weight.t().contiguous()
         base = default_config(m_pad(m))
-        if m == 1:
-            gate_grid = [dict(block_h=bh, block_k=bk, gate_warps=w, gate_stages=1)
-                         for bh, bk, w in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8)) if bh * bk <= 16384]
-            down_grid = [dict(block_s=bs, block_d=bd, down_warps=w, down_stages=1, prefix=pf)
-                         for bs, bd, w, pf in itertools.product((32, 64, 128), (16, 32), (2, 4), (2048, 8192))]
-        else:
-            gate_grid = [dict(block_h=bh, block_k=bk, gate_warps=w, gate_stages=st)
-                         for bh, bk, w, st in itertools.product((16, 32), (128, 256), (4, 8), (2, 3, 4))]
-            down_grid = [dict(block_s=bs, block_d=bd, down_warps=4, down_stages=st, prefix=pf)
-                         for bs, bd, st, pf in itertools.product((32, 64, 128), (16, 32), (2, 3, 4), (2048, 8192))]
+        gate_grid, down_grid = _sweep_grids(m)
         for part, grid in (("gate", gate_grid), ("down", down_grid)):
             for change in grid:
                 config = dataclasses.replace(base, **change)
                 try:
                     call = cuda_graphed(lambda c=config: launch_decode_mlp(
                         mlp.x, mlp.gate_weight, mlp.up_weight, down_t, None, config=c), device)
-                except triton.runtime.errors.OutOfResources as error:  # a config too big for this GPU: listed
+                except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError,
+                        RuntimeError) as error:  # a config this GPU or compiler cannot run: listed with its error
                     rows.append(dict(m=m, part=part, us=float("nan"), error=str(error)[:80],
                                      **dataclasses.asdict(config)))
                     continue

@@ -334,11 +334,11 @@ def decode_sweep_table(rows: list[dict]) -> str:
     for r in rows:
         if not r.get("error"):
             groups[(int(r["m"]), r["part"])].append(r)
-    keys = {"gate": ("block_h", "block_k", "gate_warps", "gate_stages"),
-            "down": ("block_s", "block_d", "down_warps", "down_stages", "prefix")}
+    keys = {"gate": ("block_h", "block_k", "gate_warps", "gate_stages", "units_as_m"),
+            "down": ("split", "block_s", "block_d", "down_warps", "down_stages", "prefix")}
     for (m, part), rs in groups.items():
         best, worst = min(rs, key=lambda r: float(r["us"])), max(rs, key=lambda r: float(r["us"]))
-        params = ", ".join(f"{k} {best[k] or 'auto'}" for k in keys[part])
+        params = ", ".join(f"{k} {best[k] or 'auto'}" for k in keys[part] if k in best)
         lines.append(f"| {m} | {part} | {len(rs)} | {float(best['us']):.1f} | {params} | {float(worst['us']):.1f} |")
     return "\n".join(lines)
 

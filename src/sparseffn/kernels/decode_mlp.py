@@ -42,22 +42,26 @@ from sparseffn.kernels._runtime import (TL_DTYPES, capability, cdiv, check_capab
 from sparseffn.kernels.launch import Launcher
 
 MAX_TOKENS = 64
+PADDED_TOKENS = (1, 2, 4, 8, 16, 32, 64)  # the token counts the kernels are built for
 
 __all__ = ["MAX_TOKENS", "DecodeConfig", "decode_mlp", "default_config", "launch_decode_mlp", "compile_specs"]
 
 
 @triton.jit
-def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, D, stride_xm, stride_wh,
+def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh,
               M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, UNITS_AS_M: tl.constexpr,
               DOT_IN_FP32: tl.constexpr):
     """[M_PAD, BLOCK_H] fp32: x[rows] · w[units]^T over all of D; rows of w with unit_on false are
-    masked off (no memory traffic). UNITS_AS_M: the MMA computes the transposed product (units as
-    its M dimension; sm_100's compiler fails on the other form at 64 tokens)."""
+    masked off (no memory traffic). M_PAD < 16: CUDA-core products, each weight tile loaded once and
+    multiplied by the tokens one after the other. UNITS_AS_M: the MMA computes the transposed product
+    (units as its M dimension; sm_100's compiler fails on the other form at 64 tokens)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
     if M_PAD == 1:
         acc2 = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)  # [BLOCK_H, BLOCK_K] products, summed once
+    elif M_PAD < 16:
+        acc = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
     elif UNITS_AS_M:
         acc_t = tl.zeros((BLOCK_H, M_PAD), dtype=tl.float32)
     else:
@@ -66,16 +70,24 @@ def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, D, stride_xm, stride_w
         k = k0 + offs_k
         k_in = k < D
         w = tl.load(w_rows + k[None, :], mask=unit_on[:, None] & k_in[None, :], other=0.0)  # [BLOCK_H, BLOCK_K]
-        xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
         if M_PAD == 1:
+            xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [1, BLOCK_K]
             acc2 += w.to(tl.float32) * xv.to(tl.float32)
-        elif UNITS_AS_M:
-            acc_t = mma(w, tl.trans(xv), acc_t, DOT_IN_FP32)
+        elif M_PAD < 16:
+            wf = w.to(tl.float32)
+            for m in tl.static_range(M_PAD):
+                xm = tl.load(x_ptr + m * stride_xm + k, mask=k_in & (m < M), other=0.0)  # [BLOCK_K]
+                part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)  # [BLOCK_H]
+                acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
         else:
-            acc = mma(xv, tl.trans(w), acc, DOT_IN_FP32)
+            xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
+            if UNITS_AS_M:
+                acc_t = mma(w, tl.trans(xv), acc_t, DOT_IN_FP32)
+            else:
+                acc = mma(xv, tl.trans(w), acc, DOT_IN_FP32)
     if M_PAD == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
-    elif UNITS_AS_M:
+    elif M_PAD >= 16 and UNITS_AS_M:
         acc = tl.trans(acc_t)
     return acc
 
@@ -88,9 +100,11 @@ def _decode_gate_up_kernel(
     threshold_ptr,  # [H] fp32, or None when not HAS_THRESHOLD
     h_ptr,  # [H, M_PAD] out, x's dtype (h_t: unit-major)
     flags_ptr,  # [H] int32 out
+    count_ptr,  # [n_counts] int32 out: zeros (K2's arrival counters)
     M,
     D,
     H,
+    n_counts,
     stride_xm,
     stride_fh,
     stride_uh,
@@ -108,7 +122,11 @@ def _decode_gate_up_kernel(
     row_in = rows < M
     out_dtype = h_ptr.dtype.element_ty
 
-    acc = _rows_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, D, stride_xm, stride_fh,
+    if tl.program_id(0) == 0:
+        for c0 in range(0, n_counts, 1024):
+            c = c0 + tl.arange(0, 1024)
+            tl.store(count_ptr + c, tl.zeros((1024,), tl.int32), mask=c < n_counts)
+    acc = _rows_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_fh,
                     M_PAD, BLOCK_H, BLOCK_K, UNITS_AS_M, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
     if HAS_THRESHOLD:
         theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
@@ -119,7 +137,7 @@ def _decode_gate_up_kernel(
     h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
     if GATED:
         if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
-            u = _rows_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, D, stride_xm, stride_uh,
+            u = _rows_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
                           M_PAD, BLOCK_H, BLOCK_K, UNITS_AS_M, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
             h = h * u
     h_ptrs = h_ptr + units.to(tl.int64)[None, :] * M_PAD + rows[:, None]  # [M_PAD, BLOCK_H] of h_t
@@ -131,54 +149,75 @@ def _decode_gate_up_kernel(
 def _decode_down_kernel(
     h_ptr,  # [H, M_PAD] x's dtype (h_t)
     flags_ptr,  # [H] int32
-    list_ptr,  # [H] int32 scratch: the active units, ascending
+    list_ptr,  # [H] int32 scratch: the active units of each span, ascending
     down_t_ptr,  # [H, D]
     y_ptr,  # [M, D] out, x's dtype
+    part_ptr,  # [SPLIT, M, D] fp32 scratch: each span's partial sum (SPLIT > 1)
+    count_ptr,  # [cdiv(D, BLOCK_D)] int32, zero on entry: spans done per column block (SPLIT > 1)
     M,
     D,
     H,
     stride_dh,
     stride_ym,
     M_PAD: tl.constexpr,
+    ROWS: tl.constexpr,  # 1 (CUDA-core products) or M_PAD padded to >= 16 (tl.dot)
+    SPLIT: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PREFIX: tl.constexpr,  # flags per step of the compaction
     DOT_IN_FP32: tl.constexpr,
 ):
-    # 1. the active units, compacted in ascending order (the same list in every program)
+    c_block = tl.program_id(0)
+    span = tl.cdiv(H, SPLIT)
+    lo = tl.program_id(1) * span
+    hi = tl.minimum(H, lo + span)
+    # 1. the span's active units, compacted in ascending order (the same list in every program of the span)
     n_active = tl.sum(tl.zeros((1,), tl.int32), axis=0)
-    for u0 in range(0, H, PREFIX):
+    for u0 in range(lo, hi, PREFIX):
         u = u0 + tl.arange(0, PREFIX)  # [PREFIX]
-        f = tl.load(flags_ptr + u, mask=u < H, other=0)  # [PREFIX] int32
-        tl.store(list_ptr + n_active + tl.cumsum(f, 0) - f, u, mask=f != 0)
+        f = tl.load(flags_ptr + u, mask=u < hi, other=0)  # [PREFIX] int32
+        tl.store(list_ptr + lo + n_active + tl.cumsum(f, 0) - f, u, mask=f != 0)
         n_active += tl.sum(f, axis=0)
     tl.debug_barrier()  # the list this program stored is what it reads below
-    # 2. y[:, cols] over the list
-    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    # 2. the span's part of y[:, cols]
+    cols = c_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     col_in = cols < D
-    rows = tl.arange(0, M_PAD)  # [M_PAD]
+    rows = tl.arange(0, ROWS)  # [ROWS]
     row_in = rows < M
-    if M_PAD == 1:
+    if ROWS == 1:
         acc2 = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)  # [BLOCK_S, BLOCK_D] products, summed once
     else:
-        acc = tl.zeros((M_PAD, BLOCK_D), dtype=tl.float32)  # [M_PAD, BLOCK_D] fp32
+        acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)  # [ROWS, BLOCK_D] fp32
     for s0 in range(0, n_active, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
         valid = s < n_active
-        units = tl.load(list_ptr + s, mask=valid, other=0).to(tl.int64)  # [BLOCK_S]
+        units = tl.load(list_ptr + lo + s, mask=valid, other=0).to(tl.int64)  # [BLOCK_S]
         w = tl.load(down_t_ptr + units[:, None] * stride_dh + cols[None, :],
                     mask=valid[:, None] & col_in[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-        if M_PAD == 1:
+        if ROWS == 1:
             hv = tl.load(h_ptr + units, mask=valid, other=0.0)  # [BLOCK_S]
             acc2 += hv.to(tl.float32)[:, None] * w.to(tl.float32)
         else:
             hv = tl.load(h_ptr + units[None, :] * M_PAD + rows[:, None],
-                         mask=row_in[:, None] & valid[None, :], other=0.0)  # [M_PAD, BLOCK_S]
+                         mask=row_in[:, None] & valid[None, :], other=0.0)  # [ROWS, BLOCK_S]
             acc = mma(hv, w, acc, DOT_IN_FP32)
-    if M_PAD == 1:
+    if ROWS == 1:
         acc = tl.sum(acc2, axis=0)[None, :]
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+    out = row_in[:, None] & col_in[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out)
+    else:
+        # 3. the span's partial to scratch; the last span to finish this column block sums all spans
+        # in span order (deterministic whichever arrives last) and writes y
+        parts = part_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]  # span 0's [ROWS, BLOCK_D]
+        tl.store(parts + tl.program_id(1).to(tl.int64) * M * D, acc, mask=out)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if tl.atomic_add(count_ptr + c_block, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+            for t in range(SPLIT):
+                total += tl.load(parts + t * M * D, mask=out, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out)
 
 
 _gate_up_launch = Launcher(_decode_gate_up_kernel)
@@ -200,11 +239,12 @@ class DecodeConfig:
     down_warps: int = 4
     down_stages: int = 3
     prefix: int = 4096  # flags per step of K2's compaction
+    split: int = 1  # K2's programs per column block, each over one span of the units
     units_as_m: bool | None = None  # K1's MMA with units as M (None: from sm_100 on, where the other fails)
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
-                                            "down_warps", "down_stages", "prefix"),
+                                            "down_warps", "down_stages", "prefix", "split"),
                             powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix"),
                             at_least=((("block_k", "block_s"), 16, "tl.dot"), (("block_h",), 2, "a 2-D tile")))
         if self.units_as_m is not None and not isinstance(self.units_as_m, bool):
@@ -215,18 +255,26 @@ class DecodeConfig:
 
 
 def m_pad(m: int) -> int:
-    """The kernels' padded token count: 1, or the smallest of 16 / 32 / 64 holding m."""
-    return 1 if m <= 1 else max(16, 1 << (m - 1).bit_length())
+    """The kernels' padded token count: the smallest power of two holding m."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+def down_rows(m_padded: int) -> int:
+    """K2's token rows: 1 (CUDA-core products), else at least 16 (tl.dot's minimum)."""
+    return 1 if m_padded == 1 else max(16, m_padded)
 
 
 @functools.lru_cache(maxsize=None)
 def default_config(m_padded: int) -> DecodeConfig:
     """The config per padded M, from the sweep on the H200 (benchmarks/results/h200/decode_sweep.csv,
-    D=2048/H=5632, 29 active units per token). One token: few units per program and the whole row
-    in one step, since its CUDA-core loop is not software-pipelined (each step is one memory round
-    trip); more tokens: tl.dot tiles, pipelined."""
+    D=2048/H=5632, 29 active units per token). Up to 8 tokens: few units per program and long row
+    steps, since the CUDA-core loop is not software-pipelined (each step is one memory round trip);
+    more tokens: tl.dot tiles, pipelined."""
     if m_padded == 1:
         return DecodeConfig(block_h=4, block_k=2048, gate_stages=1, block_s=128, block_d=32, down_stages=1,
+                            prefix=2048)
+    if m_padded < 16:
+        return DecodeConfig(block_h=4, block_k=1024, gate_stages=1, block_s=64, block_d=32, down_stages=2,
                             prefix=2048)
     if m_padded == 16:
         return DecodeConfig(block_h=32, block_k=256, gate_stages=4, block_s=128, block_d=32, down_stages=2,
@@ -300,24 +348,29 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     mp = m_pad(m)
     if config is None:
         config = default_config(mp)
-    elif mp > 1 and config.block_h < 16:
+    elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
-    hidden = torch.empty((h, mp), dtype=x.dtype, device=x.device)  # h_t
-    scratch = torch.empty((2, h), dtype=torch.int32, device=x.device)  # flags, then the compacted list
     block_d = down_block(config, d, num_sms(x.device) if x.is_cuda else 4)
+    col_blocks = cdiv(d, block_d)
+    split = min(config.split, h)
+    hidden = torch.empty((h, mp), dtype=x.dtype, device=x.device)  # h_t
+    scratch = torch.empty(2 * h + col_blocks, dtype=torch.int32, device=x.device)  # flags, list, counters
+    flags, unit_list, counts = scratch[:h], scratch[h:2 * h], scratch[2 * h:]
+    parts = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=x.device)
     dot_fp32 = interpreting()
     gated = up_weight is not None
     up = up_weight if gated else first_weight
     _gate_up_launch[(cdiv(h, config.block_h),)](
-        x, first_weight, up, threshold, hidden, scratch, m, d, h, x.stride(0), first_weight.stride(0), up.stride(0),
+        x, first_weight, up, threshold, hidden, flags, counts, m, d, h, col_blocks if split > 1 else 0,
+        x.stride(0), first_weight.stride(0), up.stride(0),
         GATED=gated, HAS_THRESHOLD=threshold is not None, M_PAD=mp, BLOCK_H=config.block_h,
         BLOCK_K=config.block_k, UNITS_AS_M=config.units_as_m if config.units_as_m is not None
         else capability(x.device) >= (10, 0), DOT_IN_FP32=dot_fp32, num_warps=config.gate_warps, num_stages=config.gate_stages,
     )
-    _down_launch[(cdiv(d, block_d),)](
-        hidden, scratch, scratch[1], down_t, y, m, d, h, down_t.stride(0), y.stride(0),
-        M_PAD=mp, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix, DOT_IN_FP32=dot_fp32,
-        num_warps=config.down_warps, num_stages=config.down_stages,
+    _down_launch[(col_blocks, split)](
+        hidden, flags, unit_list, down_t, y, parts, counts, m, d, h, down_t.stride(0), y.stride(0),
+        M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
+        DOT_IN_FP32=dot_fp32, num_warps=config.down_warps, num_stages=config.down_stages,
     )
     return y
 
@@ -336,23 +389,24 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
 
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
-        for mp in (1, 16, 32, 64):
+        for mp in PADDED_TOKENS:
             cfg = default_config(mp)
             for gated, has_threshold in ((True, False), (True, True), (False, True)):
-                if mp in (16, 32) and not (gated and not has_threshold):
+                if mp not in (1, 64) and not (gated and not has_threshold):
                     continue
                 sig = {"x_ptr": f"*{ty}", "first_ptr": f"*{ty}", "up_ptr": f"*{ty}",
                        "threshold_ptr": "*fp32" if has_threshold else "constexpr", "h_ptr": f"*{ty}",
-                       "flags_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32", "stride_xm": "i32",
-                       "stride_fh": "i32", "stride_uh": "i32"}
+                       "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32",
+                       "n_counts": "i32", "stride_xm": "i32", "stride_fh": "i32", "stride_uh": "i32"}
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "M_PAD": mp, "BLOCK_H": cfg.block_h,
                       "BLOCK_K": cfg.block_k, "UNITS_AS_M": arch >= (10, 0), "DOT_IN_FP32": False}
                 if not has_threshold:
                     cx["threshold_ptr"] = None
                 add(_decode_gate_up_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
             sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
-                   "y_ptr": f"*{ty}", "M": "i32", "D": "i32", "H": "i32", "stride_dh": "i32", "stride_ym": "i32"}
-            cx = {"M_PAD": mp, "BLOCK_S": cfg.block_s, "BLOCK_D": down_block(cfg, 2048, 132), "PREFIX": cfg.prefix,
-                  "DOT_IN_FP32": False}
+                   "y_ptr": f"*{ty}", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32",
+                   "stride_dh": "i32", "stride_ym": "i32"}
+            cx = {"M_PAD": mp, "ROWS": down_rows(mp), "SPLIT": cfg.split, "BLOCK_S": cfg.block_s,
+                  "BLOCK_D": down_block(cfg, 2048, 132), "PREFIX": cfg.prefix, "DOT_IN_FP32": False}
             add(_decode_down_kernel, sig, cx, cfg.down_warps, cfg.down_stages)
     return specs

@@ -1,0 +1,67 @@
+"""Where the decode call's time goes (H200 probe, bench only): per token count, graph-replayed with
+L2 flushed as `bench decode` times them, the floor (one tiny kernel), the gate kernel alone, the down
+kernel alone on the gate kernel's output, the whole call, and dense torch.
+
+    python benchmarks/probe_decode_parts.py [OUT_CSV]
+"""
+
+import sys
+
+import torch
+
+from sparseffn.bench.common import write_csv
+from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.bench.timing import cuda_graphed, run_metadata, time_fn
+from sparseffn.kernels import decode_mlp as dm
+from sparseffn.kernels._runtime import cdiv, num_sms
+from sparseffn.ops.twell_mlp import dense_mlp
+
+
+def parts(m, d=2048, h=5632, nnz=29):
+    dev = torch.device("cuda")
+    mlp = synthetic_mlp(m, d, h, nnz, dtype=torch.bfloat16, device=dev, seed=0)
+    x, gate, up = mlp.x, mlp.gate_weight, mlp.up_weight
+    down_t = mlp.down_weight.t().contiguous()
+    mp = dm.m_pad(m)
+    cfg = dm.default_config(mp)
+    block_d = dm.down_block(cfg, d, num_sms(dev))
+    cols = cdiv(d, block_d)
+    split = min(cfg.split, h)
+    hidden = torch.empty((h, mp), dtype=x.dtype, device=dev)
+    scratch = torch.empty(2 * h + cols, dtype=torch.int32, device=dev)
+    flags, lst, counts = scratch[:h], scratch[h:2 * h], scratch[2 * h:]
+    part_buf = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=dev)
+    y = torch.empty((m, d), dtype=x.dtype, device=dev)
+    tiny = torch.zeros(16, device=dev)
+
+    def k1():
+        dm._gate_up_launch[(cdiv(h, cfg.block_h),)](
+            x, gate, up, None, hidden, flags, counts, m, d, h, cols if split > 1 else 0, x.stride(0), gate.stride(0),
+            up.stride(0), GATED=True, HAS_THRESHOLD=False, M_PAD=mp, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+            UNITS_AS_M=bool(cfg.units_as_m), DOT_IN_FP32=False, num_warps=cfg.gate_warps, num_stages=cfg.gate_stages)
+
+    def k2():
+        counts.zero_() if split > 1 else None
+        dm._down_launch[(cols, split)](
+            hidden, flags, lst, down_t, y, part_buf, counts, m, d, h, down_t.stride(0), y.stride(0), M_PAD=mp,
+            ROWS=dm.down_rows(mp), SPLIT=split, BLOCK_S=cfg.block_s, BLOCK_D=block_d, PREFIX=cfg.prefix,
+            DOT_IN_FP32=False, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
+
+    k1()
+    out = {}
+    for name, fn in (("floor", lambda: tiny.add_(1)), ("gate_kernel", k1), ("down_kernel", k2),
+                     ("both", lambda: dm.launch_decode_mlp(x, gate, up, down_t, None)),
+                     ("dense", lambda: dense_mlp(x, gate, up, mlp.down_weight, None))):
+        g = cuda_graphed(fn, dev)
+        out[name] = round(min(time_fn(g, dev, rep_ms=40).median_ms for _ in range(3)) * 1e3, 2)
+    return dict(m=m, d=d, h=h, nnz=nnz, union=int((x @ gate.t() > 0).any(0).sum()), **out)
+
+
+if __name__ == "__main__":
+    meta = run_metadata(torch.device("cuda"))
+    rows = []
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        rows.append(dict(meta, **parts(m)))
+        print(rows[-1], flush=True)
+    if len(sys.argv) > 1:
+        write_csv(rows, sys.argv[1], tuple(rows[0]))
