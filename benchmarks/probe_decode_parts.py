@@ -23,7 +23,7 @@ def parts(m, d=2048, h=5632, nnz=29):
     x, gate, up = mlp.x, mlp.gate_weight, mlp.up_weight
     down_t = mlp.down_weight.t().contiguous()
     mp = dm.m_pad(m)
-    cfg = dm.default_config(mp)
+    cfg = dm.default_config(mp, (9, 0))
     block_d = dm.down_block(cfg, d, num_sms(dev))
     cols = cdiv(d, block_d)
     split = min(cfg.split, h)
@@ -38,7 +38,7 @@ def parts(m, d=2048, h=5632, nnz=29):
         dm._gate_up_launch[(cdiv(h, cfg.block_h),)](
             x, gate, up, None, hidden, flags, counts, m, d, h, cols if split > 1 else 0, x.stride(0), gate.stride(0),
             up.stride(0), GATED=True, HAS_THRESHOLD=False, M_PAD=mp, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-            UNITS_AS_M=bool(cfg.units_as_m), DOT_IN_FP32=False, num_warps=cfg.gate_warps, num_stages=cfg.gate_stages)
+            DOT_IN_FP32=False, num_warps=cfg.gate_warps, num_stages=cfg.gate_stages)
 
     def k2():
         counts.zero_() if split > 1 else None
@@ -60,7 +60,7 @@ def parts(m, d=2048, h=5632, nnz=29):
 if __name__ == "__main__":
     meta = run_metadata(torch.device("cuda"))
     rows = []
-    for m in (1, 2, 4, 8, 16, 32, 64):
+    for m in (1, 2, 4, 16, 32, 64):
         rows.append(dict(meta, **parts(m)))
         print(rows[-1], flush=True)
     if len(sys.argv) > 1:

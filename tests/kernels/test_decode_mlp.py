@@ -1,7 +1,7 @@
 """decode_mlp (few-token sparse MLP) against the fp32 reference, under the flash-attention rule.
 
 Runs natively on a GPU and under the interpreter on CPU (tests/conftest.py); problems are built on
-the CPU. Shapes cover M = 1, 3, 8, 16, 64 (CUDA-core and tl.dot paths), D and H that are not block multiples,
+the CPU. Shapes cover M = 1, 2, 3, 16, 64 (CUDA-core and tl.dot paths, every padded bucket), D and H that are not block multiples,
 all-zero and all-active rows, thresholds, gated and non-gated, one and several steps in every loop.
 """
 
@@ -20,7 +20,6 @@ GPU = torch.cuda.is_available()
 # the interpreter is slow: small blocks where they add loop steps that matter
 SMALL = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, prefix=64)  # several steps in every loop
 LARGE = DecodeConfig(block_h=32, block_k=128, block_s=32, block_d=64)
-SWAPPED = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, units_as_m=True)  # sm_100's MMA form
 SPLIT = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, prefix=64, split=3)  # spans summed at the end
 
 
@@ -75,7 +74,7 @@ def _check(y, x, gate, up, down, theta):
     assert (err <= 2 * torch_err + slack + 1e-6).all(), (err.max().item(), torch_err)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 16, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 64])
 @pytest.mark.parametrize("gated", [True, False])
 def test_matches_reference(m, gated):
     x, gate, up, down, theta = _problem(m, 80, 200, gated=gated, active=0.08, seed=m)
@@ -84,8 +83,6 @@ def test_matches_reference(m, gated):
         y = _run(x, gate, up, down, theta, SPLIT)
         _check(y, x, gate, up, down, theta)
         assert torch.equal(y, _run(x, gate, up, down, theta, SPLIT))  # spans summed in span order
-    if m > 8 and gated:
-        _check(_run(x, gate, up, down, theta, SWAPPED), x, gate, up, down, theta)
 
 
 @pytest.mark.parametrize("active", [0.0, 1.0])
@@ -136,12 +133,12 @@ def test_rejects_bad_arguments():
 
 
 def test_m_pad_buckets():
-    assert [m_pad(m) for m in (1, 2, 3, 5, 9, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 16, 32, 64, 64]
+    assert [m_pad(m) for m in (1, 2, 3, 9, 16, 17, 33, 64)] == [1, 2, 16, 16, 16, 32, 64, 64]
 
 
 def test_compile_specs_cover_variants():
     specs = compile_specs(with_options=True)
     names = {(s[0].fn.__name__ if hasattr(s[0], "fn") else s[0].__name__) for s in specs}
     assert names == {"_decode_gate_up_kernel", "_decode_down_kernel"}
-    assert {s[2]["M_PAD"] for s in specs} == {1, 2, 4, 8, 16, 32, 64}
+    assert {s[2]["M_PAD"] for s in specs} == {1, 2, 16, 32, 64}
     assert len({(s[0].__name__, repr(s[1]), repr(s[2])) for s in specs}) == len(specs)

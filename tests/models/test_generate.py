@@ -49,3 +49,16 @@ def test_gpu_captured_steps_match_eager_steps(mode):
     eager = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=100).generate(prompt, 30)
     captured = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=5).generate(prompt, 30)
     assert torch.equal(eager, captured)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_captured_steps_match_eager_steps():
+    """compile=True: the decode step's forward goes through torch.compile (the sparse layers' auto
+    dispatch traced into it), then into the graph; the replays give the tokens of the compiled steps
+    run one by one (Inductor's fused kernels round as they like, so uncompiled steps may differ)."""
+    model = _model().cuda().to(torch.bfloat16)
+    sparseffn.sparsify_(model, sparseffn.SparsityConfig(mode="auto"))
+    prompt = torch.randint(128, (1, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    stepped = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=100, compile=True).generate(prompt, 30)
+    captured = CapturedDecoder(model, batch_size=1, max_length=64, compile=True).generate(prompt, 30)
+    assert torch.equal(stepped, captured)

@@ -168,20 +168,20 @@ def _sweep_grids(m: int) -> tuple[list[dict], list[dict]]:
                 for bh, bk, w in itertools.product((4, 8), (1024, 2048), (4, 8)) if bh * bk <= 16384]
         down = [dict(split=sp, block_d=bd, block_s=128, down_stages=1)
                 for sp, bd in itertools.product((1, 2, 4, 8), (32, 64))]
-    elif m <= 8:
+    elif m == 2:
         gate = [dict(block_h=bh, block_k=bk, gate_warps=w, gate_stages=1)
                 for bh, bk, w in itertools.product((2, 4, 8), (1024, 2048), (4, 8)) if bh * bk <= 8192]
         down = [dict(split=sp, block_d=bd, block_s=64, down_stages=st)
                 for sp, bd, st in itertools.product((1, 4, 8), (32, 64), (1, 2))]
     else:
-        gate = [dict(block_h=bh, block_k=bk, gate_stages=4, units_as_m=um)
-                for bh, bk, um in itertools.product((16, 32, 64), (128, 256), (False, True))]
+        gate = [dict(block_h=bh, block_k=bk, gate_stages=st)
+                for bh, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
         down = [dict(split=sp, block_d=bd, block_s=128)
                 for sp, bd in itertools.product((1, 2, 4, 8), (32, 64, 128))]
     return gate, down
 
 
-def sweep_configs(d: int = 2048, h: int = 5632, tokens: str = "1,2,4,8,16,32,64", target_nnz: float = 29,
+def sweep_configs(d: int = 2048, h: int = 5632, tokens: str = "1,2,4,16,32,64", target_nnz: float = 29,
                   device: torch.device | None = None, log: Callable[[str], None] = print) -> list[dict]:
     """Each decode config of a grid, graph-replayed with L2 flushed, per token count: the whole call
     (both kernels) with one kernel's parameters varied at a time from the default. Returns rows."""

@@ -9,6 +9,10 @@ mode "dense") and the sparse one (auto mode):
     captured   models.generate.CapturedDecoder: static cache, one decode step replayed from a CUDA graph
                (auto mode sends the sparse layers to the decode kernels there): tokens/s, ms per token
                p50 / p99 of the replayed steps, peak memory
+    compiled   the same with the step's forward through torch.compile (with `compile`)
+
+each with Hugging Face's own norms and rotary embeddings ("hf") and/or ours fused (models.fuse,
+"fused"); dense and sparse always share the variant.
 
 and, between the captured runs, the greedy agreement: the first step where the sparse tokens differ
 from the dense ones, with the dense logits' top-1 / top-2 margin there, and the prefill logits' error.
@@ -31,7 +35,8 @@ from sparseffn.bench.timing import device_slug, run_metadata
 
 HBM_TB_S = 4.8  # the H200's datasheet bandwidth, for the rooflines
 CSV_FIELDS = (
-    "gpu", "torch", "triton", "git_sha", "model", "target_nnz", "batch", "prompt", "new_tokens", "provider", "mlp",
+    "gpu", "torch", "triton", "git_sha", "model", "target_nnz", "batch", "prompt", "new_tokens", "non_mlp",
+    "provider", "mlp",
     "tokens_per_s", "ms_per_token_p50", "ms_per_token_p99", "speedup_vs_dense", "peak_mib", "roofline_ms",
     "first_divergence", "divergence_margin", "prefill_logits_rel_err", "decode_paths",
 )
@@ -49,6 +54,8 @@ class DecodeModelBenchConfig:
     calibration_batch_size: int = 4
     eager: bool = True  # also time Hugging Face's eager generate
     eager_tokens: int = 64  # new tokens of each timed eager generate (it is host-bound: ms per token settle fast)
+    non_mlp: str = "hf,fused"  # norms and rotary embeddings: Hugging Face's ("hf") and/or ours ("fused"), in order
+    compile: bool = False  # also time the captured step with its forward through torch.compile
     seed: int = 0
     out_dir: str = "benchmarks/results"
     git_sha: str = ""
@@ -56,12 +63,15 @@ class DecodeModelBenchConfig:
 
 def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | None = None,
                            log: Callable[[str], None] = print) -> list[dict]:
-    from sparseffn.models import (MODEL_NAMES, SparsityConfig, build_model, calibrate_thresholds, load_pretrained,
-                                  sparse_layers)
+    from sparseffn.models import (MODEL_NAMES, SparsityConfig, build_model, calibrate_thresholds, fuse_non_mlp_,
+                                  load_pretrained, sparse_layers)
 
     device = device or torch.device("cuda")
     if device.type != "cuda":
         raise ValueError("bench decode-model captures CUDA graphs: it needs a CUDA device")
+    variants = [v.strip() for v in cfg.non_mlp.split(",") if v.strip()]
+    if variants not in (["hf"], ["fused"], ["hf", "fused"]):
+        raise ValueError(f"non_mlp must be 'hf', 'fused' or 'hf,fused' (fusing is in place: hf first), got {cfg.non_mlp!r}")
     dtype = getattr(torch, cfg.dtype)
     gen = torch.Generator().manual_seed(cfg.seed)
     length = cfg.prompt + cfg.new_tokens
@@ -87,11 +97,14 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
     rows: list[dict] = []
     path = Path(cfg.out_dir) / device_slug(device) / "decode_model.csv"
     vocab = model.config.vocab_size
-    for batch in ints(cfg.batches):
-        prompt = torch.randint(vocab, (batch, cfg.prompt), generator=gen).to(device)
-        rows += _batch_rows(cfg, model, layers, prompt, dict(common, batch=batch), log)
-        write_csv(rows, path, CSV_FIELDS)
-        torch.cuda.empty_cache()
+    prompts = {batch: torch.randint(vocab, (batch, cfg.prompt), generator=gen).to(device) for batch in ints(cfg.batches)}
+    for variant in variants:
+        if variant == "fused":
+            fuse_non_mlp_(model)
+        for batch, prompt in prompts.items():
+            rows += _batch_rows(cfg, model, layers, prompt, dict(common, batch=batch, non_mlp=variant), log)
+            write_csv(rows, path, CSV_FIELDS)
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -113,21 +126,23 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
                 rounds.setdefault(mlp, []).append(_eager(model, prompt, cfg.eager_tokens))
         for mlp, runs in rounds.items():
             results[("eager", mlp)] = min(runs, key=lambda r: r["p50"])
-    for mlp, mode in (("dense", "dense"), ("sparse", "auto")):
-        _set_mode(layers, mode)
-        decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens, record_times=True)
-        decoder.generate(prompt, cfg.new_tokens)  # captures the step
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        tokens = decoder.generate(prompt, cfg.new_tokens)
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        steps = sorted(decoder.step_ms)
-        paths = sorted({str(getattr(layer, "last_decision", None) and layer.last_decision.mode) for layer in layers})
-        results[("captured", mlp)] = dict(tokens=tokens, p50=steps[len(steps) // 2],
-                                          p99=steps[min(len(steps) - 1, int(0.99 * len(steps)))],
-                                          tokens_per_s=1e3 * batch / statistics.fmean(steps), peak=peak,
-                                          paths="/".join(paths))
-        del decoder
+    for provider, compiled in (("captured", False),) + ((("compiled", True),) if cfg.compile else ()):
+        for mlp, mode in (("dense", "dense"), ("sparse", "auto")):
+            _set_mode(layers, mode)
+            decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens,
+                                      record_times=True, compile=compiled)
+            decoder.generate(prompt, cfg.new_tokens)  # captures the step
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            tokens = decoder.generate(prompt, cfg.new_tokens)
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            steps = sorted(decoder.step_ms)
+            paths = sorted({str(getattr(layer, "last_decision", None) and layer.last_decision.mode) for layer in layers})
+            results[(provider, mlp)] = dict(tokens=tokens, p50=steps[len(steps) // 2],
+                                            p99=steps[min(len(steps) - 1, int(0.99 * len(steps)))],
+                                            tokens_per_s=1e3 * batch / statistics.fmean(steps), peak=peak,
+                                            paths="/".join(paths))
+            del decoder
     _set_mode(layers, "auto")
     agreement = _agreement(model, layers, prompt, results[("captured", "dense")]["tokens"],
                            results[("captured", "sparse")]["tokens"], cfg.prompt)
@@ -142,10 +157,12 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
                          roofline_ms=round(roof[mlp], 4), decode_paths=r.get("paths", ""),
                          **(agreement if mlp == "sparse" else {})))
     cap_d, cap_s = results[("captured", "dense")], results[("captured", "sparse")]
-    log(f"batch {batch}: captured dense {cap_d['p50']:.3f} ms/token, sparse {cap_s['p50']:.3f} "
+    log(f"{common['non_mlp']} batch {batch}: captured dense {cap_d['p50']:.3f} ms/token, sparse {cap_s['p50']:.3f} "
         f"({cap_d['p50'] / cap_s['p50']:.2f}x; rooflines {roof['dense']:.3f} / {roof['sparse']:.3f}); "
         + (f"eager {results[('eager', 'dense')]['p50']:.2f} / {results[('eager', 'sparse')]['p50']:.2f} ms; "
            if cfg.eager else "")
+        + (f"compiled {results[('compiled', 'dense')]['p50']:.3f} / {results[('compiled', 'sparse')]['p50']:.3f} ms; "
+           if cfg.compile else "")
         + f"first divergence {agreement['first_divergence']} (margin {agreement['divergence_margin']})")
     return rows
 
@@ -203,36 +220,45 @@ def _rooflines(model, layers, batch: int) -> dict[str, float]:
 
 
 def decode_model_table(rows: list[dict]) -> str:
-    """Markdown: per batch, dense and sparse ms per token and tokens/s (captured, eager), speed-up,
-    rooflines, agreement."""
-    lines = ["| batch | path | dense ms/token (p50 / p99) | sparse ms/token (p50 / p99) | speed-up | rooflines dense / "
-             "sparse ms | peak MiB dense / sparse | greedy: first divergence (margin) | prefill logits err |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for batch in dict.fromkeys(int(r["batch"]) for r in rows):
-        for provider in ("captured", "eager"):
-            pick = {r["mlp"]: r for r in rows if int(r["batch"]) == batch and r["provider"] == provider}
-            if set(pick) != {"dense", "sparse"}:
-                continue
-            d, s = pick["dense"], pick["sparse"]
-            lines.append(
-                f"| {batch} | {provider} | {float(d['ms_per_token_p50']):.3f} / {float(d['ms_per_token_p99']):.3f} | "
-                f"{float(s['ms_per_token_p50']):.3f} / {float(s['ms_per_token_p99']):.3f} | "
-                f"**{float(s['speedup_vs_dense']):.2f}x** | {float(d['roofline_ms']):.3f} / {float(s['roofline_ms']):.3f} | "
-                f"{d['peak_mib'] or '–'} / {s['peak_mib'] or '–'} | {s['first_divergence']} ({s['divergence_margin']}) | "
-                f"{s['prefill_logits_rel_err']} |")
+    """Markdown: per non-MLP variant, batch and path, dense and sparse ms per token, speed-up,
+    rooflines, peak memory, agreement."""
+    lines = ["| norms, RoPE | batch | path | dense ms/token (p50 / p99) | sparse ms/token (p50 / p99) | speed-up | "
+             "rooflines dense / sparse ms | peak MiB dense / sparse | greedy: first divergence (margin) | "
+             "prefill logits err |", "|---|---|---|---|---|---|---|---|---|---|"]
+    variant = lambda r: r.get("non_mlp") or "hf"  # noqa: E731 (rows written before the column: hf)
+    for non_mlp in dict.fromkeys(variant(r) for r in rows):
+        for batch in dict.fromkeys(int(r["batch"]) for r in rows):
+            for provider in ("captured", "compiled", "eager"):
+                pick = {r["mlp"]: r for r in rows if int(r["batch"]) == batch and r["provider"] == provider
+                        and variant(r) == non_mlp}
+                if set(pick) != {"dense", "sparse"}:
+                    continue
+                d, s = pick["dense"], pick["sparse"]
+                lines.append(
+                    f"| {non_mlp} | {batch} | {provider} | {float(d['ms_per_token_p50']):.3f} / "
+                    f"{float(d['ms_per_token_p99']):.3f} | {float(s['ms_per_token_p50']):.3f} / "
+                    f"{float(s['ms_per_token_p99']):.3f} | **{float(s['speedup_vs_dense']):.2f}x** | "
+                    f"{float(d['roofline_ms']):.3f} / {float(s['roofline_ms']):.3f} | {d['peak_mib'] or '–'} / "
+                    f"{s['peak_mib'] or '–'} | {s['first_divergence']} ({s['divergence_margin']}) | "
+                    f"{s['prefill_logits_rel_err']} |")
     return "\n".join(lines)
 
 
 def plot_decode_model(rows: list[dict], path: Path) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for provider, mlp in (("captured", "dense"), ("captured", "sparse"), ("eager", "dense"), ("eager", "sparse")):
-        pts = [(int(r["batch"]), float(r["tokens_per_s"])) for r in rows if r["provider"] == provider and r["mlp"] == mlp]
-        if pts:
-            ax.plot(*zip(*sorted(pts)), "-o" if provider == "captured" else "--s", label=f"{provider}, {mlp} MLPs")
+    variant = lambda r: r.get("non_mlp") or "hf"  # noqa: E731
+    for non_mlp in dict.fromkeys(variant(r) for r in rows):
+        for provider in ("captured", "compiled", "eager"):
+            for mlp in ("dense", "sparse"):
+                pts = [(int(r["batch"]), float(r["tokens_per_s"])) for r in rows
+                       if r["provider"] == provider and r["mlp"] == mlp and variant(r) == non_mlp]
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), "--s" if provider == "eager" else "-o",
+                            label=f"{provider}, {non_mlp} norms/RoPE, {mlp} MLPs")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size")
     ax.set_ylabel("generated tokens/s")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     return save_figure(fig, path)

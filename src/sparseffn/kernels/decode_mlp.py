@@ -9,11 +9,16 @@ and down matrices only the rows of units some token activates.
         non-gated: h = relu(p)
         writes h_t [H, M_PAD] (x's dtype, rounded as the dense MLP rounds h before its last GEMM; rows
         m >= M unwritten) and flags [H] int32 = active_j
-    K2 _decode_down_kernel, grid (cdiv(D, BLOCK_D),): program c owns columns [c·BLOCK_D, +BLOCK_D)
-        1. compacts the active units into a list (a prefix sum over the flags; every program computes
-           the same list into the same buffer, so no program waits for another);
-        2. y[:, cols] = Σ over the list, BLOCK_S units at a time, h_t[j, :M] ⊗ down_t[j, cols]
-        in list order (ascending j): y is deterministic, no atomics.
+        program 0 also zeroes K2's arrival counters
+    K2 _decode_down_kernel, grid (cdiv(D, BLOCK_D), SPLIT): program (c, s) owns columns
+       [c·BLOCK_D, +BLOCK_D) and span s of the units, [s·cdiv(H, SPLIT), +cdiv(H, SPLIT))
+        1. compacts the span's active units into a list (a prefix sum over the flags; every program
+           of the span computes the same list into the same buffer, so no program waits for another);
+        2. part_s = Σ over the list, BLOCK_S units at a time, h_t[j, :M] ⊗ down_t[j, cols], in list
+           order (ascending j);
+        3. SPLIT == 1: y[:, cols] = part_0. Else part_s goes to fp32 scratch, then an atomic counter
+           per column block; the span that arrives last sums part_0 .. part_{SPLIT-1} in span order
+           and writes y[:, cols]. y is deterministic whichever span arrives last.
 
 Why. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D] matrices,
 this path the gate matrix plus two D-rows per distinct active unit, read once per call however many
@@ -22,14 +27,15 @@ call can be captured in a CUDA graph. Loops keep reductions out of their bodies 
 
 Layouts. x [M, D]; first (gate, or up when not gated), up: [H, D]; down_t [H, D] = down_proj.weight^T
 (row j = the down column of unit j); every weight and x with unit stride along D, any row stride.
-threshold: fp32 [H] or None. M_PAD (1, 16, 32 or 64) is M rounded up: 1 uses CUDA-core products,
-the others tl.dot on rows padded with zeros.
+threshold: fp32 [H] or None. M_PAD (1, 2, 16, 32 or 64) is M rounded up: 1 and 2 use CUDA-core
+products, the others tl.dot on rows padded with zeros (K2 pads 2 to 16 rows too).
 
 Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (DOT_IN_FP32).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -37,24 +43,24 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import (TL_DTYPES, capability, cdiv, check_capability, check_config_fields,
-                                        interpreting, mma, next_power_of_2, num_sms)
+from sparseffn.kernels._runtime import (HOPPER, TL_DTYPES, capability, cdiv, check_capability, check_config_fields,
+                                        interpreting, mma, num_sms, shared_memory_limit)
 from sparseffn.kernels.launch import Launcher
 
 MAX_TOKENS = 64
-PADDED_TOKENS = (1, 2, 4, 8, 16, 32, 64)  # the token counts the kernels are built for
+PADDED_TOKENS = (1, 2, 16, 32, 64)  # the token counts the kernels are built for
 
 __all__ = ["MAX_TOKENS", "DecodeConfig", "decode_mlp", "default_config", "launch_decode_mlp", "compile_specs"]
 
 
 @triton.jit
 def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh,
-              M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, UNITS_AS_M: tl.constexpr,
-              DOT_IN_FP32: tl.constexpr):
+              M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     """[M_PAD, BLOCK_H] fp32: x[rows] · w[units]^T over all of D; rows of w with unit_on false are
     masked off (no memory traffic). M_PAD < 16: CUDA-core products, each weight tile loaded once and
-    multiplied by the tokens one after the other. UNITS_AS_M: the MMA computes the transposed product
-    (units as its M dimension; sm_100's compiler fails on the other form at 64 tokens)."""
+    multiplied by the tokens one after the other. M_PAD >= 16: the MMA computes the transposed
+    product, units as its M dimension (as fast on sm_90, and sm_100's compiler fails on the other form
+    at 64 tokens)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
@@ -62,10 +68,8 @@ def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, strid
         acc2 = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)  # [BLOCK_H, BLOCK_K] products, summed once
     elif M_PAD < 16:
         acc = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
-    elif UNITS_AS_M:
-        acc_t = tl.zeros((BLOCK_H, M_PAD), dtype=tl.float32)
     else:
-        acc = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
+        acc_t = tl.zeros((BLOCK_H, M_PAD), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         k = k0 + offs_k
         k_in = k < D
@@ -81,13 +85,10 @@ def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, strid
                 acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
         else:
             xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
-            if UNITS_AS_M:
-                acc_t = mma(w, tl.trans(xv), acc_t, DOT_IN_FP32)
-            else:
-                acc = mma(xv, tl.trans(w), acc, DOT_IN_FP32)
+            acc_t = mma(w, tl.trans(xv), acc_t, DOT_IN_FP32)
     if M_PAD == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
-    elif M_PAD >= 16 and UNITS_AS_M:
+    elif M_PAD >= 16:
         acc = tl.trans(acc_t)
     return acc
 
@@ -113,7 +114,6 @@ def _decode_gate_up_kernel(
     M_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    UNITS_AS_M: tl.constexpr,  # sm_100 and later (see _rows_dot)
     DOT_IN_FP32: tl.constexpr,
 ):
     units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -127,7 +127,7 @@ def _decode_gate_up_kernel(
             c = c0 + tl.arange(0, 1024)
             tl.store(count_ptr + c, tl.zeros((1024,), tl.int32), mask=c < n_counts)
     acc = _rows_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_fh,
-                    M_PAD, BLOCK_H, BLOCK_K, UNITS_AS_M, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+                    M_PAD, BLOCK_H, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
     if HAS_THRESHOLD:
         theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
         acc = acc - theta[None, :]
@@ -138,7 +138,7 @@ def _decode_gate_up_kernel(
     if GATED:
         if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
             u = _rows_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
-                          M_PAD, BLOCK_H, BLOCK_K, UNITS_AS_M, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
+                          M_PAD, BLOCK_H, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
             h = h * u
     h_ptrs = h_ptr + units.to(tl.int64)[None, :] * M_PAD + rows[:, None]  # [M_PAD, BLOCK_H] of h_t
     tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
@@ -228,7 +228,8 @@ _down_launch = Launcher(_decode_down_kernel)
 class DecodeConfig:
     """Launch parameters. K1: block_h units per program, block_k columns per step, gate_warps /
     gate_stages. K2: block_s list entries per step, block_d output columns per program (None: enough
-    programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step."""
+    programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step, split spans
+    of the units per column block."""
 
     block_h: int = 16
     block_k: int = 256
@@ -240,23 +241,21 @@ class DecodeConfig:
     down_stages: int = 3
     prefix: int = 4096  # flags per step of K2's compaction
     split: int = 1  # K2's programs per column block, each over one span of the units
-    units_as_m: bool | None = None  # K1's MMA with units as M (None: from sm_100 on, where the other fails)
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
                                             "down_warps", "down_stages", "prefix", "split"),
                             powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix"),
                             at_least=((("block_k", "block_s"), 16, "tl.dot"), (("block_h",), 2, "a 2-D tile")))
-        if self.units_as_m is not None and not isinstance(self.units_as_m, bool):
-            raise TypeError(f"DecodeConfig.units_as_m must be None or a bool, got {self.units_as_m!r}")
         if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
                                          or self.block_d < 16 or self.block_d & (self.block_d - 1)):
             raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
 
 
 def m_pad(m: int) -> int:
-    """The kernels' padded token count: the smallest power of two holding m."""
-    return 1 << max(0, m - 1).bit_length()
+    """The kernels' padded token count: 1, 2, or the smallest of 16 / 32 / 64 holding m (from 3 tokens
+    on, tl.dot on padded rows beats the CUDA-core products)."""
+    return m if m <= 2 else max(16, 1 << (m - 1).bit_length())
 
 
 def down_rows(m_padded: int) -> int:
@@ -265,21 +264,33 @@ def down_rows(m_padded: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(m_padded: int) -> DecodeConfig:
+def default_config(m_padded: int, arch: tuple[int, int] = HOPPER) -> DecodeConfig:
     """The config per padded M, from the sweep on the H200 (benchmarks/results/h200/decode_sweep.csv,
-    D=2048/H=5632, 29 active units per token). Up to 8 tokens: few units per program and long row
-    steps, since the CUDA-core loop is not software-pipelined (each step is one memory round trip);
-    more tokens: tl.dot tiles, pipelined."""
+    D=2048/H=5632, 29 active units per token), with its pipeline stages cut to fit the shared memory
+    of a GPU of capability `arch` (and 32-unit tiles from sm_100 on). One or two tokens: few units per program and whole-row steps, since
+    the CUDA-core loop is not software-pipelined (each step is one memory round trip); more tokens:
+    tl.dot tiles, pipelined. The down kernel splits the units into 4 to 8 spans (more programs)."""
     if m_padded == 1:
-        return DecodeConfig(block_h=4, block_k=2048, gate_stages=1, block_s=128, block_d=32, down_stages=1,
-                            prefix=2048)
+        config = DecodeConfig(block_h=4, block_k=2048, gate_stages=1, block_s=128, block_d=64, down_stages=1,
+                              prefix=2048, split=4)
+    elif m_padded == 2:
+        config = DecodeConfig(block_h=2, block_k=2048, gate_stages=1, block_s=64, block_d=64, down_stages=1,
+                              prefix=2048, split=8)
+    elif m_padded == 16:
+        config = DecodeConfig(block_h=64, block_k=256, gate_stages=4, block_s=128, block_d=64, down_stages=2,
+                              prefix=2048, split=4)
+    else:
+        config = DecodeConfig(block_h=64, block_k=128, gate_stages=4, block_s=128, block_d=64, down_stages=4,
+                              prefix=8192, split=4)
     if m_padded < 16:
-        return DecodeConfig(block_h=4, block_k=1024, gate_stages=1, block_s=64, block_d=32, down_stages=2,
-                            prefix=2048)
-    if m_padded == 16:
-        return DecodeConfig(block_h=32, block_k=256, gate_stages=4, block_s=128, block_d=32, down_stages=2,
-                            prefix=2048)
-    return DecodeConfig(block_h=32, block_k=128, gate_stages=4, block_s=128, block_d=32, down_stages=4, prefix=8192)
+        return config
+    if arch >= (10, 0):  # Triton 3.6's TMEM layout pass fails on 64-unit tiles there (compile check)
+        config = dataclasses.replace(config, block_h=32)
+    limit = shared_memory_limit(arch) - 8 * 1024  # headroom for the compiler's own scratch
+    gate_stage = (config.block_h + m_padded) * config.block_k * 2  # 16-bit tiles of one pipeline stage
+    down_stage = (config.block_s * config.block_d + down_rows(m_padded) * config.block_s) * 2
+    return dataclasses.replace(config, gate_stages=max(1, min(config.gate_stages, limit // gate_stage)),
+                               down_stages=max(1, min(config.down_stages, limit // down_stage)))
 
 
 def down_block(config: DecodeConfig, d: int, sms: int) -> int:
@@ -347,7 +358,7 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
         return y.zero_()
     mp = m_pad(m)
     if config is None:
-        config = default_config(mp)
+        config = default_config(mp, capability(x.device))
     elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
     block_d = down_block(config, d, num_sms(x.device) if x.is_cuda else 4)
@@ -364,8 +375,7 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
         x, first_weight, up, threshold, hidden, flags, counts, m, d, h, col_blocks if split > 1 else 0,
         x.stride(0), first_weight.stride(0), up.stride(0),
         GATED=gated, HAS_THRESHOLD=threshold is not None, M_PAD=mp, BLOCK_H=config.block_h,
-        BLOCK_K=config.block_k, UNITS_AS_M=config.units_as_m if config.units_as_m is not None
-        else capability(x.device) >= (10, 0), DOT_IN_FP32=dot_fp32, num_warps=config.gate_warps, num_stages=config.gate_stages,
+        BLOCK_K=config.block_k, DOT_IN_FP32=dot_fp32, num_warps=config.gate_warps, num_stages=config.gate_stages,
     )
     _down_launch[(col_blocks, split)](
         hidden, flags, unit_list, down_t, y, parts, counts, m, d, h, down_t.stride(0), y.stride(0),
@@ -390,7 +400,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
         for mp in PADDED_TOKENS:
-            cfg = default_config(mp)
+            cfg = default_config(mp, arch)
             for gated, has_threshold in ((True, False), (True, True), (False, True)):
                 if mp not in (1, 64) and not (gated and not has_threshold):
                     continue
@@ -399,7 +409,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                        "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32",
                        "n_counts": "i32", "stride_xm": "i32", "stride_fh": "i32", "stride_uh": "i32"}
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "M_PAD": mp, "BLOCK_H": cfg.block_h,
-                      "BLOCK_K": cfg.block_k, "UNITS_AS_M": arch >= (10, 0), "DOT_IN_FP32": False}
+                      "BLOCK_K": cfg.block_k, "DOT_IN_FP32": False}
                 if not has_threshold:
                     cx["threshold_ptr"] = None
                 add(_decode_gate_up_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)

@@ -12,6 +12,10 @@ Under capture auto mode sends each sparse layer's few-token calls to the decode 
     decoder = CapturedDecoder(model, batch_size=1, max_length=1024)
     tokens = decoder.generate(input_ids, max_new_tokens=256)       # [B, prompt + new], greedy
 
+`compile=True` also runs the decode step's model forward through `torch.compile` (Inductor fuses the
+small elementwise kernels of norms, rotary embeddings and residuals; the graph then replays fewer
+kernels). The eager steps compile it, at the decode shape only.
+
 Greedy only (argmax, the first maximum on ties), fixed batch size and length per decoder (the graph
 is captured for one shape), no stop tokens (every sequence gets max_new_tokens). Capture needs CUDA;
 on other devices only the eager steps run (eager_steps >= max_new_tokens - 1).
@@ -29,7 +33,7 @@ class CapturedDecoder:
     """Greedy generation with each decode step replayed from one CUDA graph (module docstring)."""
 
     def __init__(self, model: nn.Module, *, batch_size: int, max_length: int, eager_steps: int = 5,
-                 record_times: bool = False) -> None:
+                 record_times: bool = False, compile: bool = False) -> None:
         from transformers import StaticCache
 
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
@@ -38,6 +42,8 @@ class CapturedDecoder:
         for name, value in (("batch_size", batch_size), ("max_length", max_length), ("eager_steps", eager_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be a bool, got {compile!r}")
         self.model, self.device = model, device
         self.batch_size, self.max_length, self.eager_steps = batch_size, max_length, eager_steps
         self.cache = StaticCache(config=model.config, max_cache_len=max_length)
@@ -47,6 +53,8 @@ class CapturedDecoder:
         self._position = torch.zeros(1, dtype=torch.long, device=device)
         self._out = torch.zeros(batch_size, max_length, dtype=torch.long, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
+        # the decode step's forward (T = 1): compiled for its one static shape when asked
+        self._step_forward = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.record_times = record_times
         self.step_ms: list[float] = []  # with record_times: GPU ms of each replayed step of the last call
 
@@ -106,7 +114,7 @@ class CapturedDecoder:
 
     def _step(self) -> None:
         """One decode step in place: feed ids at `position`, write the pick to out and ids, advance."""
-        token = self._forward(self._ids, self._position).argmax(-1)  # [B]
+        token = self._step_forward(self._ids, self._position).argmax(-1)  # [B]
         self._out.index_copy_(1, self._position + 1, token[:, None])
         self._ids.copy_(token[:, None])
         self._position.add_(1)
@@ -117,11 +125,10 @@ class CapturedDecoder:
         if self.device.type != "cuda":
             raise ValueError(f"capturing the decode step needs a CUDA device, the model is on {self.device} "
                              "(eager_steps >= max_new_tokens runs every step eagerly)")
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        # torch's one capture stream for every decoder: cuBLAS keeps a workspace per stream for good,
+        # so a fresh stream per decoder would hold one more 32 MiB workspace each
+        with torch.cuda.device(self.device), torch.cuda.graph(graph):
             self._step()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         self._graph = graph
         return graph
