@@ -1,5 +1,9 @@
 """CapturedDecoder: greedy generation into a static cache, each decode step replayed from a CUDA graph."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,3 +66,45 @@ def test_gpu_compiled_captured_steps_match_eager_steps():
     stepped = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=100, compile=True).generate(prompt, 30)
     captured = CapturedDecoder(model, batch_size=1, max_length=64, compile=True).generate(prompt, 30)
     assert torch.equal(stepped, captured)
+
+
+_FRESH_PROCESS_CAPTURE = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import sparseffn
+from sparseffn.models import calibrate_thresholds, sparse_layers
+from sparseffn.models.generate import CapturedDecoder
+from sparseffn.ops.sparse_mlp import as_captured
+
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=16,
+                     num_key_value_heads=4, vocab_size=256)
+model = LlamaForCausalLM(config).cuda().to(torch.bfloat16).eval()
+sparseffn.sparsify_(model, sparseffn.SparsityConfig())
+calibrate_thresholds(model, [torch.randint(256, (4, 80), device="cuda")], 30)
+layers = sparse_layers(model)
+for layer in layers:
+    layer.expected_nnz = 30.0  # auto mode decides from this hint (no activity to measure first)
+for batch in (1, 4):  # the decode kernels' variants for 1 and for 3-16 tokens, each loaded first here
+    prompt = torch.randint(256, (batch, 80), device="cuda")  # > 64 tokens: the prefill never runs as captured
+    captured = CapturedDecoder(model, batch_size=batch, max_length=128, eager_steps=1).generate(prompt, 24)
+    decisions = {(layer.last_decision.mode, layer.last_decision.reason.split(":")[0]) for layer in layers}
+    assert decisions == {("sparse", "decode")}, decisions
+    with as_captured():
+        stepped = CapturedDecoder(model, batch_size=batch, max_length=128, eager_steps=100).generate(prompt, 24)
+    assert torch.equal(captured, stepped), batch
+print("captured in a fresh process")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_capture_in_a_fresh_process_loads_the_decode_kernels_first():
+    """Auto mode takes the decode kernels only under capture; a GPU module cannot load while a stream
+    captures, so the last eager step runs as captured first. In a fresh process (no kernel loaded yet),
+    the captured tokens equal those of every step run eagerly as captured."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_CAPTURE], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "captured in a fresh process" in result.stdout

@@ -355,6 +355,31 @@ def test_auto_mode_dispatches_on_measured_activity(monkeypatch):
     assert decisions[-1]["expected_nnz"] == 7.0 and sparse.activity.calls == sparse.activity.lag + 2
 
 
+def test_as_captured_calls_decide_as_captured_and_are_not_counted(monkeypatch):
+    """Inside ops.sparse_mlp.as_captured (nested too) a call is traced: choose_mode sees it as
+    captured and the activity does not count it; outside, both as before."""
+    from sparseffn.ops.sparse_mlp import as_captured, call_traced
+
+    sparse = SparseMLP.from_dense(_llama_mlp())
+    sparse.eval()
+    seen = []
+    monkeypatch.setattr(importlib.import_module("sparseffn.nn.dispatch"), "choose_mode",
+                        lambda x, up, **k: seen.append(call_traced(x)) or ModeDecision("dense", "spy"))
+    x = _x(2)
+    with torch.no_grad():
+        sparse(x)
+        with as_captured(), as_captured():
+            sparse(x)
+            assert call_traced(x)
+        assert sparse.activity.calls == 1 and not call_traced(x)
+    sparse.expected_nnz = 3.0
+    with torch.no_grad():
+        sparse(x)
+        with as_captured():
+            sparse(x)
+    assert seen == [False, True]
+
+
 def test_activity_samples_and_resumes_exactly():
     """A counted call: poll, (decide,) maybe record, tick. Restored from a state taken with a sample
     in flight, an Activity folds it in at the same call as the original."""

@@ -2,34 +2,27 @@
 and down matrices only the rows of units some token activates.
 
     K1 _decode_gate_up_kernel, grid (cdiv(H, BLOCK_H),): program b owns units j in [b·BLOCK_H, +BLOCK_H)
-        g[m, j] = x[m] · first[j]               fp32, all M tokens at once (a GEMV over one weight slab)
-        p[m, j] = (g - θ_j) rounded to x's dtype, active iff not p <= 0 (> 0 or NaN)
-        active_j = any over m of active[m, j]
-        gated:     h = relu(p) ⊙ (x up^T), the up rows of inactive units masked off (never read)
-        non-gated: h = relu(p)
-        writes h_t [H, M_PAD] (x's dtype, rounded as the dense MLP rounds h before its last GEMM; rows
-        m >= M unwritten) and flags [H] int32 = active_j
-        program 0 also zeroes K2's arrival counters
+        g[m, j] = x[m] · first[j] in fp32; p = (g - θ_j) rounded to x's dtype, active iff not p <= 0
+        active_j = any over m of active[m, j]; gated: h = relu(p) ⊙ (x up^T), the up rows of inactive
+        units never read; non-gated: h = relu(p). Writes h_t [H, M_PAD] (x's dtype, rounded as the
+        dense MLP rounds h; rows m >= M unwritten), flags [H] int32 = active_j; program 0 also zeroes
+        K2's arrival counters
     K2 _decode_down_kernel, grid (cdiv(D, BLOCK_D), SPLIT): program (c, s) owns columns
        [c·BLOCK_D, +BLOCK_D) and span s of the units, [s·cdiv(H, SPLIT), +cdiv(H, SPLIT))
         1. compacts the span's active units into a list (a prefix sum over the flags; every program
-           of the span computes the same list into the same buffer, so no program waits for another);
-        2. part_s = Σ over the list, BLOCK_S units at a time, h_t[j, :M] ⊗ down_t[j, cols], in list
-           order (ascending j);
-        3. SPLIT == 1: y[:, cols] = part_0. Else part_s goes to fp32 scratch, then an atomic counter
-           per column block; the span that arrives last sums part_0 .. part_{SPLIT-1} in span order
-           and writes y[:, cols]. y is deterministic whichever span arrives last.
+           of the span writes the same list, so no program waits for another);
+        2. part_s = Σ over the list, BLOCK_S units at a time, h_t[j, :M] ⊗ down_t[j, cols], ascending j;
+        3. SPLIT == 1: y[:, cols] = part_0. Else part_s goes to fp32 scratch and an atomic counter per
+           column block; the span arriving last sums part_0 .. part_{SPLIT-1} in span order and writes
+           y[:, cols]: y is deterministic whichever span arrives last.
 
 Why. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D] matrices,
-this path the gate matrix plus two D-rows per distinct active unit, read once per call however many
-tokens use it. Capacities are H (exact at any density, at worst dense-sized); no host sync, so a
-call can be captured in a CUDA graph. Loops keep reductions out of their bodies (2-D accumulators).
+this path the gate matrix plus two D-rows per distinct active unit, once per call. Capacities are H
+(exact at any density); no host sync, so a call can be captured in a CUDA graph.
 
-Layouts. x [M, D]; first (gate, or up when not gated), up: [H, D]; down_t [H, D] = down_proj.weight^T
-(row j = the down column of unit j); every weight and x with unit stride along D, any row stride.
-threshold: fp32 [H] or None. M_PAD (1, 2, 16, 32 or 64) is M rounded up: 1 and 2 use CUDA-core
-products, the others tl.dot on rows padded with zeros (K2 pads 2 to 16 rows too).
-
+Layouts. x [M, D]; first (gate, or up when not gated), up, down_t = down_proj.weight^T: [H, D], unit
+stride along D, any row stride; threshold fp32 [H] or None. M_PAD (1, 2, 16, 32 or 64) is M rounded
+up: 1 and 2 use CUDA-core products, the others tl.dot on zero-padded rows (K2 pads 2 to 16 rows).
 Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (DOT_IN_FP32).
 """
 

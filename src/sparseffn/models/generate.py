@@ -3,9 +3,11 @@
 Eager generation is bound by host work (a 2B model spends ~5 ms of CPU per token issuing some
 thousand kernels, against ~1 ms of GPU work), so sparse MLP kernels cannot show there. `CapturedDecoder`
 runs the prompt eagerly into a static KV cache (transformers' `StaticCache`), takes a few decode steps
-eagerly (they compile the kernels and give every `SparseMLP` a measured activity), then captures one
-whole decode step (model forward, greedy pick, cache and position updates) into a CUDA graph and
-replays it once per token: no host work per token beyond the replay, no host sync until the end.
+eagerly (they compile the kernels and give every `SparseMLP` a measured activity; the last one takes
+the paths the graph will take, `ops.sparse_mlp.as_captured`, so their kernels load before capture),
+then captures one whole decode step (model forward, greedy pick, cache and position updates) into a
+CUDA graph and replays it once per token: no host work per token beyond the replay, no host sync
+until the end.
 Under capture auto mode sends each sparse layer's few-token calls to the decode kernels
 (kernels/decode_mlp.py) when its measured activity makes them pay; dense models run the same way.
 
@@ -27,6 +29,8 @@ import inspect
 
 import torch
 from torch import nn
+
+from sparseffn.ops.sparse_mlp import as_captured
 
 
 class CapturedDecoder:
@@ -54,6 +58,7 @@ class CapturedDecoder:
         self._out = torch.zeros(batch_size, max_length, dtype=torch.long, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
         # the decode step's forward (T = 1): compiled for its one static shape when asked
+        self.compiled = compile
         self._step_forward = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.record_times = record_times
         self.step_ms: list[float] = []  # with record_times: GPU ms of each replayed step of the last call
@@ -93,9 +98,15 @@ class CapturedDecoder:
         ids.copy_(token[:, None])
         position.fill_(p)
         eager = min(self.eager_steps, new - 1)
-        for _ in range(eager):
-            self._step()
         remaining = new - 1 - eager
+        for i in range(eager):
+            if remaining and i == eager - 1 and not self.compiled:
+                # the graph's paths (the decode kernels), run once eagerly: loads their GPU modules,
+                # which cannot load while the stream captures (compiled steps are traced already)
+                with as_captured():
+                    self._step()
+            else:
+                self._step()
         self.step_ms = []
         if remaining:
             graph = self._graph if self._graph is not None else self._capture()

@@ -8,9 +8,9 @@
                                      last decision of the same kind of call for hysteresis
     count_call(layer, x, active)     the end of a counted call: a device-side sample when one is due
 
-A counted call is a forward call outside torch.compile tracing, CUDA-graph capture and backward
-(activation-checkpoint recomputation), so the activity and the decisions depend only on the
-sequence of calls. The layer holds `mode`, `expected_nnz`, `track_l1`, `activity`, `last_decision`.
+A counted call is a forward call outside torch.compile tracing, CUDA-graph capture (or
+ops.sparse_mlp.as_captured) and backward (activation-checkpoint recomputation), so the activity and
+the decisions depend only on the sequence of calls. The layer holds `mode`, `expected_nnz`, `track_l1`, `activity`, `last_decision`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from sparseffn.ops.checks import check_expected_nnz
 from sparseffn.ops.decide import DECODE_MAX_TOKENS, MODES, ModeDecision
-from sparseffn.ops.sparse_mlp import choose_mode
+from sparseffn.ops.sparse_mlp import call_traced, choose_mode
 from sparseffn.ops.twell_mlp import stored_transposed
 
 
@@ -45,14 +45,9 @@ def l1_wanted(layer, weights) -> bool:
     return layer.training or (torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in weights))
 
 
-def traced(x: torch.Tensor) -> bool:
-    """Whether this call is traced (torch.compile) or captured into a CUDA graph."""
-    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def counted(x: torch.Tensor) -> bool:
     """Whether a call takes part in the activity's bookkeeping: not traced, captured or recomputed."""
-    return not (traced(x) or torch._C._current_graph_task_id() != -1)
+    return not (call_traced(x) or torch._C._current_graph_task_id() != -1)
 
 
 def auto_decision(layer, x: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, training: bool,

@@ -42,12 +42,11 @@ import torch
 from torch import nn
 
 from sparseffn.nn.activity import Activity
-from sparseffn.nn.dispatch import (auto_decision, checked_attribute, count_call, counted, dense_l1, l1_wanted,
-                                   traced)
+from sparseffn.nn.dispatch import auto_decision, checked_attribute, count_call, counted, dense_l1, l1_wanted
 from sparseffn.nn.projections import is_plain, resolved_weights
 from sparseffn.nn.thresholded import finish_threshold_
 from sparseffn.ops.decide import ModeDecision
-from sparseffn.ops.sparse_mlp import MODES, sparse_mlp
+from sparseffn.ops.sparse_mlp import MODES, call_traced, sparse_mlp
 from sparseffn.ops.twell_mlp import stored_transposed
 
 ACTIVATIONS = ("relu", "silu")
@@ -234,7 +233,7 @@ class SparseMLP(nn.Module):
             if _any_bias(gate_proj, up_proj, down_proj):
                 weights = None
             else:
-                if self.down_transposed and not stored_transposed(down_proj.weight) and not traced(x):
+                if self.down_transposed and not stored_transposed(down_proj.weight) and not call_traced(x):
                     store_transposed_(down_proj)  # a loader assigned a contiguous tensor: re-store it, in place
                 weights = [None if lin is None else lin.weight for lin in (gate_proj, up_proj, down_proj)]
         else:  # PEFT adapters, accelerate hooks, other modules: the weights they apply, if readable

@@ -17,6 +17,7 @@ The custom ops let torch.compile see one opaque node; eager calls skip their dis
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -31,7 +32,28 @@ from sparseffn.ops.train_mlp import sparse_mlp_train
 from sparseffn.ops.twell_mlp import (SparseMLPWeights, dense_mlp, dense_mlp_inference, stored_transposed,
                                      threshold_vector, transposed_down, twell_mlp)
 
-__all__ = ["MODES", "ModeDecision", "choose_mode", "sparse_mlp"]
+__all__ = ["MODES", "ModeDecision", "as_captured", "call_traced", "choose_mode", "sparse_mlp"]
+
+_AS_CAPTURED = [0]  # depth of open as_captured() blocks (process-wide, like a CUDA graph capture)
+
+
+@contextlib.contextmanager
+def as_captured():
+    """Calls inside run eagerly but take the paths they take under CUDA-graph capture (auto mode's
+    decode kernels) and are not counted by the layers' activity. A warm-up step in this block before
+    a capture loads those kernels: loading a GPU module while a stream captures invalidates the capture."""
+    _AS_CAPTURED[0] += 1
+    try:
+        yield
+    finally:
+        _AS_CAPTURED[0] -= 1
+
+
+def call_traced(x: torch.Tensor) -> bool:
+    """Whether this call is traced by torch.compile, captured into a CUDA graph or in `as_captured()`."""
+    # is_compiling first: under torch.compile the global is then never read (no guard on it)
+    return torch.compiler.is_compiling() or bool(_AS_CAPTURED[0]) or (
+        x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def choose_mode(
@@ -58,8 +80,7 @@ def choose_mode(
         return _REQUESTED_DENSE
     d = x.shape[-1] if x.dim() else 0
     tokens = x.numel() // max(d, 1)
-    traced = tokens <= DECODE_MAX_TOKENS and mode == "auto" and (
-        torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+    traced = tokens <= DECODE_MAX_TOKENS and mode == "auto" and call_traced(x)
     return _decision(mode, d, tokens, x.dtype, x.device, up_weight.shape[0], needs_grad or return_l1, down_t_ready,
                      traced, expected_nnz, previous)
 
