@@ -61,23 +61,17 @@ class DecodeModelBenchConfig:
     git_sha: str = ""
 
 
-def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | None = None,
-                           log: Callable[[str], None] = print) -> list[dict]:
-    from sparseffn.models import (MODEL_NAMES, SparsityConfig, build_model, calibrate_thresholds, fuse_non_mlp_,
-                                  load_pretrained, sparse_layers)
+def build_bench_model(cfg: DecodeModelBenchConfig, device: torch.device):
+    """The benchmark's model in eval mode (module docstring), its sparse layers (auto mode deciding from
+    what each measures) and the target active units per token (nan for a checkpoint)."""
+    from sparseffn.models import (MODEL_NAMES, SparsityConfig, build_model, calibrate_thresholds, load_pretrained,
+                                  sparse_layers)
 
-    device = device or torch.device("cuda")
-    if device.type != "cuda":
-        raise ValueError("bench decode-model captures CUDA graphs: it needs a CUDA device")
-    variants = [v.strip() for v in cfg.non_mlp.split(",") if v.strip()]
-    if variants not in (["hf"], ["fused"], ["hf", "fused"]):
-        raise ValueError(f"non_mlp must be 'hf', 'fused' or 'hf,fused' (fusing is in place: hf first), got {cfg.non_mlp!r}")
     dtype = getattr(torch, cfg.dtype)
     gen = torch.Generator().manual_seed(cfg.seed)
-    length = cfg.prompt + cfg.new_tokens
     if cfg.model in MODEL_NAMES:
         model = build_model(cfg.model, SparsityConfig(), vocab_size=cfg.vocab_size, device=device, dtype=dtype,
-                            seed=cfg.seed, max_position_embeddings=length)
+                            seed=cfg.seed, max_position_embeddings=cfg.prompt + cfg.new_tokens)
         calib = torch.randint(cfg.vocab_size, (cfg.calibration_batch_size, cfg.prompt), generator=gen).to(device)
         calibrate_thresholds(model, [calib], cfg.target_nnz)
         target = cfg.target_nnz
@@ -90,14 +84,34 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
     layers = sparse_layers(model)
     for layer in layers:
         layer.expected_nnz = None  # auto mode decides from what each layer measures
+    return model, layers, target
+
+
+def prompts_for(cfg: DecodeModelBenchConfig, vocab: int, device: torch.device) -> dict[int, torch.Tensor]:
+    """One random prompt [batch, cfg.prompt] per batch size (after the calibration batch's draw)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    torch.randint(cfg.vocab_size, (cfg.calibration_batch_size, cfg.prompt), generator=gen)
+    return {batch: torch.randint(vocab, (batch, cfg.prompt), generator=gen).to(device) for batch in ints(cfg.batches)}
+
+
+def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | None = None,
+                           log: Callable[[str], None] = print) -> list[dict]:
+    from sparseffn.models import fuse_non_mlp_
+
+    device = device or torch.device("cuda")
+    if device.type != "cuda":
+        raise ValueError("bench decode-model captures CUDA graphs: it needs a CUDA device")
+    variants = [v.strip() for v in cfg.non_mlp.split(",") if v.strip()]
+    if variants not in (["hf"], ["fused"], ["hf", "fused"]):
+        raise ValueError(f"non_mlp must be 'hf', 'fused' or 'hf,fused' (fusing is in place: hf first), got {cfg.non_mlp!r}")
+    model, layers, target = build_bench_model(cfg, device)
     meta = run_metadata(device)
     if cfg.git_sha:
         meta["git_sha"] = cfg.git_sha
     common = dict(meta, model=cfg.model, target_nnz=target, prompt=cfg.prompt, new_tokens=cfg.new_tokens)
     rows: list[dict] = []
     path = Path(cfg.out_dir) / device_slug(device) / "decode_model.csv"
-    vocab = model.config.vocab_size
-    prompts = {batch: torch.randint(vocab, (batch, cfg.prompt), generator=gen).to(device) for batch in ints(cfg.batches)}
+    prompts = prompts_for(cfg, model.config.vocab_size, device)
     for variant in variants:
         if variant == "fused":
             fuse_non_mlp_(model)
