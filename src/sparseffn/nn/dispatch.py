@@ -10,7 +10,8 @@
 
 A counted call is a forward call outside torch.compile tracing, CUDA-graph capture (or
 ops.sparse_mlp.as_captured) and backward (activation-checkpoint recomputation), so the activity and
-the decisions depend only on the sequence of calls. The layer holds `mode`, `expected_nnz`, `track_l1`, `activity`, `last_decision`.
+the decisions depend only on the sequence of calls. The layer holds `mode`, `expected_nnz`, `track_l1`,
+`activity`, `last_decision`.
 """
 
 from __future__ import annotations
