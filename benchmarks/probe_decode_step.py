@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sparseffn.bench.common import write_csv
-from sparseffn.bench.decode_model import DecodeModelBenchConfig, build_bench_model, prompts_for
+from sparseffn.bench.decode_model import DecodeModelBenchConfig, build_bench_model
 from sparseffn.bench.timing import run_metadata
 from sparseffn.models import fuse_non_mlp_
 from sparseffn.models.generate import CapturedDecoder
@@ -40,8 +40,7 @@ def kernel_us(graph) -> tuple[Counter, Counter]:
 def main(out_csv: str, batches: str = "1,4") -> None:
     device = torch.device("cuda")
     cfg = DecodeModelBenchConfig(batches=batches, new_tokens=128)
-    model, layers, _ = build_bench_model(cfg, device)
-    prompts = prompts_for(cfg, model.config.vocab_size, device)
+    model, layers, _, prompts = build_bench_model(cfg, device)
     meta = run_metadata(device)
     rows = []
     for variant in ("hf", "fused"):

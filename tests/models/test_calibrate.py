@@ -140,3 +140,36 @@ def test_tokenizer_dicts_ignore_padding():
         calibrate_thresholds(_model(), [{"ids": ids}], 20)
     with pytest.raises(ValueError, match="masks every token"):
         calibrate_thresholds(_model(), [{"input_ids": ids, "attention_mask": torch.zeros_like(ids)}], 20)
+
+
+def test_calibration_mask_counts_only_its_positions_with_the_whole_sequence_as_context():
+    """The fitted positions see their whole prefix (unlike attention_mask, which hides the rest): the
+    thresholds reach the target on those positions, measured by hand with the whole sequence run."""
+    ids = torch.randint(0, VOCAB, (4, 48), generator=torch.Generator().manual_seed(5))
+    tail = torch.zeros_like(ids, dtype=torch.bool)
+    tail[:, 32:] = True
+    model, whole = _model(), _model()
+    report = calibrate_thresholds(model, [{"input_ids": ids, "calibration_mask": tail}], 20)
+    calibrate_thresholds(whole, [ids], 20)
+    counts = {i: [] for i in range(len(sparse_mlps(model)))}
+
+    def make_hook(i):
+        def hook(module, args):
+            g = F.linear(args[0][:, 32:], module.gate_proj.weight)
+            counts[i].append((g - module.threshold.to(g.dtype) > 0).sum(-1).float().mean())
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(i)) for i, m in enumerate(sparse_mlps(model))]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    for i, r in enumerate(report):
+        assert float(counts[i][0]) == pytest.approx(r["mean_nnz"], rel=1e-6)
+        assert r["mean_nnz"] == pytest.approx(20, rel=0.05)
+    assert any((a.threshold - b.threshold).abs().max() > 1e-2 for a, b in zip(sparse_mlps(model), sparse_mlps(whole)))
+    with pytest.raises(ValueError, match=r"batches\[0\]\['calibration_mask'\] must be a tensor of input_ids' shape"):
+        calibrate_thresholds(_model(), [{"input_ids": ids, "calibration_mask": tail[:, :4]}], 20)
+    with pytest.raises(ValueError, match="leaves no token to count"):
+        calibrate_thresholds(_model(), [{"input_ids": ids, "calibration_mask": torch.zeros_like(tail)}], 20)

@@ -1,9 +1,10 @@
 """`sparseffn bench decode-model`: whole-model generation, dense vs sparse MLPs, in the same harness.
 
 The model: a named config (default `2b`, random weights, per-unit thresholds calibrated so every layer
-has `target_nnz` active units per token) or a checkpoint directory. For each batch size, a random
-prompt of `prompt` tokens and `new_tokens` greedy tokens, for the dense model (every sparse layer in
-mode "dense") and the sparse one (auto mode):
+has `target_nnz` active units per token at the positions it generates, `build_bench_model`) or a
+checkpoint directory. For each batch size, the first rows of one pool of random prompts of `prompt`
+tokens and `new_tokens` greedy tokens, for the dense model (every sparse layer in mode "dense") and
+the sparse one (auto mode):
 
     eager      Hugging Face `generate` as users call it (dynamic cache, eager): tokens/s, ms per token
     captured   models.generate.CapturedDecoder: static cache, one decode step replayed from a CUDA graph
@@ -15,7 +16,8 @@ each with Hugging Face's own norms and rotary embeddings ("hf") and/or ours fuse
 "fused"); dense and sparse always share the variant.
 
 and, between the captured runs, the greedy agreement: the first step where the sparse tokens differ
-from the dense ones, with the dense logits' top-1 / top-2 margin there, and the prefill logits' error.
+from the dense ones, with the dense logits' top-1 / top-2 margin there, the prefill logits' error and
+the active units per token at the sparse model's generated positions.
 Rooflines: the bytes each step must read (dense: every weight; sparse: all but the up and down rows of
 inactive units, at the measured activity) over the HBM bandwidth.
 """
@@ -38,7 +40,8 @@ CSV_FIELDS = (
     "gpu", "torch", "triton", "git_sha", "model", "target_nnz", "batch", "prompt", "new_tokens", "non_mlp",
     "provider", "mlp",
     "tokens_per_s", "ms_per_token_p50", "ms_per_token_p99", "speedup_vs_dense", "peak_mib", "roofline_ms",
-    "first_divergence", "divergence_margin", "prefill_logits_rel_err", "decode_paths",
+    "first_divergence", "divergence_margin", "prefill_logits_rel_err", "decode_paths", "generated_nnz",
+    "generated_nnz_layer_max", "calibration",
 )
 
 
@@ -51,7 +54,8 @@ class DecodeModelBenchConfig:
     new_tokens: int = 256
     vocab_size: int = 49152
     dtype: str = "bfloat16"
-    calibration_batch_size: int = 4
+    calibration_batch_size: int = 4  # sequences per calibration forward
+    calibration: str = "generated"  # thresholds fitted on the generated positions or on the prompts (build_bench_model)
     eager: bool = True  # also time Hugging Face's eager generate
     eager_tokens: int = 64  # new tokens of each timed eager generate (it is host-bound: ms per token settle fast)
     non_mlp: str = "hf,fused"  # norms and rotary embeddings: Hugging Face's ("hf") and/or ours ("fused"), in order
@@ -62,18 +66,24 @@ class DecodeModelBenchConfig:
 
 
 def build_bench_model(cfg: DecodeModelBenchConfig, device: torch.device):
-    """The benchmark's model in eval mode (module docstring), its sparse layers (auto mode deciding from
-    what each measures) and the target active units per token (nan for a checkpoint)."""
+    """The benchmark's model in eval mode, its sparse layers (auto mode deciding from what each
+    measures), the target active units per token (nan for a checkpoint) and one prompt
+    [batch, cfg.prompt] per batch size: the first rows of one pool of random prompts.
+
+    A named config's thresholds are calibrated on the pool (calibration "generated": on the positions
+    the model generates after each prompt, greedy and dense, twice, since new thresholds change the
+    continuation; "prompt": on the prompts, as `bench e2e` does). Random weights fire far more units
+    at generated positions than at random prompt tokens."""
     from sparseffn.models import (MODEL_NAMES, SparsityConfig, build_model, calibrate_thresholds, load_pretrained,
                                   sparse_layers)
 
+    if cfg.calibration not in ("generated", "prompt"):
+        raise ValueError(f"calibration must be 'generated' or 'prompt', got {cfg.calibration!r}")
     dtype = getattr(torch, cfg.dtype)
     gen = torch.Generator().manual_seed(cfg.seed)
     if cfg.model in MODEL_NAMES:
         model = build_model(cfg.model, SparsityConfig(), vocab_size=cfg.vocab_size, device=device, dtype=dtype,
                             seed=cfg.seed, max_position_embeddings=cfg.prompt + cfg.new_tokens)
-        calib = torch.randint(cfg.vocab_size, (cfg.calibration_batch_size, cfg.prompt), generator=gen).to(device)
-        calibrate_thresholds(model, [calib], cfg.target_nnz)
         target = cfg.target_nnz
     elif Path(cfg.model).is_dir():
         model = load_pretrained(cfg.model, device=device, dtype=dtype)
@@ -82,21 +92,36 @@ def build_bench_model(cfg: DecodeModelBenchConfig, device: torch.device):
         raise ValueError(f"model must be one of {MODEL_NAMES} or a checkpoint directory, got {cfg.model!r}")
     model.eval()
     layers = sparse_layers(model)
+    batches = ints(cfg.batches)
+    pool = torch.randint(model.config.vocab_size, (max(batches), cfg.prompt), generator=gen).to(device)
+    if cfg.model in MODEL_NAMES:
+        chunk = cfg.calibration_batch_size
+        calibrate_thresholds(model, list(pool.split(chunk)), target)
+        for _ in range(2 if cfg.calibration == "generated" else 0):
+            _set_mode(layers, "dense")
+            sequences = _greedy(model, pool, cfg.new_tokens)
+            generated = torch.zeros_like(sequences, dtype=torch.bool)
+            generated[:, cfg.prompt:] = True
+            calibrate_thresholds(model, [{"input_ids": s, "calibration_mask": m}
+                                         for s, m in zip(sequences.split(chunk), generated.split(chunk))], target)
+    _set_mode(layers, "auto")
     for layer in layers:
         layer.expected_nnz = None  # auto mode decides from what each layer measures
-    return model, layers, target
+    return model, layers, target, {batch: pool[:batch] for batch in batches}
 
 
-def prompts_for(cfg: DecodeModelBenchConfig, vocab: int, device: torch.device) -> dict[int, torch.Tensor]:
-    """One random prompt [batch, cfg.prompt] per batch size (after the calibration batch's draw)."""
-    gen = torch.Generator().manual_seed(cfg.seed)
-    torch.randint(cfg.vocab_size, (cfg.calibration_batch_size, cfg.prompt), generator=gen)
-    return {batch: torch.randint(vocab, (batch, cfg.prompt), generator=gen).to(device) for batch in ints(cfg.batches)}
+def _greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    from sparseffn.models.generate import CapturedDecoder
+
+    eager = 5 if prompt.is_cuda else new_tokens  # capture needs CUDA (tests run this on CPU)
+    decoder = CapturedDecoder(model, batch_size=prompt.shape[0], max_length=prompt.shape[1] + new_tokens,
+                              eager_steps=eager)
+    return decoder.generate(prompt, new_tokens)
 
 
 def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | None = None,
                            log: Callable[[str], None] = print) -> list[dict]:
-    from sparseffn.models import fuse_non_mlp_
+    from sparseffn.models import MODEL_NAMES, fuse_non_mlp_
 
     device = device or torch.device("cuda")
     if device.type != "cuda":
@@ -104,14 +129,14 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
     variants = [v.strip() for v in cfg.non_mlp.split(",") if v.strip()]
     if variants not in (["hf"], ["fused"], ["hf", "fused"]):
         raise ValueError(f"non_mlp must be 'hf', 'fused' or 'hf,fused' (fusing is in place: hf first), got {cfg.non_mlp!r}")
-    model, layers, target = build_bench_model(cfg, device)
+    model, layers, target, prompts = build_bench_model(cfg, device)
     meta = run_metadata(device)
     if cfg.git_sha:
         meta["git_sha"] = cfg.git_sha
-    common = dict(meta, model=cfg.model, target_nnz=target, prompt=cfg.prompt, new_tokens=cfg.new_tokens)
+    common = dict(meta, model=cfg.model, target_nnz=target, prompt=cfg.prompt, new_tokens=cfg.new_tokens,
+                  calibration=cfg.calibration if cfg.model in MODEL_NAMES else "")
     rows: list[dict] = []
     path = Path(cfg.out_dir) / device_slug(device) / "decode_model.csv"
-    prompts = prompts_for(cfg, model.config.vocab_size, device)
     for variant in variants:
         if variant == "fused":
             fuse_non_mlp_(model)
@@ -177,7 +202,9 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
            if cfg.eager else "")
         + (f"compiled {results[('compiled', 'dense')]['p50']:.3f} / {results[('compiled', 'sparse')]['p50']:.3f} ms; "
            if cfg.compile else "")
-        + f"first divergence {agreement['first_divergence']} (margin {agreement['divergence_margin']})")
+        + f"first divergence {agreement['first_divergence']} (margin {agreement['divergence_margin']}); generated "
+          f"nnz/token {agreement['generated_nnz']} (layer max {agreement['generated_nnz_layer_max']}); paths "
+          f"{cap_s['paths']}")
     return rows
 
 
@@ -214,7 +241,26 @@ def _agreement(model, layers, prompt, dense_tokens, sparse_tokens, p: int) -> di
     _set_mode(layers, "auto")
     sparse_logits = model(input_ids=prompt).logits[:, -1].float()
     err = float((sparse_logits - dense_logits).norm() / dense_logits.norm())
-    return dict(first_divergence=first, divergence_margin=margin, prefill_logits_rel_err=f"{err:.3e}")
+    return dict(first_divergence=first, divergence_margin=margin, prefill_logits_rel_err=f"{err:.3e}",
+                **_generated_nnz(model, layers, sparse_tokens, p))
+
+
+@torch.no_grad()
+def _generated_nnz(model, layers, tokens, p: int) -> dict:
+    """Active units per token at the generated positions of tokens [B, P + new] (the sparse model's own
+    continuation): the mean over layers and the largest layer mean."""
+    means = []
+
+    def hook(module, args):
+        means.append(float(module.activation_mask(args[0][:, p:]).sum(-1).float().mean()))
+
+    handles = [layer.register_forward_pre_hook(hook) for layer in layers]
+    try:
+        model(input_ids=tokens, logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dict(generated_nnz=round(statistics.fmean(means), 1), generated_nnz_layer_max=round(max(means), 1))
 
 
 def _rooflines(model, layers, batch: int) -> dict[str, float]:
@@ -238,7 +284,7 @@ def decode_model_table(rows: list[dict]) -> str:
     rooflines, peak memory, agreement."""
     lines = ["| norms, RoPE | batch | path | dense ms/token (p50 / p99) | sparse ms/token (p50 / p99) | speed-up | "
              "rooflines dense / sparse ms | peak MiB dense / sparse | greedy: first divergence (margin) | "
-             "prefill logits err |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "prefill logits err | generated nnz/token: mean (layer max) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     variant = lambda r: r.get("non_mlp") or "hf"  # noqa: E731 (rows written before the column: hf)
     for non_mlp in dict.fromkeys(variant(r) for r in rows):
         for batch in dict.fromkeys(int(r["batch"]) for r in rows):
@@ -254,7 +300,8 @@ def decode_model_table(rows: list[dict]) -> str:
                     f"{float(s['ms_per_token_p99']):.3f} | **{float(s['speedup_vs_dense']):.2f}x** | "
                     f"{float(d['roofline_ms']):.3f} / {float(s['roofline_ms']):.3f} | {d['peak_mib'] or '–'} / "
                     f"{s['peak_mib'] or '–'} | {s['first_divergence']} ({s['divergence_margin']}) | "
-                    f"{s['prefill_logits_rel_err']} |")
+                    f"{s['prefill_logits_rel_err']} | "
+                    + (f"{s['generated_nnz']} ({s['generated_nnz_layer_max']}) |" if s.get("generated_nnz") else "– |"))
     return "\n".join(lines)
 
 

@@ -20,7 +20,8 @@ report holds those measured numbers.
 
 Batches are input_ids tensors or tokenizer outputs (mappings with `input_ids` and, optionally,
 `attention_mask`): padded positions (mask 0) are run through the model with the mask and left out of
-every statistic. Layers: SparseMLP and HFSparseMLP fit one θ [H]; SparseExperts fit one θ_e [H] per
+every statistic. A mapping may also hold `calibration_mask` [B, T]: positions with 0 there are attended
+to as usual but left out of every statistic (for example a prompt, to fit the generated positions). Layers: SparseMLP and HFSparseMLP fit one θ [H]; SparseExperts fit one θ_e [H] per
 expert on the tokens routed to it (an expert that saw no token keeps θ_e = 0), and their statistics
 count token-expert pairs.
 """
@@ -49,7 +50,8 @@ class _Stop(Exception):
 
 
 def _check_batches(batches) -> list[dict]:
-    """[{"input_ids": [B, T], "attention_mask": [B, T] or None}] from tensors or tokenizer outputs."""
+    """[{"input_ids": [B, T], "attention_mask": [B, T] or None, "stat_mask": [B, T] bool or None}] from
+    tensors or tokenizer outputs (stat_mask: the positions the statistics count)."""
     if isinstance(batches, (torch.Tensor, Mapping)):
         batches = [batches]
     try:
@@ -62,11 +64,11 @@ def _check_batches(batches) -> list[dict]:
         raise ValueError("batches is empty: calibration needs at least one batch of input_ids")
     checked = []
     for i, batch in enumerate(batches):
-        mask = None
+        mask = counted = None
         if isinstance(batch, Mapping):
             if "input_ids" not in batch:
                 raise ValueError(f"batches[{i}] is a mapping without 'input_ids' (keys: {sorted(batch)})")
-            ids, mask = batch["input_ids"], batch.get("attention_mask")
+            ids, mask, counted = batch["input_ids"], batch.get("attention_mask"), batch.get("calibration_mask")
         else:
             ids = batch
         if not isinstance(ids, torch.Tensor):
@@ -75,13 +77,18 @@ def _check_batches(batches) -> list[dict]:
             raise TypeError(f"batches[{i}] must hold integer token ids, got {ids.dtype}")
         if ids.dim() != 2 or ids.numel() == 0:
             raise ValueError(f"batches[{i}] must be a non-empty [B, T] tensor, got shape {tuple(ids.shape)}")
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
-                raise ValueError(f"batches[{i}]['attention_mask'] must be a tensor of input_ids' shape "
-                                 f"{tuple(ids.shape)}, got {getattr(mask, 'shape', type(mask).__name__)}")
-            if not bool(mask.bool().any()):
-                raise ValueError(f"batches[{i}]['attention_mask'] masks every token")
-        checked.append({"input_ids": ids, "attention_mask": mask})
+        for key, value in (("attention_mask", mask), ("calibration_mask", counted)):
+            if value is not None and (not isinstance(value, torch.Tensor) or value.shape != ids.shape):
+                raise ValueError(f"batches[{i}]['{key}'] must be a tensor of input_ids' shape "
+                                 f"{tuple(ids.shape)}, got {getattr(value, 'shape', type(value).__name__)}")
+        if mask is not None and not bool(mask.bool().any()):
+            raise ValueError(f"batches[{i}]['attention_mask'] masks every token")
+        stat = None if mask is None else mask.bool()
+        if counted is not None:
+            stat = counted.bool() if stat is None else counted.bool() & stat.to(counted.device)
+            if not bool(stat.any()):
+                raise ValueError(f"batches[{i}]['calibration_mask'] (with the attention mask) leaves no token to count")
+        checked.append({"input_ids": ids, "attention_mask": mask, "stat_mask": stat})
     return checked
 
 
@@ -93,10 +100,10 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _run(model: nn.Module, batches: list[dict], device: torch.device, current: list) -> None:
-    """Run the model on each batch; `current[0]` holds the batch's flattened token mask meanwhile."""
+    """Run the model on each batch; `current[0]` holds the batch's flattened mask of counted tokens meanwhile."""
     for batch in batches:
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        current[:] = [None if mask is None else mask.reshape(-1).bool().to(device)]
+        ids, mask, stat = batch["input_ids"], batch["attention_mask"], batch["stat_mask"]
+        current[:] = [None if stat is None else stat.reshape(-1).to(device)]
         kwargs = {"input_ids": ids.to(device), "use_cache": False}
         if mask is not None:
             kwargs["attention_mask"] = mask.to(device)
@@ -107,7 +114,7 @@ def _run(model: nn.Module, batches: list[dict], device: torch.device, current: l
 
 
 def _rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """x's tokens [N, D] without the padded ones (x is [B, T, D] or [B * T, D])."""
+    """x's counted tokens [N, D] (not padded, not left out by a calibration mask; x is [B, T, D] or [B * T, D])."""
     x = x.detach().reshape(-1, x.shape[-1])
     if mask is None:
         return x
@@ -259,9 +266,9 @@ def calibrate_thresholds(
     """Set per-unit thresholds so each SparseMLP fires `target_nnz` units per token on average.
 
     model: a sparsified causal LM (`model(input_ids=..., use_cache=False)` must run it). batches:
-    an iterable of input_ids tensors [B, T] or tokenizer outputs with `input_ids` and
-    `attention_mask` (moved to the model's device; padding is ignored; read once per layer, so it is
-    materialized into a list). target_nnz: mean active units per token per layer, 0 < target < H.
+    an iterable of input_ids tensors [B, T] or tokenizer outputs with `input_ids`, `attention_mask`
+    and `calibration_mask` (module docstring; moved to the model's device; padding is ignored; read
+    once per layer, so it is materialized into a list). target_nnz: mean active units per token per layer, 0 < target < H.
     tolerance: relative error accepted on the measured mean (a warning names the layers outside it).
     mix: weight of each unit's own quantile against the global level, in [0, 1) (module docstring).
 

@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+from sparseffn.bench.decode_model import (DecodeModelBenchConfig, _generated_nnz, build_bench_model,
+                                          decode_model_table)
+
+
+def _cfg(**kw):
+    return DecodeModelBenchConfig(**dict(dict(model="tiny", target_nnz=12.0, batches="1,3", prompt=24, new_tokens=16,
+                                              vocab_size=256, calibration_batch_size=2), **kw))
+
+
+def test_generated_calibration_hits_the_target_at_the_generated_positions():
+    """Thresholds fitted on the pool's greedy continuations give ~target active units per token at the
+    generated positions of those continuations; batch b's prompt is the pool's first b rows."""
+    model, layers, target, prompts = build_bench_model(_cfg(), torch.device("cpu"))
+    assert target == 12.0 and sorted(prompts) == [1, 3]
+    assert torch.equal(prompts[1], prompts[3][:1])
+    assert all(layer.mode == "auto" and layer.expected_nnz is None for layer in layers)
+    for layer in layers:
+        layer.mode = "dense"
+    from sparseffn.bench.decode_model import _greedy
+
+    tokens = _greedy(model, prompts[3], 16)
+    got = _generated_nnz(model, layers, tokens, 24)
+    assert got["generated_nnz"] == pytest.approx(12.0, rel=0.1)
+    assert got["generated_nnz_layer_max"] >= got["generated_nnz"]
+
+
+def test_calibration_must_be_generated_or_prompt():
+    with pytest.raises(ValueError, match="calibration must be 'generated' or 'prompt'"):
+        build_bench_model(_cfg(calibration="both"), torch.device("cpu"))
+
+
+def test_table_shows_generated_activity_and_dashes_for_older_rows():
+    base = dict(batch="1", provider="captured", non_mlp="fused", ms_per_token_p50="2.0", ms_per_token_p99="2.1",
+                speedup_vs_dense="1.0", roofline_ms="0.8", peak_mib="10", first_divergence="", divergence_margin="",
+                prefill_logits_rel_err="")
+    dense = dict(base, mlp="dense")
+    sparse = dict(base, mlp="sparse", ms_per_token_p50="1.0", speedup_vs_dense="2.0", first_divergence="-1",
+                  generated_nnz="29.4", generated_nnz_layer_max="33.0")
+    table = decode_model_table([dense, sparse])
+    assert "| fused | 1 | captured | 2.000 / 2.100 | 1.000 / 2.100 | **2.00x** |" in table
+    assert table.endswith("| 29.4 (33.0) |")
+    assert decode_model_table([dense, dict(sparse, generated_nnz="")]).endswith("| – |")
