@@ -265,7 +265,8 @@ def _forward_rows(cfg, model, mlps, sample, common, energy, device, log) -> list
         for provider, mode in (("dense", "dense"), ("sparse", "auto")):
             _set_mode(mlps, mode)
             with torch.no_grad():  # enough sequences that auto mode runs the kernels (AUTO_MIN_TOKENS)
-                logits[provider] = model(ids[:logit_batch]).logits.float()
+                # kept on the host: on the GPU, the dense logits would count in the sparse model's peak
+                logits[provider] = model(ids[:logit_batch]).logits.float().cpu()
 
             def forward():
                 with torch.no_grad():
