@@ -6,6 +6,7 @@ auto mode: per replay, host ms to submit (no sync inside the loop) and wall ms u
 """
 
 import time
+from collections import Counter
 
 import torch
 
@@ -33,7 +34,8 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         print(f"{mlp}: host {1e3 * host / REPLAYS:.3f} ms per replay submitted, wall {1e3 * wall / REPLAYS:.3f} ms "
-              f"per replay", flush=True)
+              f"per replay; decisions {Counter(str(layer.last_decision) for layer in layers).most_common(3)}",
+              flush=True)
         del decoder
 
 
