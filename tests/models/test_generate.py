@@ -29,6 +29,26 @@ def test_eager_steps_match_hugging_face_greedy_generate():
     assert torch.equal(decoder.generate(prompt, max_new_tokens=9), want)  # the cache is reset between calls
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_deleted_decoder_frees_its_cache_without_the_garbage_collector(compile):
+    """No reference cycle through the decoder: its static cache (and on CUDA its graph's pool) goes
+    when the last reference does, not whenever the collector runs."""
+    import gc
+    import weakref
+
+    model = _model()
+    decoder = CapturedDecoder(model, batch_size=1, max_length=16, eager_steps=100, compile=compile)
+    if not compile:
+        decoder.generate(torch.zeros(1, 3, dtype=torch.long), 4)
+    refs = [weakref.ref(decoder), weakref.ref(decoder.cache)]
+    gc.disable()
+    try:
+        del decoder
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
 def test_arguments_are_checked():
     model = _model()
     decoder = CapturedDecoder(model, batch_size=1, max_length=16, eager_steps=1)

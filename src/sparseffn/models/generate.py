@@ -25,6 +25,7 @@ on other devices only the eager steps run (eager_steps >= max_new_tokens - 1).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -57,18 +58,14 @@ class CapturedDecoder:
         self._position = torch.zeros(1, dtype=torch.long, device=device)
         self._out = torch.zeros(batch_size, max_length, dtype=torch.long, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
-        # the decode step's forward (T = 1): compiled for its one static shape when asked
+        # the decode step's forward (T = 1), compiled for its one static shape when asked. A partial of a
+        # module-level function, not a bound method: stored on self, that would make a reference cycle,
+        # and a deleted decoder would hold its cache and graph pool until the garbage collector ran
         self.compiled = compile
-        self._step_forward = torch.compile(self._forward, dynamic=False) if compile else self._forward
+        forward = functools.partial(_last_logits, model, self.cache, self._cache_kwarg)
+        self._step_forward = torch.compile(forward, dynamic=False) if compile else forward
         self.record_times = record_times
         self.step_ms: list[float] = []  # with record_times: GPU ms of each replayed step of the last call
-
-    def _forward(self, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Logits of the last position for ids [B, T] at cache positions `position` [T]."""
-        positions = position[None, :].expand(ids.shape[0], -1)
-        out = self.model(input_ids=ids, cache_position=position, position_ids=positions, use_cache=True,
-                         **{self._cache_kwarg: self.cache})
-        return out.logits[:, -1]
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -93,7 +90,8 @@ class CapturedDecoder:
         self.cache.reset()
         out, ids, position = self._out, self._ids, self._position
         out[:, :p] = prompt
-        token = self._forward(prompt, torch.arange(p, device=self.device)).argmax(-1)  # [B]
+        token = _last_logits(self.model, self.cache, self._cache_kwarg, prompt,
+                             torch.arange(p, device=self.device)).argmax(-1)  # [B]
         out[:, p] = token
         ids.copy_(token[:, None])
         position.fill_(p)
@@ -143,3 +141,10 @@ class CapturedDecoder:
             self._step()
         self._graph = graph
         return graph
+
+
+def _last_logits(model: nn.Module, cache, cache_kwarg: str, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Logits of the last position for ids [B, T] at cache positions `position` [T]."""
+    positions = position[None, :].expand(ids.shape[0], -1)
+    out = model(input_ids=ids, cache_position=position, position_ids=positions, use_cache=True, **{cache_kwarg: cache})
+    return out.logits[:, -1]
