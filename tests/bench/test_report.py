@@ -43,10 +43,13 @@ def test_headline_rows_come_from_the_csvs_present(tmp_path):
     # the sparsest-enough run (>= 99% zeros) with the smallest CE increase: 20m, λ 1.5e-2 ramped over 300
     assert "λ = 0.015 ramped over 300 steps" in lines[1] and "**99.02% zeros**" in lines[1]
     assert "+0.99% vs λ = 0" in lines[1] and "quality.csv abaf270" in table
-    _copy(tmp_path, "mlp_paper_shape.csv", "mlp_train.csv", "e2e.csv")
+    _copy(tmp_path, "mlp_paper_shape.csv", "mlp_train.csv", "e2e.csv", "decode_model.csv")
     full = headline_table(root)
     assert "**1.48x / 1.74x / 1.66x**" in full and "**0.90x / 2.02x / 1.93x**" in full
-    assert "**1.38x / 1.37x**" in full and "peak memory 0.70x / 0.69x" in full
+    assert "**1.36x / 1.37x**" in full and "peak memory 0.69x |" in full
+    generation = next(line for line in full.splitlines() if "model generation" in line)
+    assert "batch 1 / 4 / 16 / 64" in generation and "at the generated positions; fused RMSNorm/RoPE" in generation
+    assert "**1.26x / 1.19x / 1.01x / 1.00x**" in generation and "norms/RoPE: 1.02x / 1.12x / 1.00x / 1.00x" in generation
     assert headline_table(tmp_path / "nothing") is None
 
 

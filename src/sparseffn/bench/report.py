@@ -494,6 +494,29 @@ def _decode_row(results_dir: Path) -> tuple[str, str] | None:
             f"{path.name} {pick[(ms[0], 'sparse_graph')]['git_sha']}")
 
 
+def _generation_row(results_dir: Path) -> tuple[str, str] | None:
+    path = find_csv(results_dir, "decode_model.csv")
+    rows = [r for r in (read_rows(path) if path else []) if r["provider"] == "captured" and r["mlp"] == "sparse"]
+    fused = [r for r in rows if _non_mlp(r) == "fused"]
+    hf = [r for r in rows if _non_mlp(r) == "hf"]
+    sparse = fused or hf
+    if not sparse:
+        return None
+    first = sparse[0]
+    batches = _slash([r["batch"] for r in sparse])
+    weights = (f"random weights, thresholds calibrated to {float(first['target_nnz']):g} active units per token"
+               + (" at the generated positions" if first.get("calibration") == "generated" else "")
+               if first["target_nnz"] not in ("", "nan") else "trained checkpoint")
+    also = "ms per token " + _slash([f"{float(r['ms_per_token_p50']):.2f}" for r in sparse])
+    if fused and hf:
+        also += f"; Hugging Face's norms/RoPE: {_slash([_times(r, 'speedup_vs_dense') for r in hf])}"
+    return (f"| `{first['model']}` model generation (decode step replayed from a CUDA graph) | batch {batches}, "
+            f"prompt {first['prompt']}, {first['new_tokens']} new tokens; {weights}; "
+            f"{'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides "
+            f"| **{_slash([_times(r, 'speedup_vs_dense') for r in sparse])}** | {also} |",
+            f"{path.name} {first['git_sha']}")
+
+
 def _train_run_row(results_dir: Path) -> tuple[str, str] | None:
     from sparseffn.bench.train_run import phase_speeds
 
@@ -519,6 +542,7 @@ HEADLINE_ROWS: tuple[Callable[[Path], tuple[str, str] | None], ...] = (
     _train_row,
     _train_run_row,
     lambda results_dir: _e2e_rows(results_dir, "forward"),
+    _generation_row,
     lambda results_dir: _e2e_rows(results_dir, "train"),
     _quality_row,
 )
