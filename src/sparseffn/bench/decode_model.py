@@ -203,7 +203,7 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
         + (f"compiled {results[('compiled', 'dense')]['p50']:.3f} / {results[('compiled', 'sparse')]['p50']:.3f} ms; "
            if cfg.compile else "")
         + f"first divergence {agreement['first_divergence']} (margin {agreement['divergence_margin']}); generated "
-          f"nnz/token {agreement['generated_nnz']} (layer max {agreement['generated_nnz_layer_max']}); paths "
+          f"nnz/token {agreement['generated_nnz'] or '-'} (layer max {agreement['generated_nnz_layer_max'] or '-'}); paths "
           f"{cap_s['paths']}")
     return rows
 
@@ -248,13 +248,17 @@ def _agreement(model, layers, prompt, dense_tokens, sparse_tokens, p: int) -> di
 @torch.no_grad()
 def _generated_nnz(model, layers, tokens, p: int) -> dict:
     """Active units per token at the generated positions of tokens [B, P + new] (the sparse model's own
-    continuation): the mean over layers and the largest layer mean."""
+    continuation): the mean over layers and the largest layer mean (empty for layers without an
+    activation mask, such as MoE experts)."""
     means = []
+    masked = [layer for layer in layers if hasattr(layer, "activation_mask")]
+    if not masked:
+        return dict(generated_nnz="", generated_nnz_layer_max="")
 
     def hook(module, args):
         means.append(float(module.activation_mask(args[0][:, p:]).sum(-1).float().mean()))
 
-    handles = [layer.register_forward_pre_hook(hook) for layer in layers]
+    handles = [layer.register_forward_pre_hook(hook) for layer in masked]
     try:
         model(input_ids=tokens, logits_to_keep=1)
     finally:
@@ -284,7 +288,7 @@ def decode_model_table(rows: list[dict]) -> str:
     rooflines, peak memory, agreement."""
     lines = ["| norms, RoPE | batch | path | dense ms/token (p50 / p99) | sparse ms/token (p50 / p99) | speed-up | "
              "rooflines dense / sparse ms | peak MiB dense / sparse | greedy: first divergence (margin) | "
-             "prefill logits err | generated nnz/token: mean (layer max) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "prefill logits err | generated nnz/token: mean (layer max) |", "|---" * 11 + "|"]
     variant = lambda r: r.get("non_mlp") or "hf"  # noqa: E731 (rows written before the column: hf)
     for non_mlp in dict.fromkeys(variant(r) for r in rows):
         for batch in dict.fromkeys(int(r["batch"]) for r in rows):
@@ -301,7 +305,8 @@ def decode_model_table(rows: list[dict]) -> str:
                     f"{float(d['roofline_ms']):.3f} / {float(s['roofline_ms']):.3f} | {d['peak_mib'] or '–'} / "
                     f"{s['peak_mib'] or '–'} | {s['first_divergence']} ({s['divergence_margin']}) | "
                     f"{s['prefill_logits_rel_err']} | "
-                    + (f"{s['generated_nnz']} ({s['generated_nnz_layer_max']}) |" if s.get("generated_nnz") else "– |"))
+                    + (f"{s['generated_nnz']} ({s['generated_nnz_layer_max']}) |" if s.get("generated_nnz")
+                       else "– |"))
     return "\n".join(lines)
 
 

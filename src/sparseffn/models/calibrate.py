@@ -21,9 +21,10 @@ report holds those measured numbers.
 Batches are input_ids tensors or tokenizer outputs (mappings with `input_ids` and, optionally,
 `attention_mask`): padded positions (mask 0) are run through the model with the mask and left out of
 every statistic. A mapping may also hold `calibration_mask` [B, T]: positions with 0 there are attended
-to as usual but left out of every statistic (for example a prompt, to fit the generated positions). Layers: SparseMLP and HFSparseMLP fit one θ [H]; SparseExperts fit one θ_e [H] per
-expert on the tokens routed to it (an expert that saw no token keeps θ_e = 0), and their statistics
-count token-expert pairs.
+to as usual but left out of every statistic (for example a prompt, to fit the generated positions).
+Layers: SparseMLP and HFSparseMLP fit one θ [H]; SparseExperts fit one θ_e [H] per expert on the tokens
+routed to it (an expert that saw no token keeps θ_e = 0), and their statistics count token-expert
+pairs.
 """
 
 from __future__ import annotations
@@ -268,7 +269,8 @@ def calibrate_thresholds(
     model: a sparsified causal LM (`model(input_ids=..., use_cache=False)` must run it). batches:
     an iterable of input_ids tensors [B, T] or tokenizer outputs with `input_ids`, `attention_mask`
     and `calibration_mask` (module docstring; moved to the model's device; padding is ignored; read
-    once per layer, so it is materialized into a list). target_nnz: mean active units per token per layer, 0 < target < H.
+    once per layer, so it is materialized into a list). target_nnz: mean active units per token per
+    layer, 0 < target < H.
     tolerance: relative error accepted on the measured mean (a warning names the layers outside it).
     mix: weight of each unit's own quantile against the global level, in [0, 1) (module docstring).
 
