@@ -22,7 +22,7 @@ def test_generated_calibration_hits_the_target_at_the_generated_positions():
     from sparseffn.bench.decode_model import _greedy
 
     tokens = _greedy(model, prompts[3], 16)
-    got = _generated_nnz(model, layers, tokens, 24)
+    got = _generated_nnz(model, tokens, 24)
     assert got["generated_nnz"] == pytest.approx(12.0, rel=0.1)
     assert got["generated_nnz_layer_max"] >= got["generated_nnz"]
 

@@ -173,3 +173,15 @@ def test_calibration_mask_counts_only_its_positions_with_the_whole_sequence_as_c
         calibrate_thresholds(_model(), [{"input_ids": ids, "calibration_mask": tail[:, :4]}], 20)
     with pytest.raises(ValueError, match="leaves no token to count"):
         calibrate_thresholds(_model(), [{"input_ids": ids, "calibration_mask": torch.zeros_like(tail)}], 20)
+
+
+def test_measure_activity_is_what_calibration_reports():
+    from sparseffn.models.calibrate import measure_activity
+
+    model, batches = _model(), _batches(n=2)
+    report = calibrate_thresholds(model, batches, 16)
+    measured = measure_activity(model, batches)
+    assert [m["mean_nnz"] for m in measured] == pytest.approx([r["mean_nnz"] for r in report], rel=1e-9)
+    assert [m["mean_nnz"] for m in measured] == pytest.approx(_measured_nnz(model, batches), rel=1e-6)
+    with pytest.raises(ValueError, match="has no sparse layer"):
+        measure_activity(tiny_lm(), batches)

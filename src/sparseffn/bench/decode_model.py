@@ -100,10 +100,7 @@ def build_bench_model(cfg: DecodeModelBenchConfig, device: torch.device):
         for _ in range(2 if cfg.calibration == "generated" else 0):
             _set_mode(layers, "dense")
             sequences = _greedy(model, pool, cfg.new_tokens)
-            generated = torch.zeros_like(sequences, dtype=torch.bool)
-            generated[:, cfg.prompt:] = True
-            calibrate_thresholds(model, [{"input_ids": s, "calibration_mask": m}
-                                         for s, m in zip(sequences.split(chunk), generated.split(chunk))], target)
+            calibrate_thresholds(model, _generated_batches(sequences, cfg.prompt, chunk), target)
     _set_mode(layers, "auto")
     for layer in layers:
         layer.expected_nnz = None  # auto mode decides from what each layer measures
@@ -117,6 +114,13 @@ def _greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     decoder = CapturedDecoder(model, batch_size=prompt.shape[0], max_length=prompt.shape[1] + new_tokens,
                               eager_steps=eager)
     return decoder.generate(prompt, new_tokens)
+
+
+def _generated_batches(sequences: torch.Tensor, p: int, chunk: int) -> list[dict]:
+    """sequences [B, P + new] in batches of `chunk` rows whose statistics count only positions >= p."""
+    generated = torch.zeros_like(sequences, dtype=torch.bool)
+    generated[:, p:] = True
+    return [{"input_ids": s, "calibration_mask": m} for s, m in zip(sequences.split(chunk), generated.split(chunk))]
 
 
 def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | None = None,
@@ -203,7 +207,7 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
         + (f"compiled {results[('compiled', 'dense')]['p50']:.3f} / {results[('compiled', 'sparse')]['p50']:.3f} ms; "
            if cfg.compile else "")
         + f"first divergence {agreement['first_divergence']} (margin {agreement['divergence_margin']}); generated "
-          f"nnz/token {agreement['generated_nnz'] or '-'} (layer max {agreement['generated_nnz_layer_max'] or '-'}); paths "
+          f"nnz/token {agreement['generated_nnz']} (layer max {agreement['generated_nnz_layer_max']}); paths "
           f"{cap_s['paths']}")
     return rows
 
@@ -242,28 +246,15 @@ def _agreement(model, layers, prompt, dense_tokens, sparse_tokens, p: int) -> di
     sparse_logits = model(input_ids=prompt).logits[:, -1].float()
     err = float((sparse_logits - dense_logits).norm() / dense_logits.norm())
     return dict(first_divergence=first, divergence_margin=margin, prefill_logits_rel_err=f"{err:.3e}",
-                **_generated_nnz(model, layers, sparse_tokens, p))
+                **_generated_nnz(model, sparse_tokens, p))
 
 
-@torch.no_grad()
-def _generated_nnz(model, layers, tokens, p: int) -> dict:
+def _generated_nnz(model, tokens, p: int) -> dict:
     """Active units per token at the generated positions of tokens [B, P + new] (the sparse model's own
-    continuation): the mean over layers and the largest layer mean (empty for layers without an
-    activation mask, such as MoE experts)."""
-    means = []
-    masked = [layer for layer in layers if hasattr(layer, "activation_mask")]
-    if not masked:
-        return dict(generated_nnz="", generated_nnz_layer_max="")
+    continuation): the mean over layers and the largest layer mean."""
+    from sparseffn.models.calibrate import measure_activity
 
-    def hook(module, args):
-        means.append(float(module.activation_mask(args[0][:, p:]).sum(-1).float().mean()))
-
-    handles = [layer.register_forward_pre_hook(hook) for layer in masked]
-    try:
-        model(input_ids=tokens, logits_to_keep=1)
-    finally:
-        for handle in handles:
-            handle.remove()
+    means = [r["mean_nnz"] for r in measure_activity(model, _generated_batches(tokens, p, 8))]
     return dict(generated_nnz=round(statistics.fmean(means), 1), generated_nnz_layer_max=round(max(means), 1))
 
 

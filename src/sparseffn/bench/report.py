@@ -435,6 +435,13 @@ def _train_row(results_dir: Path) -> tuple[str, str] | None:
             f"{path.name} {cases[0]['sparse']['git_sha']}")
 
 
+def _weights(row: dict, where: str = "") -> str:
+    """The model's weights in a headline setting: random with calibrated thresholds, or a checkpoint."""
+    if row["target_nnz"] in ("", "nan"):
+        return "trained checkpoint"
+    return f"random weights, thresholds calibrated to {float(row['target_nnz']):g} active units per token{where}"
+
+
 def _e2e_rows(results_dir: Path, phase: str) -> tuple[str, str] | None:
     path = find_csv(results_dir, "e2e.csv")
     rows = read_rows(path) if path else []
@@ -452,10 +459,7 @@ def _e2e_rows(results_dir: Path, phase: str) -> tuple[str, str] | None:
     else:
         what = f"`{first['model']}` model training step"
         also = f"peak memory {_slash([_times(r, 'peak_vs_dense') for r in sparse])}"
-    weights = ("random weights, thresholds calibrated to "
-               f"{float(first['target_nnz']):g} active units per token" if first["target_nnz"] not in ("", "nan")
-               else "trained checkpoint")
-    setting = f"{batches} tokens; {weights}; {'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides"
+    setting = f"{batches} tokens; {_weights(first)}; {'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides"
     return f"| {what} | {setting} | **{speed}** | {also} |", f"{path.name} {first['git_sha']}"
 
 
@@ -504,9 +508,7 @@ def _generation_row(results_dir: Path) -> tuple[str, str] | None:
         return None
     first = sparse[0]
     batches = _slash([r["batch"] for r in sparse])
-    weights = (f"random weights, thresholds calibrated to {float(first['target_nnz']):g} active units per token"
-               + (" at the generated positions" if first.get("calibration") == "generated" else "")
-               if first["target_nnz"] not in ("", "nan") else "trained checkpoint")
+    weights = _weights(first, " at the generated positions" if first.get("calibration") == "generated" else "")
     also = "ms per token " + _slash([f"{float(r['ms_per_token_p50']):.2f}" for r in sparse])
     if fused and hf:
         also += f"; Hugging Face's norms/RoPE: {_slash([_times(r, 'speedup_vs_dense') for r in hf])}"

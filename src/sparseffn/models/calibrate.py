@@ -256,6 +256,21 @@ def _measure(model, layers: list, batches, device) -> list[dict]:
     ]
 
 
+def measure_activity(model: nn.Module, batches) -> list[dict]:
+    """Per sparse layer, in order: mean_nnz and max_nnz (active units per counted token, per
+    token-expert pair for experts) and dead_fraction, on batches as `calibrate_thresholds` takes them
+    (`attention_mask`, `calibration_mask`). Runs the model in eval mode under no_grad."""
+    layers = [m for _, m in named_sparse_layers(model)]
+    if not layers:
+        raise ValueError(f"model ({type(model).__name__}) has no sparse layer")
+    was_training = model.training
+    model.eval()
+    try:
+        return _measure(model, layers, _check_batches(batches), _model_device(model))
+    finally:
+        model.train(was_training)
+
+
 def calibrate_thresholds(
     model: nn.Module,
     batches,
