@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from sparseffn.train.checkpoint import list_checkpoints, load_checkpoint
+from sparseffn.train.checkpoint import list_checkpoints, load_checkpoint, manifest_path
 from sparseffn.train.loop import train
 from sparseffn.train.metrics import read_metrics
 
@@ -70,7 +70,9 @@ def test_killed_process_resumes_exactly(small_corpus, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     try:
-        while not list_checkpoints(out / "checkpoints"):
+        # a checkpoint counts once its manifest is written (the payload lands first; without the
+        # manifest, resume rightly refuses it)
+        while not any(manifest_path(path).is_file() for _, path in list_checkpoints(out / "checkpoints")):
             if proc.poll() is not None:
                 pytest.fail(f"training exited before its first checkpoint: {proc.stderr.read()}")
             if time.monotonic() > deadline:
