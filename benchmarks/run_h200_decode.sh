@@ -4,7 +4,10 @@
 # apart (benchmarks/probe_decode_parts.py); `decode`, `bench decode` (MLP level); `sweep`, the decode
 # config sweep; `probe`, where a captured decode step's time goes (benchmarks/probe_decode_step.py,
 # batch 1 and 4); `model`, `bench decode-model` (whole model, HF and fused norms/RoPE, peak memory);
-# `e2e`, the rows of `bench e2e` (8 and 32 sequences of 2048, peak memory). Results under $OUT.
+# `e2e`, the rows of `bench e2e` (8 and 32 sequences of 2048, peak memory); `memory`, what a sparse
+# decode run holds beyond the dense one (benchmarks/probe_decode_memory.py, batch 16); `compiled`,
+# `bench decode-model` at batch 1 with the step's forward also through torch.compile (HF norms/RoPE,
+# results under $OUT/compiled). Results under $OUT.
 # Usage: bash benchmarks/run_h200_decode.sh GIT_SHA [PARTS]
 set -uo pipefail
 sha=${1:-unknown}
@@ -64,5 +67,16 @@ if [[ $parts == *,e2e,* ]]; then
   stamp e2e
   timeout 170 bash benchmarks/run_h200_e2e.sh "$sha" batches=8,32 > "$out/e2e.log" 2>&1
   tail -12 "$out/e2e.log"
+fi
+if [[ $parts == *,memory,* ]]; then
+  stamp memory
+  timeout 150 python3 benchmarks/probe_decode_memory.py 16 > "$out/memory.log" 2>&1
+  grep -v Warn "$out/memory.log" | tail -20
+fi
+if [[ $parts == *,compiled,* ]]; then
+  stamp compiled
+  timeout 400 python3 -m sparseffn bench decode-model --git-sha "$sha" --out-dir "$out/compiled" --batches 1 \
+    --non-mlp hf --compile --no-eager > "$out/compiled.log" 2>&1
+  grep -E "batch|Error|error" "$out/compiled.log" | tail -10
 fi
 stamp done
