@@ -6,7 +6,7 @@
 # batch 1 and 4); `model`, `bench decode-model` (whole model, HF and fused norms/RoPE, peak memory);
 # `e2e`, the rows of `bench e2e` (8 and 32 sequences of 2048, peak memory); `memory`, what a sparse
 # decode run holds beyond the dense one (benchmarks/probe_decode_memory.py, batch 16); `compiled`,
-# `bench decode-model` at batch 1 with the step's forward also through torch.compile (HF norms/RoPE,
+# `bench decode-model` at batch 1 (or $COMPILED_BATCHES) with the step's forward also through torch.compile (HF norms/RoPE,
 # results under $OUT/compiled). Results under $OUT.
 # Usage: bash benchmarks/run_h200_decode.sh GIT_SHA [PARTS]
 set -uo pipefail
@@ -75,7 +75,7 @@ if [[ $parts == *,memory,* ]]; then
 fi
 if [[ $parts == *,compiled,* ]]; then
   stamp compiled
-  timeout 400 python3 -m sparseffn bench decode-model --git-sha "$sha" --out-dir "$out/compiled" --batches 1 \
+  timeout 400 python3 -m sparseffn bench decode-model --git-sha "$sha" --out-dir "$out/compiled" --batches "${COMPILED_BATCHES:-1}" \
     --non-mlp hf --compile --no-eager > "$out/compiled.log" 2>&1
   grep -E "batch|Error|error" "$out/compiled.log" | tail -10
 fi
