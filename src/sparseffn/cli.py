@@ -138,7 +138,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     # a CUDA graph per decode step on a GPU (captured=False or a CPU: every step eagerly, same tokens)
     eager_steps = 5 if device.type == "cuda" and args.captured else args.max_new_tokens
     decoder = CapturedDecoder(model, batch_size=1, max_length=ids.shape[1] + args.max_new_tokens,
-                              eager_steps=eager_steps)
+                              eager_steps=eager_steps, compile=args.compile)
     out = decoder.generate(ids, args.max_new_tokens)
     print(tokenizer.decode(out[0].tolist()))
     return 0
@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     gen.add_argument("--captured", action=argparse.BooleanOptionalAction, default=True,
                      help="replay each decode step from a CUDA graph on a GPU (default: on)")
+    gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                     help="also run the decode step's forward through torch.compile: a slower start (the "
+                          "compile), faster steps; for long generations (default: off)")
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

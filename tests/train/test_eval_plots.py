@@ -67,13 +67,15 @@ def test_plots_from_metrics(trained_run, tmp_path):
         plot_metrics(empty, tmp_path)
 
 
-def test_generate_cli_continues_a_prompt(trained_run, capsys):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_generate_cli_continues_a_prompt(trained_run, capsys, compiled):
     """`sparseffn generate RUN_DIR --prompt ...` prints the prompt and its greedy continuation (CPU: every
-    step eagerly; the same tokens as Hugging Face's greedy generate)."""
+    step eagerly; the same tokens as Hugging Face's greedy generate), with --compile too (fp32 on the
+    CPU: Inductor's fused kernels do not change these tokens)."""
     from sparseffn.cli import main
 
     assert main(["generate", str(trained_run.out_dir), "--prompt", "To be, or not", "--max-new-tokens", "6",
-                 "--device", "cpu"]) == 0
+                 "--device", "cpu"] + (["--compile"] if compiled else [])) == 0
     text = capsys.readouterr().out
     ids = torch.tensor([trained_run.tokenizer.encode("To be, or not")])
     model = trained_run.model.eval()

@@ -500,7 +500,9 @@ def _decode_row(results_dir: Path) -> tuple[str, str] | None:
 
 def _generation_row(results_dir: Path) -> tuple[str, str] | None:
     path = find_csv(results_dir, "decode_model.csv")
-    rows = [r for r in (read_rows(path) if path else []) if r["provider"] == "captured" and r["mlp"] == "sparse"]
+    every = [r for r in (read_rows(path) if path else []) if r["mlp"] == "sparse"]
+    rows = [r for r in every if r["provider"] == "captured"]
+    compiled = [r for r in every if r["provider"] == "compiled"]
     fused = [r for r in rows if _non_mlp(r) == "fused"]
     hf = [r for r in rows if _non_mlp(r) == "hf"]
     sparse = fused or hf
@@ -512,6 +514,11 @@ def _generation_row(results_dir: Path) -> tuple[str, str] | None:
     also = "ms per token " + _slash([f"{float(r['ms_per_token_p50']):.2f}" for r in sparse])
     if fused and hf:
         also += f"; Hugging Face's norms/RoPE: {_slash([_times(r, 'speedup_vs_dense') for r in hf])}"
+    if compiled:
+        ms = _slash([f"{float(r['ms_per_token_p50']):.2f}" for r in compiled])
+        also += (f"; the step's forward through torch.compile ({_non_mlp(compiled[0])} norms/RoPE, batch "
+                 f"{_slash([r['batch'] for r in compiled])}): {_slash([_times(r, 'speedup_vs_dense') for r in compiled])}, "
+                 f"ms per token {ms}")
     return (f"| `{first['model']}` model generation (decode step replayed from a CUDA graph) | batch {batches}, "
             f"prompt {first['prompt']}, {first['new_tokens']} new tokens; {weights}; "
             f"{'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides "
