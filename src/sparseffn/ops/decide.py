@@ -41,9 +41,13 @@ PREFILL_MAX_NNZ = (64.0, 0.01)
 # The training step at D=2048/H=5632, M=16384 (mlp_train_density.csv): 2.05x at 29 active units per
 # token, 0.73x at 55.
 TRAIN_MAX_NNZ = (40.0, 0.007)
-# Decode calls pay while the union of the tokens' active units, estimated as tokens x active units per
-# token, stays under this fraction of H (decode_mlp.csv: 1.05x-1.7x up to ~8% of H, 0.71x at 25%).
-DECODE_MAX_UNION = 0.1
+# Decode calls pay while the union of the tokens' active units stays under a fraction of H: (up to this
+# many tokens, fraction). The union is estimated as if units fired independently, H (1 - (1 - n/H)^T)
+# for T tokens of n active units each; correlated units make it smaller. decode_mlp.csv (c6ee0f0,
+# graphs, L2 flushed): 16 tokens 1.33x at a union of 26% of H (D=2048) and 1.50x at 11% (D=4096);
+# 64 tokens 1.02x at 26% (D=2048), 1.20x at 12% and 1.06x at 35% (D=4096), 0.80x at 65%. The
+# 64-row kernels cost more per call, hence the lower fraction beyond 16 tokens.
+DECODE_MAX_UNION = ((16, 0.30), (DECODE_MAX_TOKENS, 0.25))
 HYSTERESIS = 0.8
 
 
@@ -74,7 +78,9 @@ def density_limit(facts: CallFacts) -> float:
     if facts.training:
         count, fraction = TRAIN_MAX_NNZ
     elif facts.tokens <= DECODE_MAX_TOKENS:
-        return DECODE_MAX_UNION * facts.h / max(facts.tokens, 1)
+        tokens = max(facts.tokens, 1)
+        fraction = next(f for most, f in DECODE_MAX_UNION if tokens <= most)
+        return facts.h * (1.0 - (1.0 - fraction) ** (1.0 / tokens))  # n at which the union reaches fraction·H
     else:
         count, fraction = PREFILL_MAX_NNZ
     return min(count, fraction * facts.h)
