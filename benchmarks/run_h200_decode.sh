@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# One call on the H200, the parts named in PARTS (comma-separated, default tests,parts,decode): `tests`,
-# the GPU tests of the decode kernels and captured generation; `parts`, a decode call's kernels timed
-# apart (benchmarks/probe_decode_parts.py); `decode`, `bench decode` (MLP level); `sweep`, the decode
-# config sweep; `probe`, where a captured decode step's time goes (benchmarks/probe_decode_step.py,
-# batch 1 and 4); `model`, `bench decode-model` (whole model, HF and fused norms/RoPE, peak memory);
-# `e2e`, the rows of `bench e2e` (8 and 32 sequences of 2048, peak memory); `memory`, what a sparse
-# decode run holds beyond the dense one (benchmarks/probe_decode_memory.py, batch 16); `compiled`,
-# `bench decode-model` at batch 1 (or $COMPILED_BATCHES) with the step's forward also through torch.compile (HF norms/RoPE,
-# results under $OUT/compiled). Results under $OUT.
-# Usage: bash benchmarks/run_h200_decode.sh GIT_SHA [PARTS]
+# One call on the H200, the parts named in PARTS (comma-separated, default tests,parts,decode):
+#   tests     the GPU tests of the decode kernels and captured generation
+#   parts     a decode call's kernels timed apart (benchmarks/probe_decode_parts.py)
+#   sweep     the decode config sweep
+#   decode    `bench decode` (MLP level)
+#   probe     where a captured decode step's time goes (benchmarks/probe_decode_step.py, batch 1 and 4)
+#   model     `bench decode-model` (whole model, HF and fused norms/RoPE, peak memory), with
+#             $MODEL_FLAGS (default --eager-tokens 32)
+#   e2e       the rows of `bench e2e` (8 and 32 sequences of 2048, peak memory)
+#   memory    what a sparse decode run holds beyond the dense one (benchmarks/probe_decode_memory.py)
+#   compiled  `bench decode-model` at batch 1 (or $COMPILED_BATCHES), the step's forward also through
+#             torch.compile, HF norms/RoPE; results under $OUT/compiled
+# Results under $OUT. Usage: bash benchmarks/run_h200_decode.sh GIT_SHA [PARTS]
 set -uo pipefail
 sha=${1:-unknown}
 parts=",${2:-tests,parts,decode},"
@@ -59,7 +62,7 @@ if [[ $parts == *,probe,* ]]; then
 fi
 if [[ $parts == *,model,* ]]; then
   stamp model
-  timeout 400 python3 -m sparseffn bench decode-model --git-sha "$sha" --out-dir "$out/results" --eager-tokens 32 \
+  timeout 400 python3 -m sparseffn bench decode-model --git-sha "$sha" --out-dir "$out/results" ${MODEL_FLAGS:---eager-tokens 32} \
     > "$out/decode_model.log" 2>&1
   grep -E "batch|Error|error" "$out/decode_model.log" | tail -10
 fi
