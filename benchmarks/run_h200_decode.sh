@@ -11,7 +11,7 @@
 #   memory    what a sparse decode run holds beyond the dense one (benchmarks/probe_decode_memory.py)
 #   compiled  `bench decode-model` at batch 1 (or $COMPILED_BATCHES), the step's forward also through
 #             torch.compile, HF norms/RoPE; results under $OUT/compiled
-# Results under $OUT. Usage: bash benchmarks/run_h200_decode.sh GIT_SHA [PARTS]
+# Results under $OUT: the CSVs and logs.txt. Usage: bash benchmarks/run_h200_decode.sh GIT_SHA [PARTS]
 set -uo pipefail
 sha=${1:-unknown}
 parts=",${2:-tests,parts,decode},"
@@ -82,4 +82,8 @@ if [[ $parts == *,compiled,* ]]; then
     --non-mlp hf --compile --no-eager > "$out/compiled.log" 2>&1
   grep -E "batch|Error|error" "$out/compiled.log" | tail -10
 fi
+# The device returns at most 8 files: one log, the CSVs (PNGs are redrawn here by `bench report`)
+for f in "$out"/*.log; do [[ -e $f ]] && { echo "== $(basename "$f")"; cat "$f"; } >> "$out/logs.txt" && rm "$f"; done
+find "$out" -name '*.png' -delete
+n=$(find "$out" -type f | wc -l); (( n > 8 )) && echo "WARNING: $n files under \$OUT, only 8 come back"
 stamp done
