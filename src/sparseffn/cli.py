@@ -137,8 +137,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("prompt: the tokenizer made no tokens of it; give some text")
     # a CUDA graph per decode step on a GPU (captured=False or a CPU: every step eagerly, same tokens)
     eager_steps = 5 if device.type == "cuda" and args.captured else args.max_new_tokens
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.temperature == 0 and (args.top_k != 0 or args.top_p != 1.0):
+        raise ValueError("--top-k and --top-p filter sampled tokens: give --temperature > 0 too")
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p) \
+        if args.temperature > 0 else {}
+    torch.manual_seed(args.seed)
     decoder = CapturedDecoder(model, batch_size=1, max_length=ids.shape[1] + args.max_new_tokens,
-                              eager_steps=eager_steps, compile=args.compile)
+                              eager_steps=eager_steps, compile=args.compile, **sampling)
     out = decoder.generate(ids, args.max_new_tokens)
     print(tokenizer.decode(out[0].tolist()))
     return 0
@@ -304,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     gen.add_argument("--captured", action=argparse.BooleanOptionalAction, default=True,
                      help="replay each decode step from a CUDA graph on a GPU (default: on)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0: greedy (default); above 0: sample from softmax(logits / temperature)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample among the fewest most likely tokens whose probabilities reach p (1: all)")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
     gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                      help="also run the decode step's forward through torch.compile: a slower start (the "
                           "compile), faster steps; for long generations (default: off)")

@@ -1,4 +1,5 @@
-"""CapturedDecoder: greedy generation into a static cache, each decode step replayed from a CUDA graph."""
+"""CapturedDecoder: generation into a static cache, each decode step replayed from a CUDA graph; greedy
+or sampled tokens, end tokens."""
 
 import os
 import subprocess
@@ -9,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import sparseffn
-from sparseffn.models.generate import CapturedDecoder
+from sparseffn.models.generate import CapturedDecoder, Sampling, pick_tokens
 
 
 def _model(seed=0):
@@ -49,6 +50,72 @@ def test_a_deleted_decoder_frees_its_cache_without_the_garbage_collector(compile
         gc.enable()
 
 
+def _reference_probs(logits, temperature, top_k, top_p):
+    """softmax(logits / T) over the top_k logits, then over the fewest most likely tokens reaching top_p."""
+    scores = logits / temperature
+    if top_k:
+        scores = torch.where(scores >= scores.topk(top_k).values[-1], scores, torch.tensor(float("-inf")))
+    probs = scores.softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for i in order.tolist():
+        if mass >= top_p:
+            break
+        keep[i], mass = True, mass + probs[i].item()
+    return torch.where(keep, probs, 0.0) / probs[keep].sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.6),
+                                                        (0.8, 4, 0.75)])
+def test_sampled_tokens_follow_the_filtered_softmax(temperature, top_k, top_p):
+    """pick_tokens draws each row from softmax(logits / T) after the top-k and top-p filters: the
+    frequencies over 40,000 identical rows match the reference probabilities within 4 standard errors
+    (and the filtered-out tokens never appear)."""
+    logits = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.5, -2.0])
+    torch.manual_seed(0)
+    n = 40_000
+    tokens = pick_tokens(logits.expand(n, -1).clone(), Sampling(temperature, top_k, top_p))
+    freq = torch.bincount(tokens, minlength=6).double() / n
+    want = _reference_probs(logits.double(), temperature, top_k, top_p)
+    assert torch.equal(freq == 0, want == 0)
+    assert torch.all((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-12), (freq, want)
+    assert torch.equal(pick_tokens(logits[None], None), torch.tensor([0]))  # greedy: the argmax
+
+
+def test_sampling_with_one_candidate_is_greedy():
+    model = _model()
+    prompt = torch.randint(128, (2, 7), generator=torch.Generator().manual_seed(1))
+    greedy = CapturedDecoder(model, batch_size=2, max_length=32, eager_steps=100).generate(prompt, 9)
+    for kwargs in (dict(top_k=1), dict(top_p=1e-6), dict(top_k=1, temperature=3.0)):
+        sampled = CapturedDecoder(model, batch_size=2, max_length=32, eager_steps=100, do_sample=True, **kwargs)
+        assert torch.equal(sampled.generate(prompt, 9), greedy), kwargs
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_end_tokens_pad_and_stop_as_hugging_face_generate(as_list):
+    """With eos_token_id a sequence gets pad_token_id after its end token and generation stops once
+    every sequence has ended: the same tokens, and the same length, as Hugging Face's greedy generate."""
+    model = _model()
+    sparseffn.sparsify_(model, sparseffn.SparsityConfig())
+    prompt = torch.randint(128, (3, 7), generator=torch.Generator().manual_seed(1))
+    free = CapturedDecoder(model, batch_size=3, max_length=40, eager_steps=100).generate(prompt, 20)
+    eos = int(free[0, 7 + 3])  # the first sequence ends at its 4th new token (the others maybe later)
+    want = model.generate(prompt, max_new_tokens=20, do_sample=False, attention_mask=torch.ones_like(prompt),
+                          eos_token_id=[eos, 127] if as_list else eos, pad_token_id=5)
+    decoder = CapturedDecoder(model, batch_size=3, max_length=40, eager_steps=100,
+                              eos_token_id=[eos, 127] if as_list else eos, pad_token_id=5)
+    got = decoder.generate(prompt, 20)
+    assert torch.equal(got, want)
+    assert torch.equal(decoder.generate(prompt, 20), want)  # the ended flags are reset between calls
+    assert (got[0, 11:] == 5).all()
+    # one sequence: generation stops after its end token
+    want = model.generate(prompt[:1], max_new_tokens=20, do_sample=False, attention_mask=torch.ones_like(prompt[:1]),
+                          eos_token_id=eos, pad_token_id=5)
+    alone = CapturedDecoder(model, batch_size=1, max_length=40, eager_steps=100, eos_token_id=eos, pad_token_id=5)
+    assert torch.equal(alone.generate(prompt[:1], 20), want) and want.shape == (1, 11)
+
+
 def test_arguments_are_checked():
     model = _model()
     decoder = CapturedDecoder(model, batch_size=1, max_length=16, eager_steps=1)
@@ -60,6 +127,17 @@ def test_arguments_are_checked():
         decoder.generate(torch.zeros(1, 3, dtype=torch.long), 5)  # 4 steps after 1 eager one: capture
     with pytest.raises(ValueError, match="positive int"):
         CapturedDecoder(model, batch_size=0, max_length=16)
+    for kwargs, match in ((dict(do_sample=True, temperature=0.0), "temperature must be a positive finite"),
+                          (dict(do_sample=True, top_k=-1), "top_k must be an int >= 0"),
+                          (dict(do_sample=True, top_p=0.0), r"top_p must be in \(0, 1\]"),
+                          (dict(eos_token_id=128), r"eos_token_id must be None, a token id .* \[0, 128\)"),
+                          (dict(eos_token_id=[]), "eos_token_id must be None, a token id or a non-empty list"),
+                          (dict(eos_token_id=2, pad_token_id=-1), "pad_token_id must be None, a token id"),
+                          (dict(eos_token_id=2, pad_token_id=[1, 2]), "pad_token_id must be one token id")):
+        with pytest.raises(ValueError, match=match):
+            CapturedDecoder(model, batch_size=1, max_length=16, **kwargs)
+    with pytest.raises(TypeError, match="do_sample must be a bool"):
+        CapturedDecoder(model, batch_size=1, max_length=16, do_sample=1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -86,6 +164,29 @@ def test_gpu_compiled_captured_steps_match_eager_steps():
     stepped = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=100, compile=True).generate(prompt, 30)
     captured = CapturedDecoder(model, batch_size=1, max_length=64, compile=True).generate(prompt, 30)
     assert torch.equal(stepped, captured)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_captured_steps_stop_at_end_tokens_and_sample():
+    """End tokens inside the replayed step: the captured run pads, stops and cuts as the all-eager one
+    (the end token is the one greedy decoding emits at step 40, or its first occurrence); sampled runs with one candidate replay the greedy tokens, and
+    sampled runs draw fresh tokens on every replay (two calls differ)."""
+    model = _model().cuda().to(torch.bfloat16)
+    sparseffn.sparsify_(model, sparseffn.SparsityConfig(mode="auto"))
+    prompt = torch.randint(128, (1, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    free = CapturedDecoder(model, batch_size=1, max_length=96, eager_steps=100).generate(prompt, 60)
+    eos = int(free[0, 12 + 40])
+    end = int((free[0, 12:] == eos).int().argmax())  # its first occurrence, at or before step 40
+    kwargs = dict(batch_size=1, max_length=96, eos_token_id=eos, pad_token_id=0)
+    eager = CapturedDecoder(model, eager_steps=100, **kwargs).generate(prompt, 60)
+    captured = CapturedDecoder(model, **kwargs).generate(prompt, 60)
+    assert torch.equal(eager, captured) and captured.shape == (1, 12 + end + 1)
+    greedy = CapturedDecoder(model, batch_size=1, max_length=96).generate(prompt, 60)
+    one = CapturedDecoder(model, batch_size=1, max_length=96, do_sample=True, top_k=1).generate(prompt, 60)
+    assert torch.equal(one, greedy)
+    sampler = CapturedDecoder(model, batch_size=1, max_length=96, do_sample=True, temperature=2.0)
+    first, second = sampler.generate(prompt, 60), sampler.generate(prompt, 60)
+    assert not torch.equal(first[:, 20:], second[:, 20:]) and int(first.max()) < 128
 
 
 _FRESH_PROCESS_CAPTURE = """

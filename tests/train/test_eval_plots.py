@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -82,3 +83,22 @@ def test_generate_cli_continues_a_prompt(trained_run, capsys, compiled):
     want = model.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids),
                           pad_token_id=0)
     assert text == trained_run.tokenizer.decode(want[0].tolist()) + "\n"
+
+
+def test_generate_cli_samples_and_checks_its_sampling_flags(trained_run, capsys):
+    """--temperature > 0 samples (the same seed, the same text; top-k 1 is greedy); bad sampling flags
+    are one-line errors naming the flag."""
+    from sparseffn.cli import main
+
+    run = ["generate", str(trained_run.out_dir), "--prompt", "To be", "--max-new-tokens", "8", "--device", "cpu"]
+    texts = []
+    for flags in (["--temperature", "1.5", "--seed", "3"], ["--temperature", "1.5", "--seed", "3"], [],
+                  ["--temperature", "1.5", "--top-k", "1"]):
+        assert main(run + flags) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[2] == texts[3]
+    for flags, match in ((["--temperature", "-1"], "--temperature must be >= 0"),
+                         (["--top-k", "5"], "give --temperature > 0 too"),
+                         (["--temperature", "1", "--top-p", "0"], r"top_p must be in \(0, 1\]")):
+        assert main(run + flags) == 2
+        assert re.search(match, capsys.readouterr().err), flags

@@ -5,40 +5,98 @@ thousand kernels, against ~1 ms of GPU work), so sparse MLP kernels cannot show 
 runs the prompt eagerly into a static KV cache (transformers' `StaticCache`), takes a few decode steps
 eagerly (they compile the kernels and give every `SparseMLP` a measured activity; the last one takes
 the paths the graph will take, `ops.sparse_mlp.as_captured`, so their kernels load before capture),
-then captures one whole decode step (model forward, greedy pick, cache and position updates) into a
+then captures one whole decode step (model forward, token pick, cache and position updates) into a
 CUDA graph and replays it once per token: no host work per token beyond the replay, no host sync
-until the end.
+until the end (with end tokens, one every STOP_CHECK steps).
 Under capture auto mode sends each sparse layer's few-token calls to the decode kernels
 (kernels/decode_mlp.py) when its measured activity makes them pay; dense models run the same way.
 
     decoder = CapturedDecoder(model, batch_size=1, max_length=1024)
     tokens = decoder.generate(input_ids, max_new_tokens=256)       # [B, prompt + new], greedy
+    sampler = CapturedDecoder(model, batch_size=1, max_length=1024, do_sample=True, temperature=0.8,
+                              top_p=0.95, eos_token_id=tokenizer.eos_token_id)
 
 `compile=True` also runs the decode step's model forward through `torch.compile` (Inductor fuses the
 small elementwise kernels of norms, rotary embeddings and residuals; the graph then replays fewer
 kernels). The eager steps compile it, at the decode shape only.
 
-Greedy only (argmax, the first maximum on ties), fixed batch size and length per decoder (the graph
-is captured for one shape), no stop tokens (every sequence gets max_new_tokens). Capture needs CUDA;
-on other devices only the eager steps run (eager_steps >= max_new_tokens - 1).
+Tokens are picked greedily (argmax, the first maximum on ties) or, with `do_sample=True`, sampled
+from softmax(logits / temperature) after Hugging Face's top-k and top-p filters, in that order
+(`pick_tokens`: a Gumbel-max draw from torch's default generator, so no host sync and no
+data-dependent shape; seed it with `torch.manual_seed`). With `eos_token_id`, a sequence that emits
+one of those tokens gets `pad_token_id` afterwards, and generation stops once every sequence has
+(checked every STOP_CHECK steps, one host sync each); the result is cut after the step that finished
+the last sequence, as Hugging Face's `generate` returns it. A decoder picks tokens one way for its
+lifetime (the step is captured with it) and has one batch size and length. Capture needs CUDA; on
+other devices only the eager steps run (eager_steps >= max_new_tokens - 1).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from sparseffn.ops.sparse_mlp import as_captured
 
+STOP_CHECK = 16  # steps between two checks whether every sequence has finished (with eos_token_id)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How `pick_tokens` draws: softmax(logits / temperature) over the tokens top_k (0: all) and top_p
+    (1.0: all) leave."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) \
+                or not 0 < self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a positive finite number, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: no top-k filter), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1: no top-p filter), got {self.top_p!r}")
+
+
+def pick_tokens(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor:
+    """[B] int64 from logits [B, V]: argmax (sampling None), else one draw per row from
+    softmax(logits / temperature) restricted to the top_k largest logits (ties at the k-th kept) and
+    then to the smallest set of the most likely tokens whose probabilities reach top_p (as Hugging
+    Face's TopK / TopP warpers). Gumbel-max: argmax(l - log E) with E ~ Exp(1) is a draw from
+    softmax(l); no host sync, static shapes (capturable)."""
+    if sampling is None:
+        return logits.argmax(-1)
+    scores = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = scores.topk(sampling.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens: keep while it is under top_p
+        ordered = ordered.masked_fill(before >= sampling.top_p, float("-inf"))
+        scores = scores.scatter(-1, order, ordered)
+    return (scores - torch.empty_like(scores).exponential_().log()).argmax(-1)
+
 
 class CapturedDecoder:
-    """Greedy generation with each decode step replayed from one CUDA graph (module docstring)."""
+    """Generation with each decode step replayed from one CUDA graph (module docstring). batch_size,
+    max_length: the one shape of its calls. eager_steps: decode steps run eagerly before the capture.
+    record_times: keep each replay's GPU ms in `step_ms`. compile: the step's forward through
+    torch.compile. do_sample, temperature, top_k, top_p: how tokens are picked (`Sampling`).
+    eos_token_id (an id or a list), pad_token_id (default: the first end token): stopping."""
 
     def __init__(self, model: nn.Module, *, batch_size: int, max_length: int, eager_steps: int = 5,
-                 record_times: bool = False, compile: bool = False) -> None:
+                 record_times: bool = False, compile: bool = False, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> None:
         from transformers import StaticCache
 
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
@@ -47,8 +105,14 @@ class CapturedDecoder:
         for name, value in (("batch_size", batch_size), ("max_length", max_length), ("eager_steps", eager_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(compile, bool):
-            raise TypeError(f"compile must be a bool, got {compile!r}")
+        for name, value in (("compile", compile), ("do_sample", do_sample)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        self.sampling = Sampling(temperature, top_k, top_p) if do_sample else None
+        eos = _token_ids("eos_token_id", eos_token_id, getattr(model.config, "vocab_size", None))
+        pad = _token_ids("pad_token_id", pad_token_id, getattr(model.config, "vocab_size", None))
+        if isinstance(pad_token_id, (list, tuple)):
+            raise ValueError(f"pad_token_id must be one token id, got {pad_token_id!r}")
         self.model, self.device = model, device
         self.batch_size, self.max_length, self.eager_steps = batch_size, max_length, eager_steps
         self.cache = StaticCache(config=model.config, max_cache_len=max_length)
@@ -57,6 +121,10 @@ class CapturedDecoder:
         self._ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self._position = torch.zeros(1, dtype=torch.long, device=device)
         self._out = torch.zeros(batch_size, max_length, dtype=torch.long, device=device)
+        # stopping: the end tokens, the pad that follows them, which sequences have ended
+        self._eos = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
+        self._pad = (pad or eos or [0])[0]
+        self._finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
         # the decode step's forward (T = 1), compiled for its one static shape when asked. A partial of a
         # module-level function, not a bound method: stored on self, that would make a reference cycle,
@@ -90,14 +158,18 @@ class CapturedDecoder:
         self.cache.reset()
         out, ids, position = self._out, self._ids, self._position
         out[:, :p] = prompt
-        token = _last_logits(self.model, self.cache, self._cache_kwarg, prompt,
-                             torch.arange(p, device=self.device)).argmax(-1)  # [B]
+        self._finished.zero_()
+        token = self._pick(_last_logits(self.model, self.cache, self._cache_kwarg, prompt,
+                                        torch.arange(p, device=self.device)))  # [B]
         out[:, p] = token
         ids.copy_(token[:, None])
         position.fill_(p)
         eager = min(self.eager_steps, new - 1)
         remaining = new - 1 - eager
+        done = 1  # tokens generated so far
         for i in range(eager):
+            if self._all_finished(done):
+                break
             if remaining and i == eager - 1 and not self.compiled:
                 # the graph's paths (the decode kernels), run once eagerly: loads their GPU modules,
                 # which cannot load while the stream captures (compiled steps are traced already)
@@ -105,25 +177,51 @@ class CapturedDecoder:
                     self._step()
             else:
                 self._step()
+            done += 1
         self.step_ms = []
-        if remaining:
+        if remaining and done == 1 + eager:
             graph = self._graph if self._graph is not None else self._capture()
-            if not self.record_times:
-                for _ in range(remaining):
-                    graph.replay()
-            else:
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(remaining + 1)]
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(remaining + 1)] if self.record_times else []
+            if events:
                 events[0].record()
-                for i in range(remaining):
-                    graph.replay()
-                    events[i + 1].record()
-                events[-1].synchronize()
-                self.step_ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
-        return out[:, :p + new].clone()
+            replays = 0
+            while replays < remaining and not (replays % STOP_CHECK == 0 and self._all_finished(done)):
+                graph.replay()
+                replays += 1
+                done += 1
+                if events:
+                    events[replays].record()
+            if events:
+                events[replays].synchronize()
+                self.step_ms = [a.elapsed_time(b) for a, b in zip(events[:replays], events[1:replays + 1])]
+        return out[:, :p + self._kept(out[:, p:p + done])].clone()
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B] next tokens from logits [B, V]; with end tokens, pad for the sequences that have ended,
+        and mark those that end now."""
+        token = pick_tokens(logits, self.sampling)
+        if self._eos is not None:
+            token = torch.where(self._finished, self._pad, token)
+            self._finished |= (token[:, None] == self._eos).any(-1)
+        return token
+
+    def _all_finished(self, done: int) -> bool:
+        """Whether every sequence has ended (a host sync; False at once without end tokens)."""
+        return self._eos is not None and done > 0 and bool(self._finished.all())
+
+    def _kept(self, generated: torch.Tensor) -> int:
+        """How many generated columns to return: all of them, or with end tokens up to the step that
+        ended the last sequence (as Hugging Face's generate stops there)."""
+        n = generated.shape[1]
+        if self._eos is None:
+            return n
+        ended = (generated[:, :, None] == self._eos).any(-1)  # [B, n]
+        first = torch.where(ended.any(1), ended.int().argmax(1), n - 1)  # each sequence's end (or the last)
+        return int(first.max()) + 1
 
     def _step(self) -> None:
         """One decode step in place: feed ids at `position`, write the pick to out and ids, advance."""
-        token = self._step_forward(self._ids, self._position).argmax(-1)  # [B]
+        token = self._pick(self._step_forward(self._ids, self._position))  # [B]
         self._out.index_copy_(1, self._position + 1, token[:, None])
         self._ids.copy_(token[:, None])
         self._position.add_(1)
@@ -141,6 +239,18 @@ class CapturedDecoder:
             self._step()
         self._graph = graph
         return graph
+
+
+def _token_ids(name: str, value, vocab: int | None) -> list[int]:
+    """value (None, a token id, or a non-empty list / tuple of them) as a list, checked against the
+    vocabulary."""
+    ids = [] if value is None else [value] if isinstance(value, numbers.Integral) else value
+    if not isinstance(ids, (list, tuple)) or (value is not None and not ids) or any(
+            isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 or (vocab is not None and i >= vocab)
+            for i in ids):
+        raise ValueError(f"{name} must be None, a token id or a non-empty list of them, each in [0, "
+                         f"{vocab if vocab is not None else 'vocab_size'}), got {value!r}")
+    return [int(i) for i in ids]
 
 
 def _last_logits(model: nn.Module, cache, cache_kwarg: str, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
