@@ -109,10 +109,10 @@ class CapturedDecoder:
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         self.sampling = Sampling(temperature, top_k, top_p) if do_sample else None
-        eos = _token_ids("eos_token_id", eos_token_id, getattr(model.config, "vocab_size", None))
-        pad = _token_ids("pad_token_id", pad_token_id, getattr(model.config, "vocab_size", None))
         if isinstance(pad_token_id, (list, tuple)):
             raise ValueError(f"pad_token_id must be one token id, got {pad_token_id!r}")
+        eos = _token_ids("eos_token_id", eos_token_id, getattr(model.config, "vocab_size", None))
+        pad = _token_ids("pad_token_id", pad_token_id, getattr(model.config, "vocab_size", None))
         self.model, self.device = model, device
         self.batch_size, self.max_length, self.eager_steps = batch_size, max_length, eager_steps
         self.cache = StaticCache(config=model.config, max_cache_len=max_length)
@@ -168,7 +168,7 @@ class CapturedDecoder:
         remaining = new - 1 - eager
         done = 1  # tokens generated so far
         for i in range(eager):
-            if self._all_finished(done):
+            if self._all_finished():
                 break
             if remaining and i == eager - 1 and not self.compiled:
                 # the graph's paths (the decode kernels), run once eagerly: loads their GPU modules,
@@ -185,7 +185,7 @@ class CapturedDecoder:
             if events:
                 events[0].record()
             replays = 0
-            while replays < remaining and not (replays % STOP_CHECK == 0 and self._all_finished(done)):
+            while replays < remaining and not (replays % STOP_CHECK == 0 and self._all_finished()):
                 graph.replay()
                 replays += 1
                 done += 1
@@ -205,9 +205,9 @@ class CapturedDecoder:
             self._finished |= (token[:, None] == self._eos).any(-1)
         return token
 
-    def _all_finished(self, done: int) -> bool:
+    def _all_finished(self) -> bool:
         """Whether every sequence has ended (a host sync; False at once without end tokens)."""
-        return self._eos is not None and done > 0 and bool(self._finished.all())
+        return self._eos is not None and bool(self._finished.all())
 
     def _kept(self, generated: torch.Tensor) -> int:
         """How many generated columns to return: all of them, or with end tokens up to the step that
