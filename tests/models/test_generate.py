@@ -116,6 +116,25 @@ def test_end_tokens_pad_and_stop_as_hugging_face_generate(as_list):
     assert torch.equal(alone.generate(prompt[:1], 20), want) and want.shape == (1, 11)
 
 
+def test_left_padded_prompts_generate_as_hugging_face_and_as_alone():
+    """Prompts of different lengths, padded on the left with an attention mask: the same tokens as
+    Hugging Face's greedy generate, and each row as that prompt generates alone (unpadded); an all-ones
+    mask is the unpadded call."""
+    model = _model()
+    sparseffn.sparsify_(model, sparseffn.SparsityConfig())
+    prompt = torch.randint(1, 128, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompt)
+    mask[0, :4], mask[1, :1] = 0, 0
+    prompt = prompt.masked_fill(mask == 0, 0)
+    want = model.generate(prompt, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    decoder = CapturedDecoder(model, batch_size=3, max_length=40, eager_steps=100)
+    assert torch.equal(decoder.generate(prompt, 10, attention_mask=mask), want)
+    alone = CapturedDecoder(model, batch_size=1, max_length=40, eager_steps=100).generate(prompt[:1, 4:], 10)
+    assert torch.equal(want[:1, 4:], alone)
+    unpadded = decoder.generate(prompt, 10)
+    assert torch.equal(decoder.generate(prompt, 10, attention_mask=torch.ones_like(mask)), unpadded)
+
+
 def test_arguments_are_checked():
     model = _model()
     decoder = CapturedDecoder(model, batch_size=1, max_length=16, eager_steps=1)
@@ -136,6 +155,13 @@ def test_arguments_are_checked():
                           (dict(eos_token_id=2, pad_token_id=[1, 2]), "pad_token_id must be one token id")):
         with pytest.raises(ValueError, match=match):
             CapturedDecoder(model, batch_size=1, max_length=16, **kwargs)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    for mask, match in ((torch.ones(1, 4, dtype=torch.long), "attention_mask must be a tensor shaped like input_ids"),
+                        (torch.tensor([[0, 2, 1]]), "must hold 0 .* and 1 .* only"),
+                        (torch.tensor([[1, 1, 0]]), "must pad on the left"),
+                        (torch.tensor([[1, 0, 1]]), "must pad on the left")):
+        with pytest.raises(ValueError, match=match):
+            decoder.generate(ids, 1, attention_mask=mask)
     with pytest.raises(TypeError, match="do_sample must be a bool"):
         CapturedDecoder(model, batch_size=1, max_length=16, do_sample=1)
 
@@ -187,6 +213,22 @@ def test_gpu_captured_steps_stop_at_end_tokens_and_sample():
     sampler = CapturedDecoder(model, batch_size=1, max_length=96, do_sample=True, temperature=2.0)
     first, second = sampler.generate(prompt, 60), sampler.generate(prompt, 60)
     assert not torch.equal(first[:, 20:], second[:, 20:]) and int(first.max()) < 128
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_captured_left_padded_batch_matches_eager_steps():
+    """A left-padded batch replays its own captured step (the mask and shifts are static tensors): the
+    tokens of the all-eager loop, and the unpadded step of the same decoder is untouched."""
+    model = _model().cuda().to(torch.bfloat16)
+    sparseffn.sparsify_(model, sparseffn.SparsityConfig(mode="auto"))
+    prompt = torch.randint(1, 128, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    mask = torch.ones_like(prompt)
+    mask[0, :5] = 0
+    eager = CapturedDecoder(model, batch_size=2, max_length=64, eager_steps=100).generate(prompt, 30, attention_mask=mask)
+    decoder = CapturedDecoder(model, batch_size=2, max_length=64)
+    plain = decoder.generate(prompt, 30)
+    assert torch.equal(decoder.generate(prompt, 30, attention_mask=mask), eager)
+    assert torch.equal(decoder.generate(prompt, 30), plain)
 
 
 _FRESH_PROCESS_CAPTURE = """

@@ -26,8 +26,10 @@ from softmax(logits / temperature) after Hugging Face's top-k and top-p filters,
 data-dependent shape; seed it with `torch.manual_seed`). With `eos_token_id`, a sequence that emits
 one of those tokens gets `pad_token_id` afterwards, and generation stops once every sequence has
 (checked every STOP_CHECK steps, one host sync each); the result is cut after the step that finished
-the last sequence, as Hugging Face's `generate` returns it. A decoder picks tokens one way for its
-lifetime (the step is captured with it) and has one batch size and length. Capture needs CUDA; on
+the last sequence, as Hugging Face's `generate` returns it. Prompts of different lengths come padded
+on the left with an `attention_mask` (as for Hugging Face's generate); such a batch replays a step of
+its own, captured with the mask over the cache. A decoder picks tokens one way for its lifetime (the
+step is captured with it) and has one batch size and length. Capture needs CUDA; on
 other devices only the eager steps run (eager_steps >= max_new_tokens - 1).
 """
 
@@ -125,7 +127,12 @@ class CapturedDecoder:
         self._eos = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
         self._pad = (pad or eos or [0])[0]
         self._finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-        self._graph: torch.cuda.CUDAGraph | None = None
+        # left-padded batches: the attention mask over the whole cache (1: a token, 0: padding) and each
+        # row's padding, which the positions subtract; their step is captured apart (`_graphs[True]`)
+        self._mask = torch.ones(batch_size, max_length, dtype=torch.long, device=device)
+        self._shift = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self._padded = False
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         # the decode step's forward (T = 1), compiled for its one static shape when asked. A partial of a
         # module-level function, not a bound method: stored on self, that would make a reference cycle,
         # and a deleted decoder would hold its cache and graph pool until the garbage collector ran
@@ -136,8 +143,11 @@ class CapturedDecoder:
         self.step_ms: list[float] = []  # with record_times: GPU ms of each replayed step of the last call
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """[B, P + max_new_tokens]: the prompt and its greedy continuation."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, P + new]: the prompts and their continuations (new = max_new_tokens, or fewer once every
+        sequence has ended). attention_mask [B, P] (1: a token, 0: padding) for prompts of different
+        lengths, padded on the left as for Hugging Face's generate."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
             raise ValueError(f"input_ids must be an int64 tensor [batch, prompt], got {getattr(input_ids, 'shape', None)}")
         b, p = input_ids.shape
@@ -146,6 +156,7 @@ class CapturedDecoder:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1 \
                 or p + max_new_tokens > self.max_length:
             raise ValueError(f"prompt {p} + max_new_tokens {max_new_tokens!r} must fit max_length {self.max_length}")
+        self._padded = self._set_padding(attention_mask, input_ids.shape)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -159,8 +170,9 @@ class CapturedDecoder:
         out, ids, position = self._out, self._ids, self._position
         out[:, :p] = prompt
         self._finished.zero_()
+        padding = (self._mask, self._shift) if self._padded else ()
         token = self._pick(_last_logits(self.model, self.cache, self._cache_kwarg, prompt,
-                                        torch.arange(p, device=self.device)))  # [B]
+                                        torch.arange(p, device=self.device), *padding))  # [B]
         out[:, p] = token
         ids.copy_(token[:, None])
         position.fill_(p)
@@ -180,7 +192,7 @@ class CapturedDecoder:
             done += 1
         self.step_ms = []
         if remaining and done == 1 + eager:
-            graph = self._graph if self._graph is not None else self._capture()
+            graph = self._graphs[self._padded] if self._padded in self._graphs else self._capture()
             events = [torch.cuda.Event(enable_timing=True) for _ in range(remaining + 1)] if self.record_times else []
             if events:
                 events[0].record()
@@ -195,6 +207,28 @@ class CapturedDecoder:
                 events[replays].synchronize()
                 self.step_ms = [a.elapsed_time(b) for a, b in zip(events[:replays], events[1:replays + 1])]
         return out[:, :p + self._kept(out[:, p:p + done])].clone()
+
+    def _set_padding(self, attention_mask: torch.Tensor | None, shape: torch.Size) -> bool:
+        """Check a prompt's attention mask and load it into the static mask and shifts; whether the
+        batch has padding (a host sync when a mask is given)."""
+        if attention_mask is None:
+            return False
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != shape:
+            raise ValueError(f"attention_mask must be a tensor shaped like input_ids {list(shape)}, "
+                             f"got {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+        mask = attention_mask.to(device=self.device, dtype=torch.long)
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (a token) only")
+        if bool((mask[:, 1:] < mask[:, :-1]).any()) or bool((mask[:, -1] == 0).any()):
+            raise ValueError("attention_mask must pad on the left (zeros, then ones, every prompt ending in a token), "
+                             "as for Hugging Face's generate with tokenizer.padding_side = 'left'")
+        if bool(mask.all()):
+            return False
+        p = shape[1]
+        self._mask.fill_(1)
+        self._mask[:, :p] = mask
+        self._shift.copy_(p - mask.sum(1, keepdim=True))
+        return True
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """[B] next tokens from logits [B, V]; with end tokens, pad for the sequences that have ended,
@@ -221,7 +255,8 @@ class CapturedDecoder:
 
     def _step(self) -> None:
         """One decode step in place: feed ids at `position`, write the pick to out and ids, advance."""
-        token = self._pick(self._step_forward(self._ids, self._position))  # [B]
+        padding = (self._mask, self._shift) if self._padded else ()
+        token = self._pick(self._step_forward(self._ids, self._position, *padding))  # [B]
         self._out.index_copy_(1, self._position + 1, token[:, None])
         self._ids.copy_(token[:, None])
         self._position.add_(1)
@@ -237,7 +272,7 @@ class CapturedDecoder:
         # so a fresh stream per decoder would hold one more 32 MiB workspace each
         with torch.cuda.device(self.device), torch.cuda.graph(graph):
             self._step()
-        self._graph = graph
+        self._graphs[self._padded] = graph
         return graph
 
 
@@ -253,8 +288,16 @@ def _token_ids(name: str, value, vocab: int | None) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _last_logits(model: nn.Module, cache, cache_kwarg: str, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """Logits of the last position for ids [B, T] at cache positions `position` [T]."""
+def _last_logits(model: nn.Module, cache, cache_kwarg: str, ids: torch.Tensor, position: torch.Tensor,
+                 mask: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of the last position for ids [B, T] at cache positions `position` [T]; for a left-padded
+    batch, mask [B, max_length] over the cache and shift [B, 1], each row's padding (its tokens'
+    positions start at 0 after it; the padding's own positions are clamped to 0)."""
     positions = position[None, :].expand(ids.shape[0], -1)
-    out = model(input_ids=ids, cache_position=position, position_ids=positions, use_cache=True, **{cache_kwarg: cache})
+    extra = {}
+    if mask is not None:
+        positions = (positions - shift).clamp_min(0)
+        extra["attention_mask"] = mask
+    out = model(input_ids=ids, cache_position=position, position_ids=positions, use_cache=True, **extra,
+                **{cache_kwarg: cache})
     return out.logits[:, -1]
