@@ -85,7 +85,10 @@ def pick_tokens(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor
         before = probs.cumsum(-1) - probs  # mass of the more likely tokens: keep while it is under top_p
         ordered = ordered.masked_fill(before >= sampling.top_p, float("-inf"))
         scores = scores.scatter(-1, order, ordered)
-    return (scores - torch.empty_like(scores).exponential_().log()).argmax(-1)
+    # E floored at eps/2 as CUDA's exponential_ floors it: a draw of exactly 0 (possible on the CPU)
+    # would give a masked-out token -inf + inf = NaN, which argmax would pick
+    draws = torch.empty_like(scores).exponential_().clamp_min_(torch.finfo(scores.dtype).eps / 2)
+    return (scores - draws.log()).argmax(-1)
 
 
 class CapturedDecoder:
