@@ -3,7 +3,7 @@
 transformers is imported inside the functions that need it, so importing this package stays light.
 """
 
-from sparseffn.models.calibrate import calibrate_thresholds
+from sparseffn.models.calibrate import calibrate_thresholds, measure_activity
 from sparseffn.models.config import SparsityConfig
 from sparseffn.models.fuse import fuse_non_mlp_, unfuse_non_mlp_
 from sparseffn.models.pretrained import load_pretrained
@@ -31,6 +31,7 @@ __all__ = [
     "dispatch_report",
     "fuse_non_mlp_",
     "load_pretrained",
+    "measure_activity",
     "model_config",
     "named_sparse_layers",
     "named_sparse_mlps",
