@@ -511,14 +511,14 @@ def _generation_row(results_dir: Path) -> tuple[str, str] | None:
     first = sparse[0]
     batches = _slash([r["batch"] for r in sparse])
     weights = _weights(first, " at the generated positions" if first.get("calibration") == "generated" else "")
-    also = "ms per token " + _slash([f"{float(r['ms_per_token_p50']):.2f}" for r in sparse])
+    ms = lambda rs: _slash([f"{float(r['ms_per_token_p50']):.2f}" for r in rs])  # noqa: E731
+    also = "ms per token " + ms(sparse)
     if fused and hf:
         also += f"; Hugging Face's norms/RoPE: {_slash([_times(r, 'speedup_vs_dense') for r in hf])}"
     if compiled:
-        ms = _slash([f"{float(r['ms_per_token_p50']):.2f}" for r in compiled])
         also += (f"; the step's forward through torch.compile ({_non_mlp(compiled[0])} norms/RoPE, batch "
                  f"{_slash([r['batch'] for r in compiled])}): {_slash([_times(r, 'speedup_vs_dense') for r in compiled])}, "
-                 f"ms per token {ms}")
+                 f"ms per token {ms(compiled)}")
     return (f"| `{first['model']}` model generation (decode step replayed from a CUDA graph) | batch {batches}, "
             f"prompt {first['prompt']}, {first['new_tokens']} new tokens; {weights}; "
             f"{'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides "

@@ -114,10 +114,9 @@ class CapturedDecoder:
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
         self.sampling = Sampling(temperature, top_k, top_p) if do_sample else None
-        if isinstance(pad_token_id, (list, tuple)):
-            raise ValueError(f"pad_token_id must be one token id, got {pad_token_id!r}")
-        eos = _token_ids("eos_token_id", eos_token_id, getattr(model.config, "vocab_size", None))
-        pad = _token_ids("pad_token_id", pad_token_id, getattr(model.config, "vocab_size", None))
+        vocab = getattr(model.config, "vocab_size", None)
+        eos = _token_ids("eos_token_id", eos_token_id, vocab, many=True)
+        pad = _token_ids("pad_token_id", pad_token_id, vocab, many=False)
         self.model, self.device = model, device
         self.batch_size, self.max_length, self.eager_steps = batch_size, max_length, eager_steps
         self.cache = StaticCache(config=model.config, max_cache_len=max_length)
@@ -173,9 +172,8 @@ class CapturedDecoder:
         out, ids, position = self._out, self._ids, self._position
         out[:, :p] = prompt
         self._finished.zero_()
-        padding = (self._mask, self._shift) if self._padded else ()
         token = self._pick(_last_logits(self.model, self.cache, self._cache_kwarg, prompt,
-                                        torch.arange(p, device=self.device), *padding))  # [B]
+                                        torch.arange(p, device=self.device), *self._padding()))  # [B]
         out[:, p] = token
         ids.copy_(token[:, None])
         position.fill_(p)
@@ -233,6 +231,10 @@ class CapturedDecoder:
         self._shift.copy_(p - mask.sum(1, keepdim=True))
         return True
 
+    def _padding(self) -> tuple[torch.Tensor, ...]:
+        """The forward's extra arguments: the static mask and shifts for a padded batch, else none."""
+        return (self._mask, self._shift) if self._padded else ()
+
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """[B] next tokens from logits [B, V]; with end tokens, pad for the sequences that have ended,
         and mark those that end now."""
@@ -258,8 +260,7 @@ class CapturedDecoder:
 
     def _step(self) -> None:
         """One decode step in place: feed ids at `position`, write the pick to out and ids, advance."""
-        padding = (self._mask, self._shift) if self._padded else ()
-        token = self._pick(self._step_forward(self._ids, self._position, *padding))  # [B]
+        token = self._pick(self._step_forward(self._ids, self._position, *self._padding()))  # [B]
         self._out.index_copy_(1, self._position + 1, token[:, None])
         self._ids.copy_(token[:, None])
         self._position.add_(1)
@@ -279,9 +280,11 @@ class CapturedDecoder:
         return graph
 
 
-def _token_ids(name: str, value, vocab: int | None) -> list[int]:
-    """value (None, a token id, or a non-empty list / tuple of them) as a list, checked against the
-    vocabulary."""
+def _token_ids(name: str, value, vocab: int | None, *, many: bool) -> list[int]:
+    """value (None, a token id, or with `many` a non-empty list / tuple of them) as a list, checked
+    against the vocabulary."""
+    if not many and isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be one token id, got {value!r}")
     ids = [] if value is None else [value] if isinstance(value, numbers.Integral) else value
     if not isinstance(ids, (list, tuple)) or (value is not None and not ids) or any(
             isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 or (vocab is not None and i >= vocab)
