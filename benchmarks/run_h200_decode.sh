@@ -2,6 +2,8 @@
 # One call on the H200, the parts named in PARTS (comma-separated, default tests,parts,decode):
 #   tests     the GPU tests of the decode kernels and captured generation
 #   parts     a decode call's kernels timed apart (benchmarks/probe_decode_parts.py)
+#   latency   one-token GEMV variants and launching the down kernel as a programmatic dependent
+#             (benchmarks/probe_decode_latency.py)
 #   sweep     the decode config sweep
 #   decode    `bench decode` (MLP level)
 #   probe     where a captured decode step's time goes (benchmarks/probe_decode_step.py, batch 1 and 4)
@@ -30,6 +32,11 @@ if [[ $parts == *,parts,* ]]; then
   timeout 90 python3 benchmarks/probe_decode_parts.py "$out/results/decode_parts_$sha.csv" > "$out/parts.log" 2>&1
   grep -v Warn "$out/parts.log" | python3 -c "import sys, ast; [print({k: v for k, v in ast.literal_eval(l).items() \
     if k not in ('gpu', 'torch', 'triton', 'git_sha')}) for l in sys.stdin if l.startswith('{')]"
+fi
+if [[ $parts == *,latency,* ]]; then
+  stamp latency
+  timeout 150 python3 benchmarks/probe_decode_latency.py "$out/results/decode_latency_$sha.csv" > "$out/latency.log" 2>&1
+  grep -E "^M=|^floor|Error" "$out/latency.log"
 fi
 if [[ $parts == *,sweep,* ]]; then
   stamp sweep

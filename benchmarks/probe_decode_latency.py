@@ -1,0 +1,184 @@
+"""Where a one-token decode call loses time to latency (H200 probe, bench only). Graph-replayed with
+L2 flushed, as `bench decode` times calls; µs, the best median of three rounds:
+
+    floor        one tiny kernel (a graph replay's own cost)
+    cublas_gemv  torch.mv over the gate matrix (23 MB at D=2048/H=5632)
+    gemv_bhB_wW  a plain Triton GEMV, B units per program, W warps: the gate kernel without its epilogue
+    persist_P_bhB  the same, SMs×P programs looping over the unit blocks, next block loaded before the
+                 current one is reduced
+    pair / pair_pdl  the decode call (gate kernel, down kernel), the down kernel launched as a
+                 programmatic dependent (PDL) or not, at 1, 16 and 64 tokens
+    chain_*      a norm-sized kernel producing x, then the call: plain; both decode kernels PDL; and
+                 the gate kernel PDL too, loading its gate rows before it waits for x
+
+    python benchmarks/probe_decode_latency.py [OUT_CSV]
+"""
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from sparseffn.bench.common import write_csv
+from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.bench.timing import cuda_graphed, run_metadata, time_fn
+from sparseffn.kernels import decode_mlp as dm
+from sparseffn.kernels._runtime import cdiv, num_sms
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr):
+    units = tl.program_id(0) * BH + tl.arange(0, BH)
+    k = tl.arange(0, D)
+    w = tl.load(w_ptr + units[:, None] * D + k[None, :], mask=(units < H)[:, None], other=0.0)
+    xv = tl.load(x_ptr + k).to(tl.float32)
+    tl.store(out_ptr + units, tl.sum(w.to(tl.float32) * xv[None, :], axis=1), mask=units < H)
+
+
+@triton.jit
+def _gemv_persistent(x_ptr, w_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    k = tl.arange(0, D)
+    xv = tl.load(x_ptr + k).to(tl.float32)
+    units = pid * BH + tl.arange(0, BH)
+    w = tl.load(w_ptr + units[:, None] * D + k[None, :], mask=(units < H)[:, None], other=0.0)
+    for _ in range(pid, tl.cdiv(H, BH), step):
+        nxt = units + step * BH
+        w_next = tl.load(w_ptr + nxt[:, None] * D + k[None, :], mask=(nxt < H)[:, None], other=0.0)
+        tl.store(out_ptr + units, tl.sum(w.to(tl.float32) * xv[None, :], axis=1), mask=units < H)
+        w = w_next
+        units = nxt
+
+
+@triton.jit
+def _produce_x(src_ptr, x_ptr, D: tl.constexpr, LAUNCH: tl.constexpr):
+    """x = rms_norm(src) for one token: the kernel before a decode MLP."""
+    if LAUNCH:
+        gdc_launch_dependents()
+    k = tl.arange(0, D)
+    v = tl.load(src_ptr + k).to(tl.float32)
+    tl.store(x_ptr + k, (v * tl.rsqrt(tl.sum(v * v, axis=0) / D + 1e-6)).to(x_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gate_prefetch(x_ptr, gate_ptr, up_ptr, h_ptr, flags_ptr, count_ptr, H, n_counts, D: tl.constexpr,
+                   BH: tl.constexpr):
+    """The gate kernel at one token (gated, no threshold), its gate rows loaded before it waits for x."""
+    units = tl.program_id(0) * BH + tl.arange(0, BH)
+    unit_in = units < H
+    k = tl.arange(0, D)
+    w = tl.load(gate_ptr + units[:, None] * D + k[None, :], mask=unit_in[:, None], other=0.0)
+    gdc_wait()
+    gdc_launch_dependents()
+    if tl.program_id(0) == 0:
+        c = tl.arange(0, 1024)
+        tl.store(count_ptr + c, tl.zeros((1024,), tl.int32), mask=c < n_counts)
+    xv = tl.load(x_ptr + k).to(tl.float32)
+    p = tl.sum(w.to(tl.float32) * xv[None, :], axis=1).to(h_ptr.dtype.element_ty)
+    on = ~(p <= 0) & unit_in
+    u = tl.load(up_ptr + units[:, None] * D + k[None, :], mask=on[:, None], other=0.0)
+    h = tl.where(on, p, 0.0).to(tl.float32) * tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+    tl.store(h_ptr + units, h.to(h_ptr.dtype.element_ty), mask=unit_in)
+    tl.store(flags_ptr + units, on.to(tl.int32), mask=unit_in)
+
+
+def best_us(fn, dev):
+    g = cuda_graphed(fn, dev)
+    return round(min(time_fn(g, dev, rep_ms=40).median_ms for _ in range(3)) * 1e3, 2)
+
+
+def calls(m, d=2048, h=5632, nnz=29):
+    """{name: fn} of the decode call's variants at m tokens, and a check that the PDL pair's y is the plain pair's."""
+    dev = torch.device("cuda")
+    mlp = synthetic_mlp(m, d, h, nnz, dtype=torch.bfloat16, device=dev, seed=0)
+    gate, up = mlp.gate_weight, mlp.up_weight
+    down_t = mlp.down_weight.t().contiguous()
+    src = mlp.x.clone()
+    x = torch.empty_like(src)
+    mp = dm.m_pad(m)
+    cfg = dm.default_config(mp, (9, 0))
+    block_d = dm.down_block(cfg, d, num_sms(dev))
+    cols = cdiv(d, block_d)
+    split = min(cfg.split, h)
+    hidden = torch.empty((h, mp), dtype=x.dtype, device=dev)
+    scratch = torch.empty(2 * h + cols, dtype=torch.int32, device=dev)
+    flags, lst, counts = scratch[:h], scratch[h:2 * h], scratch[2 * h:]
+    parts = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=dev)
+    y = torch.empty((m, d), dtype=x.dtype, device=dev)
+
+    def produce(launch=False):
+        if m == 1:
+            _produce_x[(1,)](src, x, D=d, LAUNCH=launch, num_warps=4)
+        else:
+            x.copy_(src)
+
+    def k1(pdl):
+        dm._gate_up_launch[(cdiv(h, cfg.block_h),)](
+            x, gate, up, None, hidden, flags, counts, m, d, h, cols if split > 1 else 0, x.stride(0),
+            gate.stride(0), up.stride(0), GATED=True, HAS_THRESHOLD=False, M_PAD=mp, BLOCK_H=cfg.block_h,
+            BLOCK_K=cfg.block_k, DOT_IN_FP32=False, PDL=pdl, num_warps=cfg.gate_warps, num_stages=cfg.gate_stages)
+
+    def k2(pdl):
+        dm._down_launch[(cols, split)](
+            hidden, flags, lst, down_t, y, parts, counts, m, d, h, down_t.stride(0), y.stride(0), M_PAD=mp,
+            ROWS=dm.down_rows(mp), SPLIT=split, BLOCK_S=cfg.block_s, BLOCK_D=block_d, PREFIX=cfg.prefix,
+            DOT_IN_FP32=False, PDL=pdl, launch_pdl=pdl, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
+
+    def k1_prefetch():
+        _gate_prefetch[(cdiv(h, cfg.block_h),)](x, gate, up, hidden, flags, counts, h, cols if split > 1 else 0,
+                                                D=d, BH=cfg.block_h, launch_pdl=True, num_warps=cfg.gate_warps)
+
+    produce()
+    k1(False), k2(False)
+    want = y.clone()
+    k1(True), k2(True)
+    checks = {"pair_pdl_equal": torch.equal(y, want)}
+    out = {"pair": lambda: (k1(False), k2(False)), "pair_pdl": lambda: (k1(True), k2(True)),
+           "chain": lambda: (produce(), k1(False), k2(False)),
+           "chain_pdl": lambda: (produce(True), k1(True), k2(True))}
+    if m == 1:
+        k1_prefetch(), k2(True)
+        checks["chain_prefetch_equal"] = torch.equal(y, want)
+        out["chain_prefetch"] = lambda: (produce(True), k1_prefetch(), k2(True))
+        out["produce"] = lambda: produce()
+        g32 = torch.empty(h, dtype=torch.float32, device=dev)
+        out["cublas_gemv"] = lambda: torch.mv(gate, x[0])
+        for bh in (2, 4, 8, 16):
+            for w in (4, 8):
+                out[f"gemv_bh{bh}_w{w}"] = (lambda bh=bh, w=w: _gemv[(cdiv(h, bh),)](x, gate, g32, h, D=d, BH=bh,
+                                                                                     num_warps=w))
+        for per_sm in (2, 4, 8, 16):
+            for bh in (4, 8):
+                grid = min(num_sms(dev) * per_sm, cdiv(h, bh))
+                out[f"persist_{per_sm}_bh{bh}"] = (lambda grid=grid, bh=bh: _gemv_persistent[(grid,)](
+                    x, gate, g32, h, D=d, BH=bh, num_warps=4))
+        _gemv[(cdiv(h, 4),)](x, gate, g32, h, D=d, BH=4, num_warps=4)
+        ref = g32.clone()
+        _gemv_persistent[(num_sms(dev) * 4,)](x, gate, g32, h, D=d, BH=4, num_warps=4)
+        checks["persist_equal"] = torch.equal(g32, ref)
+    return out, checks
+
+
+if __name__ == "__main__":
+    dev = torch.device("cuda")
+    meta = run_metadata(dev)
+    tiny = torch.zeros(16, device=dev)
+    floor = best_us(lambda: tiny.add_(1), dev)
+    rows = [dict(meta, m=0, name="floor", us=floor)]
+    print(f"floor {floor} us", flush=True)
+    for m in (1, 16, 64):
+        fns, checks = calls(m)
+        print(f"M={m} checks {checks}", flush=True)
+        for name, fn in fns.items():
+            try:
+                us = best_us(fn, dev)
+            except Exception as err:  # a variant that fails to compile or capture is reported, not fatal
+                print(f"M={m} {name}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                continue
+            rows.append(dict(meta, m=m, name=name, us=us))
+            print(f"M={m} {name:<22} {us:7.2f} us", flush=True)
+        if len(sys.argv) > 1:
+            write_csv(rows, sys.argv[1], tuple(rows[0]))
