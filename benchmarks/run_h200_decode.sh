@@ -36,7 +36,7 @@ fi
 if [[ $parts == *,latency,* ]]; then
   stamp latency
   timeout 150 python3 benchmarks/probe_decode_latency.py "$out/results/decode_latency_$sha.csv" > "$out/latency.log" 2>&1
-  grep -E "^M=|^floor|Error" "$out/latency.log"
+  grep -E "^M=|^floor|^qkv|Error" "$out/latency.log"
 fi
 if [[ $parts == *,sweep,* ]]; then
   stamp sweep
