@@ -2,18 +2,20 @@
 L2 flushed, as `bench decode` times calls; µs, the best median of three rounds:
 
     floor        one tiny kernel (a graph replay's own cost)
+    pair / chain the decode call (gate kernel, down kernel) at 1, 16 and 64 tokens; after a
+                 norm-sized kernel that produces x
     cublas_gemv  torch.mv over the gate matrix (23 MB at D=2048/H=5632)
     gemv_bhB_wW  a plain Triton GEMV, B units per program, W warps: the gate kernel without its epilogue
     persist_P_bhB  the same, SMs×P programs looping over the unit blocks, next block loaded before the
                  current one is reduced
-    pair / pair_pdl  the decode call (gate kernel, down kernel), the down kernel launched as a
-                 programmatic dependent (PDL) or not, at 1, 16 and 64 tokens
-    chain_*      a norm-sized kernel producing x, then the call: plain; both decode kernels PDL; and
-                 the gate kernel PDL too, loading its gate rows before it waits for x
     dense        dense torch (three GEMMs)
     *_cleanflush  the same, L2 flushed by reading 256 MB (clean lines) instead of zeroing it
     q_cublas / qkv_cublas / qkv_triton_*  one token's q, k, v projections (D=2048): one cuBLAS GEMV,
                  three, and one Triton launch over the three matrices
+
+The probe at ed94851 also launched the down kernel as a programmatic dependent of the gate kernel
+(PDL), and let the gate kernel load its rows before waiting for x's producer: no gain, dropped
+(docs/benchmarks.md, "Decode"; decode_latency_ed94851.csv).
 
     python benchmarks/probe_decode_latency.py [OUT_CSV]
 """
@@ -23,7 +25,6 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from sparseffn.bench.common import write_csv
 from sparseffn.bench.synthetic import synthetic_mlp
@@ -59,35 +60,11 @@ def _gemv_persistent(x_ptr, w_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr
 
 
 @triton.jit
-def _produce_x(src_ptr, x_ptr, D: tl.constexpr, LAUNCH: tl.constexpr):
+def _produce_x(src_ptr, x_ptr, D: tl.constexpr):
     """x = rms_norm(src) for one token: the kernel before a decode MLP."""
-    if LAUNCH:
-        gdc_launch_dependents()
     k = tl.arange(0, D)
     v = tl.load(src_ptr + k).to(tl.float32)
     tl.store(x_ptr + k, (v * tl.rsqrt(tl.sum(v * v, axis=0) / D + 1e-6)).to(x_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _gate_prefetch(x_ptr, gate_ptr, up_ptr, h_ptr, flags_ptr, count_ptr, H, n_counts, D: tl.constexpr,
-                   BH: tl.constexpr):
-    """The gate kernel at one token (gated, no threshold), its gate rows loaded before it waits for x."""
-    units = tl.program_id(0) * BH + tl.arange(0, BH)
-    unit_in = units < H
-    k = tl.arange(0, D)
-    w = tl.load(gate_ptr + units[:, None] * D + k[None, :], mask=unit_in[:, None], other=0.0)
-    gdc_wait()
-    gdc_launch_dependents()
-    if tl.program_id(0) == 0:
-        c = tl.arange(0, 1024)
-        tl.store(count_ptr + c, tl.zeros((1024,), tl.int32), mask=c < n_counts)
-    xv = tl.load(x_ptr + k).to(tl.float32)
-    p = tl.sum(w.to(tl.float32) * xv[None, :], axis=1).to(h_ptr.dtype.element_ty)
-    on = ~(p <= 0) & unit_in
-    u = tl.load(up_ptr + units[:, None] * D + k[None, :], mask=on[:, None], other=0.0)
-    h = tl.where(on, p, 0.0).to(tl.float32) * tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
-    tl.store(h_ptr + units, h.to(h_ptr.dtype.element_ty), mask=unit_in)
-    tl.store(flags_ptr + units, on.to(tl.int32), mask=unit_in)
 
 
 @triton.jit
@@ -133,70 +110,32 @@ def best_us(fn, dev):
 
 
 def calls(m, d=2048, h=5632, nnz=29):
-    """{name: fn} of the decode call's variants at m tokens, and a check that the PDL pair's y is the plain pair's."""
+    """{name: fn} of the decode call's variants at m tokens, and checks of the GEMVs against each other."""
     dev = torch.device("cuda")
     mlp = synthetic_mlp(m, d, h, nnz, dtype=torch.bfloat16, device=dev, seed=0)
     gate, up = mlp.gate_weight, mlp.up_weight
     down_t = mlp.down_weight.t().contiguous()
     src = mlp.x.clone()
     x = torch.empty_like(src)
-    mp = dm.m_pad(m)
-    cfg = dm.default_config(mp, (9, 0))
-    block_d = dm.down_block(cfg, d, num_sms(dev))
-    cols = cdiv(d, block_d)
-    split = min(cfg.split, h)
-    hidden = torch.empty((h, mp), dtype=x.dtype, device=dev)
-    scratch = torch.empty(2 * h + cols, dtype=torch.int32, device=dev)
-    flags, lst, counts = scratch[:h], scratch[h:2 * h], scratch[2 * h:]
-    parts = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=dev)
-    y = torch.empty((m, d), dtype=x.dtype, device=dev)
 
-    def produce(launch=False):
+    def produce():
         if m == 1:
-            _produce_x[(1,)](src, x, D=d, LAUNCH=launch, num_warps=4)
+            _produce_x[(1,)](src, x, D=d, num_warps=4)
         else:
             x.copy_(src)
 
-    def k1(pdl):
-        dm._gate_up_launch[(cdiv(h, cfg.block_h),)](
-            x, gate, up, None, hidden, flags, counts, m, d, h, cols if split > 1 else 0, x.stride(0),
-            gate.stride(0), up.stride(0), GATED=True, HAS_THRESHOLD=False, M_PAD=mp, BLOCK_H=cfg.block_h,
-            BLOCK_K=cfg.block_k, DOT_IN_FP32=False, PDL=pdl, num_warps=cfg.gate_warps, num_stages=cfg.gate_stages)
-
-    def k2(pdl):
-        dm._down_launch[(cols, split)](
-            hidden, flags, lst, down_t, y, parts, counts, m, d, h, down_t.stride(0), y.stride(0), M_PAD=mp,
-            ROWS=dm.down_rows(mp), SPLIT=split, BLOCK_S=cfg.block_s, BLOCK_D=block_d, PREFIX=cfg.prefix,
-            DOT_IN_FP32=False, PDL=pdl, launch_pdl=pdl, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
-
-    def k1_prefetch():
-        _gate_prefetch[(cdiv(h, cfg.block_h),)](x, gate, up, hidden, flags, counts, h, cols if split > 1 else 0,
-                                                D=d, BH=cfg.block_h, launch_pdl=True, num_warps=cfg.gate_warps)
-
     produce()
-    k1(False), k2(False)
-    want = y.clone()
-    k1(True), k2(True)
-    checks = {"pair_pdl_equal": torch.equal(y, want)}
-    out = {"pair": lambda: (k1(False), k2(False)), "pair_pdl": lambda: (k1(True), k2(True)),
-           "chain": lambda: (produce(), k1(False), k2(False)),
-           "chain_pdl": lambda: (produce(True), k1(True), k2(True))}
+    out = {"pair": lambda: dm.launch_decode_mlp(x, gate, up, down_t, None),
+           "chain": lambda: (produce(), dm.launch_decode_mlp(x, gate, up, down_t, None)),
+           "dense": lambda: dense_mlp(x, gate, up, mlp.down_weight, None)}
+    checks = {}
     if m == 1:
-        k1_prefetch(), k2(True)
-        checks["chain_prefetch_equal"] = torch.equal(y, want)
-        out["chain_prefetch"] = lambda: (produce(True), k1_prefetch(), k2(True))
-        out["produce"] = lambda: produce()
+        out["produce"] = produce
         g32 = torch.empty(h, dtype=torch.float32, device=dev)
         out["cublas_gemv"] = lambda: torch.mv(gate, x[0])
-        for bh in (2, 4, 8, 16):
-            for w in (4, 8):
-                out[f"gemv_bh{bh}_w{w}"] = (lambda bh=bh, w=w: _gemv[(cdiv(h, bh),)](x, gate, g32, h, D=d, BH=bh,
-                                                                                     num_warps=w))
-        for per_sm in (2, 4, 8, 16):
-            for bh in (4, 8):
-                grid = min(num_sms(dev) * per_sm, cdiv(h, bh))
-                out[f"persist_{per_sm}_bh{bh}"] = (lambda grid=grid, bh=bh: _gemv_persistent[(grid,)](
-                    x, gate, g32, h, D=d, BH=bh, num_warps=4))
+        for bh, w in ((2, 8), (4, 4)):
+            out[f"gemv_bh{bh}_w{w}"] = lambda bh=bh, w=w: _gemv[(cdiv(h, bh),)](x, gate, g32, h, D=d, BH=bh, num_warps=w)
+        out["persist_4_bh4"] = lambda: _gemv_persistent[(num_sms(dev) * 4,)](x, gate, g32, h, D=d, BH=4, num_warps=4)
         _gemv[(cdiv(h, 4),)](x, gate, g32, h, D=d, BH=4, num_warps=4)
         ref = g32.clone()
         _gemv_persistent[(num_sms(dev) * 4,)](x, gate, g32, h, D=d, BH=4, num_warps=4)
@@ -234,14 +173,8 @@ if __name__ == "__main__":
     for m in (1, 16, 64, "attn"):
         fns, checks = (attention_calls(), {}) if m == "attn" else calls(m)
         print(f"M={m} checks {checks}", flush=True)
-        clean = {"pair", "chain", "cublas_gemv", "gemv_bh2_w8", "gemv_bh4_w4", "q_cublas", "qkv_cublas",
-                 "qkv_triton_bh2_w8", "qkv_triton_bh4_w4"}
-        if m != "attn":
-            mlp = synthetic_mlp(m, 2048, 5632, 29, dtype=torch.bfloat16, device=dev, seed=0)
-            fns["dense"] = lambda mlp=mlp: dense_mlp(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, None)
-            clean.add("dense")
         for name, fn in list(fns.items()):
-            if name in clean:
+            if name != "produce":
                 fns[name + "_cleanflush"] = (lambda fn=fn: fn, True)
         for name, fn in fns.items():
             cleanly = isinstance(fn, tuple)

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from sparseffn.kernels._runtime import (HOPPER, TL_DTYPES, capability, cdiv, check_capability, check_config_fields,
                                         interpreting, mma, num_sms, shared_memory_limit)
@@ -109,10 +108,7 @@ def _decode_gate_up_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
-    PDL: tl.constexpr = False,  # K2 is launched as a programmatic dependent: let it launch now
 ):
-    if PDL:
-        gdc_launch_dependents()
     units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     unit_in = units < H
     rows = tl.arange(0, M_PAD)  # [M_PAD]
@@ -163,10 +159,7 @@ def _decode_down_kernel(
     BLOCK_D: tl.constexpr,
     PREFIX: tl.constexpr,  # flags per step of the compaction
     DOT_IN_FP32: tl.constexpr,
-    PDL: tl.constexpr = False,  # launched as K1's programmatic dependent: wait for K1's writes first
 ):
-    if PDL:
-        gdc_wait()
     c_block = tl.program_id(0)
     span = tl.cdiv(H, SPLIT)
     lo = tl.program_id(1) * span
