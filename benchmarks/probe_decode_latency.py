@@ -90,12 +90,11 @@ def clean_flush_us(fn, dev, reps=200):
     leave L2 in a model) instead of do_bench's zeroing (dirty lines written back during fn)."""
     g = cuda_graphed(fn, dev)
     buf = torch.ones(64 * 1024 * 1024, dtype=torch.int32, device=dev)
-    sink = torch.empty((), dtype=torch.int64, device=dev)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for _ in range(10):
         g()
     for start, end in events:
-        torch.sum(buf, out=sink)
+        buf.sum()
         start.record()
         g()
         end.record()

@@ -55,7 +55,7 @@ def main(out_csv: str, batches: str = "1,4") -> None:
                                           record_times=True)
                 decoder.generate(prompt, 64)
                 step_ms = sorted(decoder.step_ms)[len(decoder.step_ms) // 2]
-                us, calls = kernel_us(decoder._graph)
+                us, calls = kernel_us(decoder._graphs[False])
                 totals[mlp] = sum(us.values())
                 decisions = Counter(str(getattr(layer, "last_decision", None)) for layer in layers)
                 nnz = [getattr(layer.activity, "nnz", None) for layer in layers]
