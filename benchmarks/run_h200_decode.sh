@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200, the parts named in PARTS (comma-separated, default tests,parts,decode):
-#   tests     the GPU tests of the decode kernels and captured generation
+#   tests     the GPU tests of the decode kernels, captured generation and one-launch q/k/v projections
 #   parts     a decode call's kernels timed apart (benchmarks/probe_decode_parts.py)
 #   latency   one-token GEMV variants and launching the down kernel as a programmatic dependent
 #             (benchmarks/probe_decode_latency.py)
@@ -23,7 +23,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 stamp() { echo "[$(date +%T)] $*"; }
 if [[ $parts == *,tests,* ]]; then
   stamp tests
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_mlp.py tests/models/test_generate.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_mlp.py tests/models/test_generate.py \
+    tests/kernels/test_decode_linear.py tests/ops/test_decode_linear.py tests/models/test_fuse.py \
     > "$out/tests.log" 2>&1
   tail -3 "$out/tests.log"
 fi

@@ -216,6 +216,35 @@ def test_bf16_model_stays_within_rounding_of_hf():
     assert err <= 2 * err_hf + torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
 
 
+def test_bf16_decode_steps_project_q_k_v_in_one_launch(monkeypatch):
+    """A cached step of one or two tokens (eval, no grad) computes q, k and v in one launch
+    (ops.decode_linear); its logits are no further from the fp32 model's than 2x HF's bf16 model's."""
+    taken = []
+
+    def counting(x, linears, _real=fused_module.projections):
+        out = _real(x, linears)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_module, "projections", counting)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernel under the interpreter
+    ref, plain = tiny_lm("llama").to(device), tiny_lm("llama", dtype=torch.bfloat16).to(device)
+    model = fuse_non_mlp_(copy.deepcopy(plain))
+    ids = token_ids(batch=2, length=6, seed=5).to(device)
+    for rows, step in ((ids[:1], 1), (ids[:1], 2), (ids, 1)):  # 1 or 2 tokens per step
+        logits = []
+        for m in (ref, plain, model):
+            cache = DynamicCache(config=m.config)
+            with torch.no_grad():
+                m(input_ids=rows[:, :-step], past_key_values=cache, use_cache=True)
+                taken.clear()
+                logits.append(m(input_ids=rows[:, -step:], past_key_values=cache, use_cache=True).logits.double())
+        assert taken == [True, True], (rows.shape, step, taken)  # the fused model's two layers
+        err_hf = (logits[1] - logits[0]).abs().max().item()
+        err = (logits[2] - logits[0]).abs().max().item()
+        assert err <= 2 * err_hf + torch.finfo(torch.bfloat16).eps * logits[0].abs().max().item()
+
+
 def test_save_pretrained_round_trip(tmp_path):
     model = fuse_non_mlp_(tiny_lm("llama"))
     model.save_pretrained(tmp_path)

@@ -8,7 +8,8 @@ same function through `ops.rms_norm` (one kernel forward, one backward, instead 
 transformers 5.24's `LlamaAttention.forward` does with `ops.apply_rope` in place of
 `apply_rotary_pos_emb` (one kernel for q and k instead of ~10 elementwise ops and 2 concatenations):
 
-    q, k, v = q_proj(x), k_proj(x), v_proj(x)        viewed [B, S, H, d], transposed to [B, H, S, d]
+    q, k, v = q_proj(x), k_proj(x), v_proj(x)        viewed [B, S, H, d], transposed to [B, H, S, d];
+                                                     one launch at one or two tokens (ops.decode_linear)
     q, k    = apply_rope(q, k, cos, sin)             (cos, sin) = position_embeddings
     k, v    = cache.update(k, v, layer_idx, kwargs=kwargs)              when a cache is given
     out, w  = the config's attention interface (eager_attention_forward by default)
@@ -30,6 +31,7 @@ import types
 import torch
 from torch import nn
 
+from sparseffn.ops.decode_linear import projections
 from sparseffn.ops.fused_norm_rope import apply_rope, rms_norm
 
 _UNSET = object()  # `cache` not passed at all (distinct from cache=None, as transformers tells them apart)
@@ -115,10 +117,12 @@ def _llama_attention_forward_fused_rope(
 
     batch_seq = hidden_states.shape[:-1]
     heads_shape = (*batch_seq, -1, self.head_dim)
+    # one launch for the three projections at one or two tokens (inference), else the modules
+    qkv = projections(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
+    if qkv is None:
+        qkv = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
     # [B, S, H * d] -> [B, H, S, d] views of [B, S, H, d] memory
-    query = self.q_proj(hidden_states).view(heads_shape).transpose(1, 2)
-    key = self.k_proj(hidden_states).view(heads_shape).transpose(1, 2)
-    value = self.v_proj(hidden_states).view(heads_shape).transpose(1, 2)
+    query, key, value = (t.view(heads_shape).transpose(1, 2) for t in qkv)
 
     cos, sin = position_embeddings
     query, key = apply_rope(query, key, cos, sin)
