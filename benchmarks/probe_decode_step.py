@@ -3,7 +3,7 @@ for each norms/RoPE variant and batch size, dense MLPs vs auto mode, each decode
 CapturedDecoder and replayed under torch.profiler; kernel time per step grouped by kernel name, and
 the sparse layers' decisions and measured activity.
 
-    python benchmarks/probe_decode_step.py OUT_CSV [batches, default 1,4]
+    python benchmarks/probe_decode_step.py OUT_CSV [batches, default 1,4] [variants, default hf,fused]
 """
 
 import sys
@@ -37,13 +37,13 @@ def kernel_us(graph) -> tuple[Counter, Counter]:
     return us, calls
 
 
-def main(out_csv: str, batches: str = "1,4") -> None:
+def main(out_csv: str, batches: str = "1,4", variants: str = "hf,fused") -> None:
     device = torch.device("cuda")
     cfg = DecodeModelBenchConfig(batches=batches, new_tokens=128)
     model, layers, _, prompts = build_bench_model(cfg, device)
     meta = run_metadata(device)
     rows = []
-    for variant in ("hf", "fused"):
+    for variant in variants.split(","):  # fusing is in place: hf before fused
         if variant == "fused":
             fuse_non_mlp_(model)
         for batch, prompt in prompts.items():
