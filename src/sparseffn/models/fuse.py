@@ -6,7 +6,8 @@ patched):
     transformers copies it into Mistral, Qwen2/3, Granite, SmolLM3, Mixtral, Phi-3, ...) becomes an
     `nn.FusedRMSNorm` sharing its `weight` Parameter;
   * every attention whose class's `forward` is LlamaAttention's, in a module whose rotary and eager
-    attention functions are Llama's too, gets the fused-RoPE forward (`nn.fuse_attention_rope_`).
+    attention functions are Llama's too, gets the fused-RoPE forward (`nn.fuse_attention_rope_`),
+    which at one or two tokens per call also computes q, k and v in one launch (`ops.decode_linear`).
 Everything else is left alone and reported: Gemma's norms scale by (1 + weight), OLMo2's multiply
 before casting, Cohere and StableLM use LayerNorm, Qwen3 normalizes q and k, Mistral passes sliding
 windows; the kernels compute none of these. `fusion_plan(model)` lists, per module, what would be
