@@ -221,12 +221,12 @@ def test_bf16_decode_steps_project_q_k_v_in_one_launch(monkeypatch):
     (ops.decode_linear); its logits are no further from the fp32 model's than 2x HF's bf16 model's."""
     taken = []
 
-    def counting(x, linears, _real=fused_module.projections):
-        out = _real(x, linears)
+    def counting(x, weights, _real=fused_module.decode_projections):
+        out = _real(x, weights)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(fused_module, "projections", counting)
+    monkeypatch.setattr(fused_module, "decode_projections", counting)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernel under the interpreter
     ref, plain = tiny_lm("llama").to(device), tiny_lm("llama", dtype=torch.bfloat16).to(device)
     model = fuse_non_mlp_(copy.deepcopy(plain))
@@ -243,6 +243,13 @@ def test_bf16_decode_steps_project_q_k_v_in_one_launch(monkeypatch):
         err_hf = (logits[1] - logits[0]).abs().max().item()
         err = (logits[2] - logits[0]).abs().max().item()
         assert err <= 2 * err_hf + torch.finfo(torch.bfloat16).eps * logits[0].abs().max().item()
+    # a hooked projection (e.g. accelerate's, or a user's) must be called, not bypassed
+    seen = []
+    model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *args: seen.append(1))
+    taken.clear()
+    with torch.no_grad():
+        model(input_ids=ids[:1, :1])
+    assert taken == [True] and seen == [1]  # layer 0 ran its modules; layer 1 took the kernel
 
 
 def test_save_pretrained_round_trip(tmp_path):

@@ -6,8 +6,8 @@ y = [x w0^T | x w1^T | x w2^T] (an attention's q, k and v projections at decode)
     y[:, off + units], off = 0, N0 or N0 + N1; products in fp32 over all of D, rounded once to y's dtype.
 
 Why. At one token a projection is a read of its matrix, bound by memory latency more than by
-bandwidth: three cuBLAS GEMVs over three 8 MB matrices take about twice the time of one launch that
-reads all three (docs/benchmarks.md, "Whole-model decode").
+bandwidth: three cuBLAS GEMVs take nearly twice the time of one launch that reads all three matrices
+(docs/benchmarks.md, "Whole-model decode").
 
 Layouts. x [M, D] (M = 1 or 2), unit stride along D; w_i [N_i, D], unit stride along D, any row
 stride; y [M, N0 + N1 + N2] contiguous, x's dtype (bf16 / fp16). The products are the decode MLP's

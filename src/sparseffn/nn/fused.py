@@ -31,7 +31,8 @@ import types
 import torch
 from torch import nn
 
-from sparseffn.ops.decode_linear import projections
+from sparseffn.nn.projections import is_plain
+from sparseffn.ops.decode_linear import decode_projections
 from sparseffn.ops.fused_norm_rope import apply_rope, rms_norm
 
 _UNSET = object()  # `cache` not passed at all (distinct from cache=None, as transformers tells them apart)
@@ -117,8 +118,12 @@ def _llama_attention_forward_fused_rope(
 
     batch_seq = hidden_states.shape[:-1]
     heads_shape = (*batch_seq, -1, self.head_dim)
-    # one launch for the three projections at one or two tokens (inference), else the modules
-    qkv = projections(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
+    # one launch for the three projections at one or two tokens (inference) when each is a plain,
+    # bias-free nn.Linear without hooks (else a LoRA, quantized or hooked layer would be bypassed)
+    layers = (self.q_proj, self.k_proj, self.v_proj)
+    qkv = None
+    if all(is_plain(m) and m.bias is None for m in layers):
+        qkv = decode_projections(hidden_states, [m.weight for m in layers])
     if qkv is None:
         qkv = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
     # [B, S, H * d] -> [B, H, S, d] views of [B, S, H, d] memory

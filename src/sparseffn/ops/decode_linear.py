@@ -1,21 +1,19 @@
 """Several bias-free linear layers of one input, for one or two tokens, in one launch (inference).
 
-    projections(x, linears) -> [linear(x) for linear in linears], or None
+    decode_projections(x, weights) -> [F.linear(x, w) for w in weights], or None
 
-`linears`: 1 to 3 modules of exactly `nn.Linear` (not a subclass: a LoRA or quantized layer does
-more than its weight says), without bias, weights [N_i, D] in x's dtype (bf16 / fp16) and device
-with unit stride along D. The call is taken when x [..., D] holds one or two tokens, runs on CUDA
-(or on CPU under TRITON_INTERPRET=1), nothing needs a gradient and autocast is off; it is then one launch of
+`weights`: 1 to 3 tensors [N_i, D] in x's dtype (bf16 / fp16) and device with unit stride along D
+(the caller vouches that the weight is all its layer computes: nn.projections.is_plain, no bias).
+The call is taken when x [..., D] holds one or two tokens, runs on CUDA (or on CPU under
+TRITON_INTERPRET=1), nothing needs a gradient and autocast is off; it is then one launch of
 `kernels/decode_linear.py` (products in fp32, each output rounded once, as cuBLAS rounds them), as
 the custom op `sparseffn::decode_linear` (with a fake implementation) when torch.compile or another
-tracer sees the call. Otherwise it returns None and the caller runs the modules as usual.
+tracer sees the call. Otherwise it returns None and the caller runs its layers as usual.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from sparseffn.kernels._runtime import TL_DTYPES, interpreting
 from sparseffn.kernels.decode_linear import MAX_TOKENS, launch_decode_linear
 from sparseffn.ops.dispatch import eager_call
@@ -46,13 +44,10 @@ def _takes(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
                and (d == 1 or w.stride(1) == 1) for w in weights)
 
 
-def projections(x: torch.Tensor, linears: list[nn.Module] | tuple[nn.Module, ...]) -> list[torch.Tensor] | None:
-    """[linear(x) for linear in linears] from one launch, or None when the call is not one the kernel
+def decode_projections(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """[F.linear(x, w) for w in weights] from one launch, or None when the call is not one the kernel
     takes (module docstring)."""
-    if not 1 <= len(linears) <= 3 or any(type(m) is not nn.Linear or m.bias is not None for m in linears):
-        return None
-    weights = [m.weight for m in linears]
-    if not _takes(x, weights):
+    if not 1 <= len(weights) <= 3 or not _takes(x, weights):
         return None
     x2d = x.reshape(-1, x.shape[-1])
     if x2d.shape[-1] > 1 and x2d.stride(-1) != 1:
