@@ -26,6 +26,19 @@ def check_matrix(t: object, name: str, layout: str = "[M, D]") -> tuple[int, int
     return t.shape[0], t.shape[1]
 
 
+def check_few_tokens(x: object, max_tokens: int) -> tuple[int, int]:
+    """(M, D) of a decode kernel's input x after checking it is a 2-D bf16 / fp16 tensor [M, D] with
+    1 <= M <= max_tokens."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, D], got {getattr(x, 'shape', type(x).__name__)}")
+    m, d = x.shape
+    if not 1 <= m <= max_tokens:
+        raise ValueError(f"x must have 1 to {max_tokens} rows (decode), got {m}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
+    return m, d
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host code. triton.cdiv and triton.next_power_of_2 are constexpr functions in
     Triton 3.6: called from Python they unwrap their arguments first (microseconds of host time a

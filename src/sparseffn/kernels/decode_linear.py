@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import TL_DTYPES, cdiv, interpreting, next_power_of_2
+from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_few_tokens, interpreting, next_power_of_2
 from sparseffn.kernels.decode_mlp import _rows_dot
 from sparseffn.kernels.launch import Launcher
 
@@ -93,13 +93,7 @@ def decode_linear(x: torch.Tensor, weights: list[torch.Tensor] | tuple[torch.Ten
     """[x w^T for w in weights] concatenated along the last dim, y [M, ΣN_i], for x [M, D] with
     1 <= M <= MAX_TOKENS and 1 to 3 weights [N_i, D] in x's dtype (bf16 / fp16) and device, unit
     stride along D. Split y with `torch.split(y, [N_i, ...], dim=1)`."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [M, D], got {getattr(x, 'shape', type(x).__name__)}")
-    m, d = x.shape
-    if not 1 <= m <= MAX_TOKENS:
-        raise ValueError(f"x must have 1 to {MAX_TOKENS} rows, got {m}")
-    if x.dtype not in TL_DTYPES:
-        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
+    m, d = check_few_tokens(x, MAX_TOKENS)
     if d > 1 and x.stride(1) != 1:
         raise ValueError(f"x must have unit stride along D, got strides {x.stride()}")
     if not isinstance(weights, (list, tuple)) or not 1 <= len(weights) <= 3:

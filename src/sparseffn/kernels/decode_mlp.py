@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import (HOPPER, TL_DTYPES, capability, cdiv, check_capability, check_config_fields,
-                                        interpreting, mma, num_sms, shared_memory_limit)
+                                        check_few_tokens, interpreting, mma, num_sms, shared_memory_limit)
 from sparseffn.kernels.launch import Launcher
 
 MAX_TOKENS = 64
@@ -307,13 +307,7 @@ def decode_mlp(
     for x [M, D] with 1 <= M <= MAX_TOKENS. first_weight / up_weight: [H, D]; down_t: [H, D], the
     transposed down_proj.weight; all in x's dtype (bf16 / fp16) and device, unit stride along D;
     threshold fp32 [H] or None. The module docstring has the contract."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [M, D], got {getattr(x, 'shape', type(x).__name__)}")
-    m, d = x.shape
-    if not 1 <= m <= MAX_TOKENS:
-        raise ValueError(f"x must have 1 to {MAX_TOKENS} rows (decode), got {m}")
-    if x.dtype not in TL_DTYPES:
-        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
+    m, d = check_few_tokens(x, MAX_TOKENS)
     h = first_weight.shape[0]
     named = {"first_weight": first_weight, "down_t": down_t}
     if up_weight is not None:
