@@ -10,8 +10,10 @@ L2 flushed, as `bench decode` times calls; µs, the best median of three rounds:
                  current one is reduced
     dense        dense torch (three GEMMs)
     *_cleanflush  the same, L2 flushed by reading 256 MB (clean lines) instead of zeroing it
-    q_cublas / qkv_cublas / qkv_triton_*  one token's q, k, v projections (D=2048): one cuBLAS GEMV,
-                 three, and one Triton launch over the three matrices
+    q_cublas / qkv_cublas / qkv_decode_linear  one token's q, k, v projections (D=2048): one cuBLAS
+                 GEMV, three, and one launch of kernels/decode_linear.py over the three matrices (at
+                 3b8065c a copy of it in this file, "qkv_triton_bhB_wW": 2 or 4 units per program, 4 or 8
+                 warps, 14.1-14.4 µs; the library took 2 and 4)
 
 The probe at ed94851 also launched the down kernel as a programmatic dependent of the gate kernel
 (PDL), and let the gate kernel load its rows before waiting for x's producer: no gain, dropped
@@ -31,6 +33,7 @@ from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.bench.timing import cuda_graphed, run_metadata, time_fn
 from sparseffn.kernels import decode_mlp as dm
 from sparseffn.kernels._runtime import cdiv, num_sms
+from sparseffn.kernels.decode_linear import launch_decode_linear
 from sparseffn.ops.twell_mlp import dense_mlp
 
 
@@ -65,24 +68,6 @@ def _produce_x(src_ptr, x_ptr, D: tl.constexpr):
     k = tl.arange(0, D)
     v = tl.load(src_ptr + k).to(tl.float32)
     tl.store(x_ptr + k, (v * tl.rsqrt(tl.sum(v * v, axis=0) / D + 1e-6)).to(x_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _qkv_gemv(x_ptr, wq_ptr, wk_ptr, wv_ptr, out_ptr, N: tl.constexpr, D: tl.constexpr, BH: tl.constexpr):
-    """out[3N] = [q | k | v](x) for one token in one launch: program p owns units of one of the three."""
-    pid = tl.program_id(0)
-    which = pid // (N // BH)
-    units = (pid % (N // BH)) * BH + tl.arange(0, BH)
-    k = tl.arange(0, D)
-    offs = units[:, None] * D + k[None, :]
-    if which == 0:
-        w = tl.load(wq_ptr + offs)
-    elif which == 1:
-        w = tl.load(wk_ptr + offs)
-    else:
-        w = tl.load(wv_ptr + offs)
-    xv = tl.load(x_ptr + k).to(tl.float32)
-    tl.store(out_ptr + which * N + units, tl.sum(w.to(tl.float32) * xv[None, :], axis=1).to(out_ptr.dtype.element_ty))
 
 
 def clean_flush_us(fn, dev, reps=200):
@@ -143,22 +128,17 @@ def calls(m, d=2048, h=5632, nnz=29):
 
 
 def attention_calls(d=2048):
-    """q/k/v projections of one token: cuBLAS one by one vs one Triton launch over the three."""
+    """q/k/v projections of one token: cuBLAS one by one vs one `kernels/decode_linear.py` launch."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, d, device=dev, generator=gen).bfloat16()
-    wq, wk, wv = (torch.randn(d, d, device=dev, generator=gen).div(d ** 0.5).bfloat16() for _ in range(3))
-    out = torch.empty(3 * d, dtype=x.dtype, device=dev)
-    for bh in (2, 4):
-        _qkv_gemv[(3 * d // bh,)](x, wq, wk, wv, out, N=d, D=d, BH=bh, num_warps=4)
-    want = torch.cat([x @ w.t() for w in (wq, wk, wv)], 1)[0]
-    print("qkv max |diff| vs cuBLAS", (out.float() - want.float()).abs().max().item(), flush=True)
-    fns = {"q_cublas": lambda: torch.mv(wq, x[0]), "qkv_cublas": lambda: [torch.mv(w, x[0]) for w in (wq, wk, wv)]}
-    for bh in (2, 4):
-        for w in (4, 8):
-            fns[f"qkv_triton_bh{bh}_w{w}"] = (lambda bh=bh, w=w: _qkv_gemv[(3 * d // bh,)](
-                x, wq, wk, wv, out, N=d, D=d, BH=bh, num_warps=w))
-    return fns
+    weights = [torch.randn(d, d, device=dev, generator=gen).div(d ** 0.5).bfloat16() for _ in range(3)]
+    want = torch.cat([x @ w.t() for w in weights], 1)
+    got = launch_decode_linear(x, weights)
+    print("qkv max |diff| vs cuBLAS", (got.float() - want.float()).abs().max().item(), flush=True)
+    return {"q_cublas": lambda: torch.mv(weights[0], x[0]),
+            "qkv_cublas": lambda: [torch.mv(w, x[0]) for w in weights],
+            "qkv_decode_linear": lambda: launch_decode_linear(x, weights)}
 
 
 if __name__ == "__main__":
