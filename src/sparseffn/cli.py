@@ -1,4 +1,4 @@
-"""`sparseffn` command line: demo, train, eval, generate, pack-demo, bench, env."""
+"""`sparseffn` command line: demo, train, eval, generate, pack-demo, fixture, export, bench, env."""
 
 from __future__ import annotations
 
@@ -148,6 +148,45 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                               eager_steps=eager_steps, compile=args.compile, **sampling)
     out = decoder.generate(ids, args.max_new_tokens)
     print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+def _cmd_fixture(args: argparse.Namespace) -> int:
+    import torch
+
+    from sparseffn.models.reference_fixture import FixtureSpec, write_fixture
+
+    given = {name: getattr(args, name) for name in ("base", "gated", "bias", "new_intermediate_size", "dtype", "seed",
+                                                    "gate_shift", "tokenizer", "vocab_size", "num_hidden_layers")
+             if getattr(args, name) is not None}
+    if args.shard_mb is not None:
+        if args.shard_mb <= 0:
+            raise ValueError(f"--shard-mb must be > 0, got {args.shard_mb}")
+        given["max_shard_bytes"] = int(args.shard_mb * 2**20)
+    spec = FixtureSpec(**given) if args.shape == "tiny" else FixtureSpec.paper(args.shape, **given)
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    folder = write_fixture(args.out_dir, spec, device=device)
+    print(f"wrote a {spec.base}_sparse_relu checkpoint ({'gated' if spec.gated else 'non-gated'}, H={spec.mlp_size}, "
+          f"{spec.num_hidden_layers} layers, {spec.dtype}, random weights) to {folder}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sparseffn.models import load_pretrained
+    from sparseffn.models.reference import copy_tokenizer_files, export_reference
+
+    out = Path(args.out_dir)
+    if (out / "config.json").exists():
+        raise FileExistsError(f"OUT_DIR {out} already holds a config.json: give an empty or new directory")
+    if args.shard_mb is not None and args.shard_mb <= 0:
+        raise ValueError(f"--shard-mb must be > 0, got {args.shard_mb}")
+    model = load_pretrained(args.model)
+    export_reference(model, out, max_shard_size=None if args.shard_mb is None else int(args.shard_mb * 2**20))
+    copied = copy_tokenizer_files(args.model, out) if Path(args.model).is_dir() else []
+    print(f"wrote {args.model} in the reference format ({model.config.model_type}_sparse_relu) to {out}"
+          + (f" with its tokenizer files ({', '.join(copied)})" if copied else " (no tokenizer files to copy)"))
     return 0
 
 
@@ -322,6 +361,39 @@ def build_parser() -> argparse.ArgumentParser:
                           "compile), faster steps; for long generations (default: off)")
     gen.set_defaults(func=_cmd_generate)
 
+    fx = sub.add_parser("fixture", help="write a checkpoint in the format of the paper's released SparseLM models "
+                                        "(the reference code's *_sparse_relu), at random weights, for offline tests",
+                        description="Random weights with a few percent of the ReLU units firing per token (measure "
+                        "the activity: it is not calibrated). Unset flags keep the shape's values.")
+    fx.add_argument("out_dir", metavar="OUT_DIR", help="new or empty directory to write")
+    fx.add_argument("--shape", default="tiny", choices=("tiny", "0.5b", "1b", "1.5b", "2b"),
+                    help="tiny (CPU tests) or a released SparseLM model's shape (default: tiny)")
+    fx.add_argument("--base", default=None, choices=("llama", "qwen2"), help="base architecture (default: llama)")
+    fx.add_argument("--gated", action=argparse.BooleanOptionalAction, default=None,
+                    help="gated MLPs (relu(gate) * up) or not (relu(up)) (default: gated)")
+    fx.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None, help="MLP biases (mlp_bias)")
+    fx.add_argument("--new-intermediate-size", type=int, default=None,
+                    help="the MLPs' width when resized (sparsity_new_intermediate_size)")
+    fx.add_argument("--num-hidden-layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    fx.add_argument("--vocab-size", type=int, default=None, help="vocabulary (default: the shape's)")
+    fx.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"), help="(default: bfloat16)")
+    fx.add_argument("--shard-mb", type=float, default=None, help="shard the weights at this many MiB per file")
+    fx.add_argument("--seed", type=int, default=None, help="(default: 0)")
+    fx.add_argument("--gate-shift", type=float, default=None,
+                    help="gate pre-activations centred this many standard deviations below zero (default: 2.5; "
+                         "0: plain random weights, half the units firing)")
+    fx.add_argument("--tokenizer", action=argparse.BooleanOptionalAction, default=None,
+                    help="also write a byte-level tokenizer (default: on)")
+    fx.add_argument("--device", default="auto", help="where the random weights are drawn: auto, cpu or cuda")
+    fx.set_defaults(func=_cmd_fixture)
+
+    ex = sub.add_parser("export", help="write a sparse model in the reference code's format (*_sparse_relu) for use "
+                                       "with the paper's code")
+    ex.add_argument("model", metavar="MODEL", help="a model directory load_pretrained opens (or a Hub id)")
+    ex.add_argument("out_dir", metavar="OUT_DIR", help="new or empty directory to write")
+    ex.add_argument("--shard-mb", type=float, default=None, help="shard the weights at this many MiB per file")
+    ex.set_defaults(func=_cmd_export)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     mlp = bench.add_parser("mlp", help="sparse MLP inference (or, with --train, a training step) vs dense torch "
                                        "(CSV + PNG under --out-dir)")
@@ -348,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_bench_train_run)
     cal = bench.add_parser("calibrate", help="post-training thresholds on a trained run: held-out CE and sparsity "
                                              "per target nnz (CSV + PNG under --out-dir)")
-    cal.add_argument("checkpoint", metavar="RUN_DIR", help="a training run directory (config.json, model/)")
+    cal.add_argument("checkpoint", metavar="RUN_DIR", help="a training run directory (config.json, model/), or a model "
+                     "directory with its tokenizer.json (a released checkpoint)")
     _add_dataclass_flags(cal, CalibrateBenchConfig, skip=("checkpoint",))
     cal.set_defaults(func=_cmd_bench_calibrate)
     report = bench.add_parser("report", help="regenerate the tables of the README and docs/benchmarks.md, and the "

@@ -4,7 +4,8 @@
 mean of active units per token, docs/design.md). This harness measures its price. For each target it
 reloads the checkpoint, calibrates on windows of the run's *training* split, and evaluates held-out
 cross-entropy and sparsity on the run's held-out windows, against the same checkpoint uncalibrated
-(target "none"). Rows go to a long CSV (`calibrate.csv`) with the device and git sha; `bench report`
+(target "none"). A model directory without its run (a released checkpoint with its tokenizer) uses the
+embedded corpus and TrainConfig's default window sizes. Rows go to a long CSV (`calibrate.csv`) with the device and git sha; `bench report`
 turns it into a README table and a PNG (CE increase vs % zeros).
 """
 
@@ -27,7 +28,7 @@ CSV_FIELDS = (
 
 @dataclass(frozen=True)
 class CalibrateBenchConfig:
-    checkpoint: str = ""  # a training run directory (with model/ and config.json), as `sparseffn eval` takes
+    checkpoint: str = ""  # a training run directory or a model directory with its tokenizer, as `sparseffn eval` takes
     targets: str = "64,32,16,8"  # mean active units per token per layer, comma separated
     calibration_windows: int = 32  # training-split windows of the run's sequence length
     mix: float = 0.5  # calibrate_thresholds' mix of per-unit quantile and global level
@@ -48,6 +49,7 @@ def run_calibrate_bench(cfg: CalibrateBenchConfig, device: torch.device | None =
                         log: Callable[[str], None] = print) -> list[dict]:
     """One row for the uncalibrated checkpoint, then one per target; also written as CSV under cfg.out_dir."""
     from sparseffn.models import calibrate_thresholds
+    from sparseffn.train.config import TrainConfig
     from sparseffn.train.eval import evaluate, load_for_eval, resolve_target
 
     if not cfg.checkpoint:
@@ -61,7 +63,7 @@ def run_calibrate_bench(cfg: CalibrateBenchConfig, device: torch.device | None =
     if cfg.calibration_windows < 1:
         raise ValueError(f"calibration_windows must be >= 1, got {cfg.calibration_windows}")
     target = resolve_target(cfg.checkpoint)
-    if target.run_dir is None:
+    if target.run_dir is None and target.model_dir is None:
         raise ValueError(f"checkpoint {cfg.checkpoint}: needs its training run directory (config.json) to rebuild "
                          "the training and held-out splits")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -73,6 +75,9 @@ def run_calibrate_bench(cfg: CalibrateBenchConfig, device: torch.device | None =
     base_ce = None
     for goal in [None, *targets]:
         model, tokenizer, run_cfg = load_for_eval(target, device)  # a fresh, uncalibrated copy per target
+        # a model directory without its run (a released checkpoint): the default corpus and window sizes
+        name = run_cfg.model if run_cfg is not None else Path(cfg.checkpoint).name
+        run_cfg = run_cfg or TrainConfig()
         if goal is None:
             calibration, held = _split_windows(run_cfg, tokenizer, cfg.calibration_windows,
                                                run_cfg.eval_batches * run_cfg.batch_size)
@@ -84,7 +89,7 @@ def run_calibrate_bench(cfg: CalibrateBenchConfig, device: torch.device | None =
         stats = result.stats
         base_ce = result.ce if goal is None else base_ce
         row = dict(
-            meta, checkpoint=str(cfg.checkpoint), model=run_cfg.model, hidden=round(sum(stats.hidden) / len(stats.hidden)),
+            meta, checkpoint=str(cfg.checkpoint), model=name, hidden=round(sum(stats.hidden) / len(stats.hidden)),
             target_nnz="none" if goal is None else goal, nnz_mean=round(stats.nnz_mean_all, 3),
             zeros_pct=round(stats.zeros_pct, 3), silent_pct=round(100 * sum(stats.silent_frac) / len(stats.silent_frac), 2),
             eval_ce=round(result.ce, 5), ce_increase_pct=round(100 * (result.ce / base_ce - 1), 3),

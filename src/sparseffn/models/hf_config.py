@@ -6,8 +6,10 @@ whenever the model is saved:
 
     "relu"           every MLP computes a plain ReLU: no threshold is set and no MLP was left dense with
                      another activation. Plain `from_pretrained` builds the same function.
-    UNLOADABLE_ACT   some θ != 0 (Hugging Face MLPs have no threshold), or `filter_fn` left MLPs dense with
-                     their original activation (one field cannot name two functions). transformers
+    UNLOADABLE_ACT   some θ != 0 (Hugging Face MLPs have no threshold), `filter_fn` left MLPs dense with
+                     their original activation (one field cannot name two functions), or the sparse MLPs
+                     have a structure the architecture's MLP class cannot build (`replace_mlps_`: non-gated,
+                     or biases it lacks; recorded as `sparseffn_layers["sparse_mlp"]`). transformers
                      cannot build that activation: plain `from_pretrained` raises a KeyError whose text
                      says to use `sparseffn.load_pretrained`, instead of loading a different model.
 
@@ -28,6 +30,7 @@ ACT_FIELDS = ("hidden_act", "hidden_activation", "activation_function", "activat
 UNLOADABLE_ACT = "relu with sparseffn thresholds or mixed layers: load this checkpoint with sparseffn.load_pretrained"
 CONFIG_KEY = "sparseffn"  # attribute of model.config (and key of config.json) holding SparsityConfig.to_dict()
 LAYERS_KEY = "sparseffn_layers"
+STRUCTURE_KEY = "sparse_mlp"  # in LAYERS_KEY: {"gated", "bias"} of sparse MLPs the architecture's MLP class cannot hold
 
 
 def hf_model(model: nn.Module) -> nn.Module | None:
@@ -82,6 +85,8 @@ def computed_activation(model: nn.Module, layers: list[nn.Module], dense_left: b
     if any(m.has_threshold for m in layers):
         return UNLOADABLE_ACT
     meta = getattr(configs(model)[0], LAYERS_KEY, None) if configs(model) else None
+    if (meta or {}).get(STRUCTURE_KEY):
+        return UNLOADABLE_ACT
     dense = (meta or {}).get("dense_activation", {})
     if dense_left and any(v != "relu" for v in dense.values()):
         return UNLOADABLE_ACT

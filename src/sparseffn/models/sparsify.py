@@ -19,6 +19,7 @@ from sparseffn.models.config import SparsityConfig
 from sparseffn.models.hf_config import (
     CONFIG_KEY,
     LAYERS_KEY,
+    STRUCTURE_KEY,
     activation_fields,
     attach_save_hook,
     computed_activation,
@@ -27,7 +28,8 @@ from sparseffn.models.hf_config import (
     hf_model,
     set_activation_fields,
 )
-from sparseffn.models.layouts import GATED_NAMES, LAYOUTS, SPARSE_TYPES, build_sparse, kind_of, looks_like_mlp, restore
+from sparseffn.models.layouts import (GATED_NAMES, LAYOUTS, SPARSE_TYPES, base_linear, build_sparse, kind_of, looks_like_mlp,
+                                      restore)
 from sparseffn.nn import SparseMLP
 
 
@@ -149,12 +151,20 @@ def sparsify_(model: nn.Module, config: SparsityConfig = SparsityConfig(), filte
         if found:
             raise ValueError(f"filter_fn selected none of the {len(found)} MLP(s) (first: {found[0][0]})")
         raise ValueError(_no_mlp_message(model, unknown))
+    _install(model, config, [(name, build_sparse(module, kind, config.mode)) for name, module, kind in chosen])
+    return model
+
+
+def _install(model: nn.Module, config: SparsityConfig, layers: list[tuple[str, nn.Module]],
+             structure: dict | None = None) -> None:
+    """Put each (name, sparse layer) in place, configured by `config`, and record it all in the model's
+    config (models/hf_config.py); `structure` ({"gated", "bias"}) marks layers the architecture's own MLP
+    class cannot hold."""
     cfgs = configs(model)
     if cfgs and getattr(cfgs[0], LAYERS_KEY, None) is None:
         setattr(cfgs[0], LAYERS_KEY, {"dense_activation": activation_fields(model), "modules": []})
     replaced = []
-    for name, module, kind in chosen:
-        sparse = build_sparse(module, kind, config.mode)
+    for name, sparse in layers:
         sparse.expected_nnz = config.expected_nnz
         if config.threshold is not None:
             sparse.set_threshold_(config.threshold)
@@ -163,9 +173,32 @@ def sparsify_(model: nn.Module, config: SparsityConfig = SparsityConfig(), filte
     if cfgs:
         meta = getattr(cfgs[0], LAYERS_KEY)
         meta["modules"] = sorted(set(meta["modules"]) | set(replaced))
+        if structure is not None:
+            meta[STRUCTURE_KEY] = dict(structure)
         setattr(cfgs[0], CONFIG_KEY, config.to_dict())
     sync_config(model)
     attach_save_hook(model, sync_config)
+
+
+def replace_mlps_(model: nn.Module, config: SparsityConfig, names: list[str], *, gated: bool, bias: bool) -> nn.Module:
+    """Replace the gated MLPs `names` of `model` by new SparseMLPs of another structure (non-gated, or
+    with biases the architecture's MLP class lacks), in place; returns model.
+
+    The new layers' weights are left as constructed (for a loader to fill). The architecture's own
+    class cannot build these MLPs, so the config records the structure (`sparseffn_layers["sparse_mlp"]`)
+    and makes a plain `from_pretrained` of a save refuse (models/hf_config.py); `load_pretrained`
+    rebuilds it. `unsparsify_` refuses such a model.
+    """
+    _check_model(model)
+    layers = []
+    for name in names:
+        module = model.get_submodule(name)
+        up = base_linear(getattr(module, "up_proj", None))
+        if up is None:
+            raise ValueError(f"{name} ({type(module).__name__}) has no nn.Linear up_proj to size a SparseMLP by")
+        layers.append((name, SparseMLP(up.in_features, up.out_features, gated=gated, bias=bias, mode=config.mode,
+                                       device=up.weight.device, dtype=up.weight.dtype)))
+    _install(model, config, layers, {"gated": gated, "bias": bias})
     return model
 
 
@@ -204,6 +237,10 @@ def unsparsify_(model: nn.Module) -> nn.Module:
     found, unknown = _candidates(model)
     cfgs = configs(model)
     meta = getattr(cfgs[0], LAYERS_KEY, None) if cfgs else None
+    if (meta or {}).get(STRUCTURE_KEY):
+        raise ValueError(
+            f"model's sparse MLPs ({meta[STRUCTURE_KEY]}) have a structure {type(hf_model(model) or model).__name__}'s "
+            f"own MLP class cannot hold (a plain save would reload as a different model); keep the model sparse")
     dense = (meta or {}).get("dense_activation", {})
     if (found or unknown) and any(v != "relu" for v in dense.values()):
         raise ValueError(

@@ -121,6 +121,10 @@ def resolve_target(path: str | Path) -> EvalTarget:
     if path.is_dir() and (path / "config.json").is_file() and (path / TextTokenizer.FILE).is_file():
         run = path.parent
         return EvalTarget(path, None, run if (run / "config.json").is_file() and (run / "model") == path else None)
+    if path.is_dir() and (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is a model directory without a tokenizer.json: text needs the tokenizer the model was trained "
+            f"with; copy its tokenizer.json (the released SparseLM models ship theirs) into {path}")
     raise FileNotFoundError(
         f"CKPT {path}: expected a training run directory (with model/), a saved model directory "
         "(config.json + tokenizer.json) or a checkpoint file checkpoints/step_*.pt"
