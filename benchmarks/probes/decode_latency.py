@@ -19,7 +19,7 @@ The probe at ed94851 also launched the down kernel as a programmatic dependent o
 (PDL), and let the gate kernel load its rows before waiting for x's producer: no gain, dropped
 (docs/benchmarks.md, "Decode"; decode_latency_ed94851.csv).
 
-    python benchmarks/probe_decode_latency.py [OUT_CSV]
+    python benchmarks/probes/decode_latency.py [OUT_CSV]
 """
 
 import sys
