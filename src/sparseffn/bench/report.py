@@ -405,6 +405,14 @@ def _slash(values: list[str]) -> str:
     return " / ".join(values)
 
 
+# Each headline row links to the section of docs/benchmarks.md that gives its conditions and command.
+DOCS_PAGE = "docs/benchmarks.md"
+
+
+def _linked(result: str, anchor: str) -> str:
+    return f"[{result}]({DOCS_PAGE}#{anchor})"
+
+
 def _inference_row(results_dir: Path) -> tuple[str, str] | None:
     path = find_csv(results_dir, "mlp_paper_shape.csv") or find_csv(results_dir, "mlp.csv")
     cases = _paper_cases(read_rows(path)) if path else []
@@ -416,7 +424,8 @@ def _inference_row(results_dir: Path) -> tuple[str, str] | None:
     also = [f"error vs fp32 ≤ {sparse_err:.1e} (dense bf16: {dense_err:.1e})"]
     if all("sparse_graph" in c and "dense_graph" in c for c in cases):
         also.insert(0, f"CUDA graphs on both sides {_slash([_graph_ratio(c) for c in cases])}")
-    return (f"| MLP inference | D={PAPER_D}, H={PAPER_H}, {PAPER_NNZ:g} active units per token, M = {_slash(ms)} "
+    return (f"| {_linked('MLP inference', 'mlp-inference-at-the-papers-shape')} "
+            f"| D={PAPER_D}, H={PAPER_H}, {PAPER_NNZ:g} active units per token, M = {_slash(ms)} "
             f"| **{_slash([_times(c['sparse'], 'speedup_vs_dense') for c in cases])}** | {'; '.join(also)} |",
             f"{path.name} {cases[0]['sparse']['git_sha']}")
 
@@ -430,7 +439,8 @@ def _train_row(results_dir: Path) -> tuple[str, str] | None:
     also = [f"peak memory {_slash([_times(c['sparse'], 'peak_vs_dense') for c in cases])}"]
     if all("sparse_graph" in c and "dense_graph" in c for c in cases):
         also.insert(0, f"CUDA graphs on both sides {_slash([_graph_ratio(c) for c in cases])}")
-    return (f"| MLP training step (forward + backward + L1) | the same, M = {_slash(ms)} "
+    what = _linked("MLP training step (forward + backward + L1)", "training-step-of-the-mlp-block")
+    return (f"| {what} | the same, M = {_slash(ms)} "
             f"| **{_slash([_times(c['sparse'], 'speedup_vs_dense') for c in cases])}** | {'; '.join(also)} |",
             f"{path.name} {cases[0]['sparse']['git_sha']}")
 
@@ -460,7 +470,8 @@ def _e2e_rows(results_dir: Path, phase: str) -> tuple[str, str] | None:
         what = f"`{first['model']}` model training step"
         also = f"peak memory {_slash([_times(r, 'peak_vs_dense') for r in sparse])}"
     setting = f"{batches} tokens; {_weights(first)}; {'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides"
-    return f"| {what} | {setting} | **{speed}** | {also} |", f"{path.name} {first['git_sha']}"
+    return (f"| {_linked(what, 'end-to-end-the-papers-2b-model')} | {setting} | **{speed}** | {also} |",
+            f"{path.name} {first['git_sha']}")
 
 
 def _quality_row(results_dir: Path) -> tuple[str, str] | None:
@@ -476,7 +487,8 @@ def _quality_row(results_dir: Path) -> tuple[str, str] | None:
     setting = (f"`{r['model']}`, {r['steps']} steps × {r['tokens_per_step']} tokens, λ = {float(r['l1_coeff']):g}"
                + (f" ramped over {ramp} steps" if ramp else "")
                + (", dead-unit re-init" if str(r["reinit_dead"]) == "True" else ""))
-    return (f"| Quality (L1 training) | {setting} | **{float(r['zeros_pct']):.2f}% zeros** "
+    what = _linked("Quality (L1 training)", "quality-l1-coefficient-vs-held-out-cross-entropy")
+    return (f"| {what} | {setting} | **{float(r['zeros_pct']):.2f}% zeros** "
             f"| {float(r['nnz_mean']):.1f} of {float(r['hidden']):.0f} units active per token; held-out CE "
             f"{float(r['ce_increase_pct']):+.2f}% vs λ = 0 |", f"{path.name} {r['git_sha']}")
 
@@ -493,7 +505,9 @@ def _decode_row(results_dir: Path) -> tuple[str, str] | None:
               for m in ms]
     auto = [f"{float(pick[(m, 'dense_graph')]['median_us']) / float(pick[(m, 'auto_graph')]['median_us']):.2f}x"
             for m in ms]
-    return (f"| MLP decode (CUDA graphs on both sides, L2 flushed) | the same, M = {_slash(map(str, ms))} tokens per call "
+    what = _linked("MLP decode (CUDA graphs on both sides, L2 flushed)", "decode-the-mlp-at-1-256-tokens-per-call")
+    return (f"| {what} "
+            f"| the same, M = {_slash(map(str, ms))} tokens per call "
             f"| **{_slash(ratios)}** | auto mode {_slash(auto)} (it keeps dense where dense is faster) |",
             f"{path.name} {pick[(ms[0], 'sparse_graph')]['git_sha']}")
 
@@ -519,7 +533,8 @@ def _generation_row(results_dir: Path) -> tuple[str, str] | None:
         also += (f"; the step's forward through torch.compile ({_non_mlp(compiled[0])} norms/RoPE, batch "
                  f"{_slash([r['batch'] for r in compiled])}): {_slash([_times(r, 'speedup_vs_dense') for r in compiled])}, "
                  f"ms per token {ms(compiled)}")
-    return (f"| `{first['model']}` model generation (decode step replayed from a CUDA graph) | batch {batches}, "
+    what = f"`{first['model']}` model generation (decode step replayed from a CUDA graph)"
+    return (f"| {_linked(what, 'whole-model-decode')} | batch {batches}, "
             f"prompt {first['prompt']}, {first['new_tokens']} new tokens; {weights}; "
             f"{'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides "
             f"| **{_slash([_times(r, 'speedup_vs_dense') for r in sparse])}** | {also} |",
@@ -538,7 +553,8 @@ def _train_run_row(results_dir: Path) -> tuple[str, str] | None:
     first = next(r["mode"] for r in rows if r["kind"] == "summary")
     wall = (f"wall time {float(summary['auto']['wall_s']):.0f} s vs dense {float(summary['dense']['wall_s']):.0f} s "
             f"(the {first} run came first in the process and carries its warm-up)")
-    return (f"| Training run from initialization (auto mode) | `{summary['auto']['model']}`, L1 recipe to ≥ 99% "
+    what = _linked("Training run from initialization (auto mode)", "training-run-from-initialization-auto-mode")
+    return (f"| {what} | `{summary['auto']['model']}`, L1 recipe to ≥ 99% "
             f"zeros, auto vs dense mode, same seed | **{dense_phase:.2f}x while the layers are dense, "
             f"{sparse_phase:.2f}x once they run sparse** (tokens/s) | {wall} |",
             f"{path.name} {summary['auto']['git_sha']}")
