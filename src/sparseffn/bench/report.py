@@ -47,7 +47,7 @@ def mlp_table(rows: list[dict]) -> str:
     header = (
         f"{first['gpu']}, {first['dtype']}, torch {first['torch']}, triton {first['triton']}, git {first['git_sha']}. "
         "Speed-up = dense time / time (median of CUDA-event timings, L2 flushed, same run, same inputs). "
-        "Error = ‖y − y_fp32‖ / ‖y_fp32‖.\n\n"
+        "Error = ‖y − y_fp32‖ / ‖y_fp32‖. "
         "Graphed = one CUDA-graph replay of the call (no host launch work); `graphed sparse` is over eager "
         "dense, `graph / graph` is graphed dense time over graphed sparse time, `auto graphed` is graphed dense "
         "time over auto mode's captured call (under capture auto routes few tokens to the sparse kernels).\n\n"
@@ -206,7 +206,7 @@ def e2e_table(rows: list[dict]) -> str:
         f"sequence {first['seq_len']}, attention {first['attention']}, torch {first['torch']}, "
         f"transformers {first['transformers']}, git {first['git_sha']}. Forward = prefill "
         "(`logits_to_keep=1`, no grad); train = forward + backward + AdamW step with the L1 penalty. Dense = the "
-        "same model with its MLPs in `mode=\"dense\"`; median of CUDA-event timings, same run.\n\n"
+        "same model with its MLPs in `mode=\"dense\"`; median of CUDA-event timings, same run. "
         "Non-MLP = Hugging Face's own RMSNorm/RoPE code (hf) or sparseffn's fused kernels for both providers "
         "(fused, `sparseffn.models.fuse_non_mlp_`).\n\n"
         "| phase | non-MLP | tokens | dense tok/ms | sparse tok/ms | speed-up | MLP share of dense | peak mem sparse/dense "
@@ -321,28 +321,6 @@ def layout_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def decode_sweep_table(rows: list[dict]) -> str:
-    """The decode kernels' config sweep: per M and kernel, the default and the best whole-call time."""
-    if not rows:
-        return "(no rows)"
-    first = rows[0]
-    lines = [f"{first['gpu']}, git {first['git_sha']}, D={first['d']}, H={first['h']}, {first['target_nnz']} active "
-             "units per token; each config is the whole call (both kernels) graph-replayed with L2 flushed, one "
-             "kernel's parameters varied from that run's default at a time.\n",
-             "| M | kernel | configs | fastest µs | its parameters | slowest µs |", "|---|---|---|---|---|---|"]
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        if not r.get("error"):
-            groups[(int(r["m"]), r["part"])].append(r)
-    keys = {"gate": ("block_h", "block_k", "gate_warps", "gate_stages", "units_as_m"),
-            "down": ("split", "block_s", "block_d", "down_warps", "down_stages", "prefix")}
-    for (m, part), rs in groups.items():
-        best, worst = min(rs, key=lambda r: float(r["us"])), max(rs, key=lambda r: float(r["us"]))
-        params = ", ".join(f"{k} {best[k] or 'auto'}" for k in keys[part] if k in best)
-        lines.append(f"| {m} | {part} | {len(rs)} | {float(best['us']):.1f} | {params} | {float(worst['us']):.1f} |")
-    return "\n".join(lines)
-
-
 def multi_gpu_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
@@ -366,7 +344,6 @@ def _blocks() -> dict[str, Block]:
 
     return {
         "decode": Block("decode_mlp.csv", decode_table, plot_decode),
-        "decode_sweep": Block("decode_sweep.csv", decode_sweep_table),
         "decode_model": Block("decode_model.csv", decode_model_table, plot_decode_model),
         "train_run": Block("train_run.csv", train_run_table, plot_train_run),
         "train_density": Block("mlp_train_density.csv", train_table),
