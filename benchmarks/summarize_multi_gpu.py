@@ -1,4 +1,4 @@
-"""Summarize benchmarks/run_multi_gpu.sh's runs: tokens/s in all and per GPU (windows after the first),
+"""Summarize benchmarks/multi_gpu.sh's runs: tokens/s in all and per GPU (windows after the first),
 scaling efficiency against the same mode on one GPU, sparse/dense ratio at each N, peak memory per
 GPU, and the CE curve's largest difference from the one-GPU run of the same mode.
 

@@ -12,7 +12,8 @@ from sparseffn.bench.report import regenerate
 from sparseffn.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "benchmarks").rglob("README.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -99,6 +100,16 @@ def test_every_result_csv_has_its_table(tmp_path):
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_benchmarks_page_is_results_not_a_lab_notebook():
+    """Tables, conditions, commands and caveats in <= 400 lines; which commit measured what lives in the
+    generated table headers (and file names), history in CHANGELOG.md."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(text.splitlines()) <= 400
+    by_hand = re.sub(r"<!-- bench:(\w+) -->.*?<!-- /bench:\1 -->", "", text, flags=re.S)
+    shas = [s for s in re.findall(r"(?<![\w/-])[0-9a-f]{7,12}\b", by_hand) if re.search(r"[a-f]", s) and re.search(r"\d", s)]
+    assert not shas, f"commit hashes outside the generated blocks of docs/benchmarks.md: {shas}"
 
 
 KERNEL_FILES = sorted((ROOT / "src" / "sparseffn" / "kernels").glob("[!_]*.py"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,15 @@ def test_headline_rows_come_from_the_csvs_present(tmp_path):
     assert "**1.15x / 1.19x / 1.15x / 1.00x**" in generation and "norms/RoPE: 1.02x / 1.12x / 1.10x / 1.00x" in generation
     assert "torch.compile (hf norms/RoPE, batch 1 / 4 / 16 / 64): 1.22x / 1.14x / 1.10x / 1.00x" in generation
     assert headline_table(tmp_path / "nothing") is None
+
+
+def test_every_headline_row_links_to_its_section_of_the_benchmarks_page():
+    """One click from a README number to its conditions and command (test_docs checks the anchors exist)."""
+    rows = [line for line in headline_table(RESULTS).splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 8
+    for row in rows:
+        first_cell = row.split(" | ")[0]
+        assert re.fullmatch(r"\| \[[^\]]+\]\(docs/benchmarks\.md#[a-z0-9-]+\)", first_cell), first_cell
 
 
 def test_headline_has_no_quality_row_below_99_percent(tmp_path):

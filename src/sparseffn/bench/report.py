@@ -47,7 +47,7 @@ def mlp_table(rows: list[dict]) -> str:
     header = (
         f"{first['gpu']}, {first['dtype']}, torch {first['torch']}, triton {first['triton']}, git {first['git_sha']}. "
         "Speed-up = dense time / time (median of CUDA-event timings, L2 flushed, same run, same inputs). "
-        "Error = ‖y − y_fp32‖ / ‖y_fp32‖.\n\n"
+        "Error = ‖y − y_fp32‖ / ‖y_fp32‖. "
         "Graphed = one CUDA-graph replay of the call (no host launch work); `graphed sparse` is over eager "
         "dense, `graph / graph` is graphed dense time over graphed sparse time, `auto graphed` is graphed dense "
         "time over auto mode's captured call (under capture auto routes few tokens to the sparse kernels).\n\n"
@@ -206,7 +206,7 @@ def e2e_table(rows: list[dict]) -> str:
         f"sequence {first['seq_len']}, attention {first['attention']}, torch {first['torch']}, "
         f"transformers {first['transformers']}, git {first['git_sha']}. Forward = prefill "
         "(`logits_to_keep=1`, no grad); train = forward + backward + AdamW step with the L1 penalty. Dense = the "
-        "same model with its MLPs in `mode=\"dense\"`; median of CUDA-event timings, same run.\n\n"
+        "same model with its MLPs in `mode=\"dense\"`; median of CUDA-event timings, same run. "
         "Non-MLP = Hugging Face's own RMSNorm/RoPE code (hf) or sparseffn's fused kernels for both providers "
         "(fused, `sparseffn.models.fuse_non_mlp_`).\n\n"
         "| phase | non-MLP | tokens | dense tok/ms | sparse tok/ms | speed-up | MLP share of dense | peak mem sparse/dense "
@@ -321,28 +321,6 @@ def layout_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def decode_sweep_table(rows: list[dict]) -> str:
-    """The decode kernels' config sweep: per M and kernel, the default and the best whole-call time."""
-    if not rows:
-        return "(no rows)"
-    first = rows[0]
-    lines = [f"{first['gpu']}, git {first['git_sha']}, D={first['d']}, H={first['h']}, {first['target_nnz']} active "
-             "units per token; each config is the whole call (both kernels) graph-replayed with L2 flushed, one "
-             "kernel's parameters varied from that run's default at a time.\n",
-             "| M | kernel | configs | fastest µs | its parameters | slowest µs |", "|---|---|---|---|---|---|"]
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        if not r.get("error"):
-            groups[(int(r["m"]), r["part"])].append(r)
-    keys = {"gate": ("block_h", "block_k", "gate_warps", "gate_stages", "units_as_m"),
-            "down": ("split", "block_s", "block_d", "down_warps", "down_stages", "prefix")}
-    for (m, part), rs in groups.items():
-        best, worst = min(rs, key=lambda r: float(r["us"])), max(rs, key=lambda r: float(r["us"]))
-        params = ", ".join(f"{k} {best[k] or 'auto'}" for k in keys[part] if k in best)
-        lines.append(f"| {m} | {part} | {len(rs)} | {float(best['us']):.1f} | {params} | {float(worst['us']):.1f} |")
-    return "\n".join(lines)
-
-
 def multi_gpu_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
@@ -366,7 +344,6 @@ def _blocks() -> dict[str, Block]:
 
     return {
         "decode": Block("decode_mlp.csv", decode_table, plot_decode),
-        "decode_sweep": Block("decode_sweep.csv", decode_sweep_table),
         "decode_model": Block("decode_model.csv", decode_model_table, plot_decode_model),
         "train_run": Block("train_run.csv", train_run_table, plot_train_run),
         "train_density": Block("mlp_train_density.csv", train_table),
@@ -405,6 +382,14 @@ def _slash(values: list[str]) -> str:
     return " / ".join(values)
 
 
+# Each headline row links to the section of docs/benchmarks.md that gives its conditions and command.
+DOCS_PAGE = "docs/benchmarks.md"
+
+
+def _linked(result: str, anchor: str) -> str:
+    return f"[{result}]({DOCS_PAGE}#{anchor})"
+
+
 def _inference_row(results_dir: Path) -> tuple[str, str] | None:
     path = find_csv(results_dir, "mlp_paper_shape.csv") or find_csv(results_dir, "mlp.csv")
     cases = _paper_cases(read_rows(path)) if path else []
@@ -416,7 +401,8 @@ def _inference_row(results_dir: Path) -> tuple[str, str] | None:
     also = [f"error vs fp32 ≤ {sparse_err:.1e} (dense bf16: {dense_err:.1e})"]
     if all("sparse_graph" in c and "dense_graph" in c for c in cases):
         also.insert(0, f"CUDA graphs on both sides {_slash([_graph_ratio(c) for c in cases])}")
-    return (f"| MLP inference | D={PAPER_D}, H={PAPER_H}, {PAPER_NNZ:g} active units per token, M = {_slash(ms)} "
+    return (f"| {_linked('MLP inference', 'mlp-inference-at-the-papers-shape')} "
+            f"| D={PAPER_D}, H={PAPER_H}, {PAPER_NNZ:g} active units per token, M = {_slash(ms)} "
             f"| **{_slash([_times(c['sparse'], 'speedup_vs_dense') for c in cases])}** | {'; '.join(also)} |",
             f"{path.name} {cases[0]['sparse']['git_sha']}")
 
@@ -430,7 +416,8 @@ def _train_row(results_dir: Path) -> tuple[str, str] | None:
     also = [f"peak memory {_slash([_times(c['sparse'], 'peak_vs_dense') for c in cases])}"]
     if all("sparse_graph" in c and "dense_graph" in c for c in cases):
         also.insert(0, f"CUDA graphs on both sides {_slash([_graph_ratio(c) for c in cases])}")
-    return (f"| MLP training step (forward + backward + L1) | the same, M = {_slash(ms)} "
+    what = _linked("MLP training step (forward + backward + L1)", "training-step-of-the-mlp-block")
+    return (f"| {what} | the same, M = {_slash(ms)} "
             f"| **{_slash([_times(c['sparse'], 'speedup_vs_dense') for c in cases])}** | {'; '.join(also)} |",
             f"{path.name} {cases[0]['sparse']['git_sha']}")
 
@@ -460,7 +447,8 @@ def _e2e_rows(results_dir: Path, phase: str) -> tuple[str, str] | None:
         what = f"`{first['model']}` model training step"
         also = f"peak memory {_slash([_times(r, 'peak_vs_dense') for r in sparse])}"
     setting = f"{batches} tokens; {_weights(first)}; {'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides"
-    return f"| {what} | {setting} | **{speed}** | {also} |", f"{path.name} {first['git_sha']}"
+    return (f"| {_linked(what, 'end-to-end-the-papers-2b-model')} | {setting} | **{speed}** | {also} |",
+            f"{path.name} {first['git_sha']}")
 
 
 def _quality_row(results_dir: Path) -> tuple[str, str] | None:
@@ -476,7 +464,8 @@ def _quality_row(results_dir: Path) -> tuple[str, str] | None:
     setting = (f"`{r['model']}`, {r['steps']} steps × {r['tokens_per_step']} tokens, λ = {float(r['l1_coeff']):g}"
                + (f" ramped over {ramp} steps" if ramp else "")
                + (", dead-unit re-init" if str(r["reinit_dead"]) == "True" else ""))
-    return (f"| Quality (L1 training) | {setting} | **{float(r['zeros_pct']):.2f}% zeros** "
+    what = _linked("Quality (L1 training)", "quality-l1-coefficient-vs-held-out-cross-entropy")
+    return (f"| {what} | {setting} | **{float(r['zeros_pct']):.2f}% zeros** "
             f"| {float(r['nnz_mean']):.1f} of {float(r['hidden']):.0f} units active per token; held-out CE "
             f"{float(r['ce_increase_pct']):+.2f}% vs λ = 0 |", f"{path.name} {r['git_sha']}")
 
@@ -493,7 +482,9 @@ def _decode_row(results_dir: Path) -> tuple[str, str] | None:
               for m in ms]
     auto = [f"{float(pick[(m, 'dense_graph')]['median_us']) / float(pick[(m, 'auto_graph')]['median_us']):.2f}x"
             for m in ms]
-    return (f"| MLP decode (CUDA graphs on both sides, L2 flushed) | the same, M = {_slash(map(str, ms))} tokens per call "
+    what = _linked("MLP decode (CUDA graphs on both sides, L2 flushed)", "decode-the-mlp-at-1-256-tokens-per-call")
+    return (f"| {what} "
+            f"| the same, M = {_slash(map(str, ms))} tokens per call "
             f"| **{_slash(ratios)}** | auto mode {_slash(auto)} (it keeps dense where dense is faster) |",
             f"{path.name} {pick[(ms[0], 'sparse_graph')]['git_sha']}")
 
@@ -519,7 +510,8 @@ def _generation_row(results_dir: Path) -> tuple[str, str] | None:
         also += (f"; the step's forward through torch.compile ({_non_mlp(compiled[0])} norms/RoPE, batch "
                  f"{_slash([r['batch'] for r in compiled])}): {_slash([_times(r, 'speedup_vs_dense') for r in compiled])}, "
                  f"ms per token {ms(compiled)}")
-    return (f"| `{first['model']}` model generation (decode step replayed from a CUDA graph) | batch {batches}, "
+    what = f"`{first['model']}` model generation (decode step replayed from a CUDA graph)"
+    return (f"| {_linked(what, 'whole-model-decode')} | batch {batches}, "
             f"prompt {first['prompt']}, {first['new_tokens']} new tokens; {weights}; "
             f"{'fused RMSNorm/RoPE' if fused else 'Hugging Face non-MLP code'} on both sides "
             f"| **{_slash([_times(r, 'speedup_vs_dense') for r in sparse])}** | {also} |",
@@ -538,7 +530,8 @@ def _train_run_row(results_dir: Path) -> tuple[str, str] | None:
     first = next(r["mode"] for r in rows if r["kind"] == "summary")
     wall = (f"wall time {float(summary['auto']['wall_s']):.0f} s vs dense {float(summary['dense']['wall_s']):.0f} s "
             f"(the {first} run came first in the process and carries its warm-up)")
-    return (f"| Training run from initialization (auto mode) | `{summary['auto']['model']}`, L1 recipe to ≥ 99% "
+    what = _linked("Training run from initialization (auto mode)", "training-run-from-initialization-auto-mode")
+    return (f"| {what} | `{summary['auto']['model']}`, L1 recipe to ≥ 99% "
             f"zeros, auto vs dense mode, same seed | **{dense_phase:.2f}x while the layers are dense, "
             f"{sparse_phase:.2f}x once they run sparse** (tokens/s) | {wall} |",
             f"{path.name} {summary['auto']['git_sha']}")

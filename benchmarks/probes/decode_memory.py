@@ -2,7 +2,7 @@
 `bench decode-model` model at one batch size, one CapturedDecoder per MLP mode as the benchmark runs
 them, the peak of the second generate and the live blocks after it, diffed by allocation site.
 
-    python benchmarks/probe_decode_memory.py [BATCH]
+    python benchmarks/probes/decode_memory.py [BATCH]
 """
 
 import collections

@@ -1,8 +1,8 @@
 """Where the time of the sparse MLP goes, on the GPU: each stage alone, launch configs, a profile
-(host time per call: benchmarks/profile_host.py).
+(host time per call: benchmarks/probes/profile_host.py).
 
 Not part of the package: a measurement script for tuning runs on the lent H200
-(`python3 benchmarks/profile_mlp.py > $OUT/profile.txt`). Every stage runs on the same synthetic
+(`python3 benchmarks/probes/profile_mlp.py > $OUT/profile.txt`). Every stage runs on the same synthetic
 inputs as `sparseffn bench mlp`; times are do_bench medians (ms) with L2 flushed.
 """
 

@@ -3,7 +3,7 @@ for each norms/RoPE variant and batch size, dense MLPs vs auto mode, each decode
 CapturedDecoder and replayed under torch.profiler; kernel time per step grouped by kernel name, and
 the sparse layers' decisions and measured activity.
 
-    python benchmarks/probe_decode_step.py OUT_CSV [batches, default 1,4] [variants, default hf,fused]
+    python benchmarks/probes/decode_step.py OUT_CSV [batches, default 1,4] [variants, default hf,fused]
 """
 
 import sys

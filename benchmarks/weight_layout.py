@@ -2,7 +2,7 @@
 `SparseMLP` stores: no second copy) vs one interleaved [H, 2, D] copy (a unit's rows side by side),
 side by side on the H200 with dense torch in the same run. Writes layout.csv under the out dir.
 
-    python benchmarks/probe_layout.py OUT_DIR [GIT_SHA]
+    python benchmarks/weight_layout.py OUT_DIR [GIT_SHA]
 """
 
 import sys

@@ -2,7 +2,7 @@
 L2 flushed as `bench decode` times them, the floor (one tiny kernel), the gate kernel alone, the down
 kernel alone on the gate kernel's output, the whole call, and dense torch.
 
-    python benchmarks/probe_decode_parts.py [OUT_CSV]
+    python benchmarks/probes/decode_parts.py [OUT_CSV]
 """
 
 import sys

@@ -1,6 +1,6 @@
 """Where the time of a dense 2B forward and training step goes on the GPU, kernel by kernel.
 
-Usage: python benchmarks/profile_e2e.py [batch] [model]. Groups CUDA kernels into GEMM / attention /
+Usage: python benchmarks/probes/profile_e2e.py [batch] [model]. Groups CUDA kernels into GEMM / attention /
 elementwise-and-norm by name and prints the top kernels, for deciding what to fuse outside the MLP.
 """
 

@@ -1,7 +1,7 @@
 """The gate kernel's portable path (bf16 compared as fp32, no TMA: what GPUs before Hopper run)
 forced on the H200 beside its native path and cuBLAS + ReLU, same inputs: the cost of portability.
 
-    python benchmarks/probe_portable.py
+    python benchmarks/probes/portable_gate.py
 """
 
 import torch

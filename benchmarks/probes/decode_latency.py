@@ -17,9 +17,9 @@ L2 flushed, as `bench decode` times calls; µs, the best median of three rounds:
 
 The probe at ed94851 also launched the down kernel as a programmatic dependent of the gate kernel
 (PDL), and let the gate kernel load its rows before waiting for x's producer: no gain, dropped
-(docs/benchmarks.md, "Decode"; decode_latency_ed94851.csv).
+(CHANGELOG.md, 2026-12-02; benchmarks/results/h200/archive/decode_latency_ed94851.csv).
 
-    python benchmarks/probe_decode_latency.py [OUT_CSV]
+    python benchmarks/probes/decode_latency.py [OUT_CSV]
 """
 
 import sys

@@ -2,7 +2,7 @@
 `bench decode-model` model (HF norms/RoPE, batch 1, thresholds fitted on the prompt), dense MLPs vs
 auto mode: per replay, host ms to submit (no sync inside the loop) and wall ms until the GPU is done.
 
-    python benchmarks/probe_replay_host.py
+    python benchmarks/probes/replay_host.py
 """
 
 import time

@@ -1,6 +1,6 @@
 """Kernel-level profile of one MLP training step (sparse and dense) on the GPU, and its host cost.
 
-Usage: python benchmarks/profile_train.py [M] [D] [H] [nnz]. Prints the CUDA kernels sorted by time
+Usage: python benchmarks/probes/profile_train.py [M] [D] [H] [nnz]. Prints the CUDA kernels sorted by time
 and the wall time of a step (host launch overhead shows as wall time above the GPU time), then the
 sparse step's host time per launcher (each step synchronised first, so it is the launch work alone)
 and the CPU-side ops by self time. (cProfile misattributes time under the custom ops' dynamo-disabled

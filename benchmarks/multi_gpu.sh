@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU training over NCCL on one host (torchrun, DDP and FSDP2), dense vs auto mode, 1 and N GPUs
 # with the same global batch; then benchmarks/summarize_multi_gpu.py writes multi_gpu.csv.
-# Usage: bash benchmarks/run_multi_gpu.sh OUT_DIR [STEPS] ; needs the corpus in .data/corpus.
+# Usage: bash benchmarks/multi_gpu.sh OUT_DIR [STEPS] ; needs the corpus in .data/corpus.
 set -uo pipefail
 out=${1:?out dir}; steps=${2:-60}
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -1,6 +1,6 @@
 """Host time of one sparse MLP call, piece by piece, on the GPU machine.
 
-Not part of the package (`python3 benchmarks/profile_host.py > $OUT/host.txt`). At M = 1 the GPU
+Not part of the package (`python3 benchmarks/probes/profile_host.py > $OUT/host.txt`). At M = 1 the GPU
 work is a few µs, so the time to enqueue a call is what the host spends on it: Python, torch
 dispatch, Triton's launcher. Each row is the mean over 300 back-to-back calls (µs); the last part
 is a cProfile of sparse_mlp (inference), then of one training step at M = 4096. First, an A/B of

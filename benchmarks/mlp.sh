@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (device tool): GPU tests, then `sparseffn bench mlp`.
-# Usage: bash benchmarks/run_h200.sh GIT_SHA [extra `bench mlp` flags]; results land under $OUT.
+# Usage: bash benchmarks/mlp.sh GIT_SHA [extra `bench mlp` flags]; results land under $OUT.
 set -uo pipefail
 sha=${1:-unknown}
 shift || true

@@ -1,7 +1,7 @@
 """Time `unit_weight_grads` under several launch configs and program orders, and `slots_by_unit` at
 several warp counts, on the inputs of one real training step.
 
-Not part of the package: `python3 benchmarks/sweep_unit_grads.py [M] [GIT_SHA]` on the GPU machine.
+Not part of the package: `python3 benchmarks/probes/sweep_unit_grads.py [M] [GIT_SHA]` on the GPU machine.
 The inputs (x, dy, the unit-major CSR with its coefficients; columns, counts and the per-slot
 coefficients) are captured from one sparse training step of the synthetic D = 2048 / H = 5632 MLP at
 mean nnz 29; each config is checked against the first one (max relative difference of the three

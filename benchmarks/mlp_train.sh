@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (device tool): GPU tests of the training path, then the training-step
-# benchmark (`bench mlp --train`). Usage: bash benchmarks/run_h200_train.sh GIT_SHA [extra flags].
+# benchmark (`bench mlp --train`). Usage: bash benchmarks/mlp_train.sh GIT_SHA [extra flags].
 set -uo pipefail
 sha=${1:-unknown}
 shift || true

@@ -6,7 +6,7 @@ prints the second run's p50 ms per step. At 77e3743 the fused captured dense ste
 a process that ran only the fused rows and 3.27 ms after the Hugging Face rows: this checks the
 compiled rows the same way.
 
-    python benchmarks/probe_decode_order.py ORDER [hf|fused]
+    python benchmarks/probes/decode_order.py ORDER [hf|fused]
     e.g. ORDER = compiled:dense,compiled:sparse
 """
 

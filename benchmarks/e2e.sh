@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent H200 (device tool): `bench e2e` (the paper's 2B config, dense vs sparse).
 # Needs transformers & co. for Python 3.12 as wheels in .carry/wheels (no network there).
-# Usage: bash benchmarks/run_h200_e2e.sh GIT_SHA [field=value ...] (E2EBenchConfig fields)
+# Usage: bash benchmarks/e2e.sh GIT_SHA [field=value ...] (E2EBenchConfig fields)
 set -uo pipefail
 sha=${1:-unknown}
 shift || true

@@ -1,7 +1,7 @@
 """Is the sparse up/down pass bound by L2 capacity, and does prefetching its weight pay? A probe
 for tuning runs on the lent H200.
 
-Not part of the package (`python3 benchmarks/probe_l2.py [--h-sweep] [--train] > $OUT/probe_l2.txt`). The
+Not part of the package (`python3 benchmarks/probes/up_down_l2.py [--h-sweep] [--train] > $OUT/up_down_l2.txt`). The
 interleaved up/down weight of D = 2048, H = 5632 is 46 MB, about the H200's whole L2 (50 MB). Measurements,
 do_bench medians (ms, L2 flushed before each), 29 active units per token throughout:
   1. (--h-sweep) the pass over M tokens at H = 1408 .. 11264 (weights 11.5 .. 92 MB). First run (98c0f3f):
