@@ -19,7 +19,8 @@ def one(index: int, m: int) -> None:
     from sparseffn.bench.synthetic import synthetic_mlp
     from sparseffn.format import TwELL
     from sparseffn.kernels.gate_twell import gate_twell
-    from sparseffn.kernels.twell_up_down import benchmark_configs, twell_up_down
+    from sparseffn.kernels.twell_up_down import twell_up_down
+    from sparseffn.kernels.configs.twell_up_down import benchmark_configs
     from sparseffn.ops.reference import twell_up_down_reference
     from sparseffn.ops.twell_mlp import SparseMLPWeights
 
@@ -46,7 +47,7 @@ def main() -> int:
     if len(sys.argv) == 3:
         one(int(sys.argv[1]), int(sys.argv[2]))
         return 0
-    from sparseffn.kernels.twell_up_down import benchmark_configs
+    from sparseffn.kernels.configs.twell_up_down import benchmark_configs
 
     for m in (4096, 65536):
         for index in range(len(benchmark_configs(2048))):
