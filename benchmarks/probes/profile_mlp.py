@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from sparseffn.bench.synthetic import synthetic_mlp
+from sparseffn.kernels.configs.twell_up_down import benchmark_configs, default_config
 from sparseffn.kernels.gate_twell import gate_twell
-from sparseffn.kernels.twell_up_down import benchmark_configs, default_config, twell_up_down
+from sparseffn.kernels.twell_up_down import twell_up_down
 from sparseffn.ops.sparse_mlp import sparse_mlp
 from sparseffn.ops.twell_mlp import SparseMLPWeights, dense_mlp
 

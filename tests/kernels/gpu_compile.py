@@ -2,12 +2,13 @@
 
     python tests/kernels/gpu_compile.py 90        # sm_90a (H100/H200); 80, 86, 89, 100, 120 likewise
 
-Run in its own process (the interpreter switch of the test session must not be set). Each kernel
-module exposes `compile_specs(with_options=True[, arch=(major, minor)])`, a list of
-`(jit_function, signature, constexprs[, options])` covering the specializations its launchers use on
-that GPU generation, where options are the launch's compile options (num_warps, num_stages). Prints
-one line per compiled variant; exits non-zero when a variant fails to compile, takes more shared
-memory than one program may have on the target, or a required kernel was not compiled.
+Run in its own process (the interpreter switch of the test session must not be set). For each kernel
+module kernels/<op>.py, tests/kernels/compile_specs/<op>.py has `compile_specs(with_options=True[,
+arch=(major, minor)])`, a list of `(jit_function, signature, constexprs[, options])` covering the
+specializations its launchers use on that GPU generation, where options are the launch's compile
+options (num_warps, num_stages). Prints one line per compiled variant; exits non-zero when a variant
+fails to compile, takes more shared memory than one program may have on the target, or a required
+kernel was not compiled.
 """
 
 import importlib
@@ -23,8 +24,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import sparseffn.kernels
 from sparseffn.kernels._runtime import COMPILE_TARGETS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: the specs beside it
+import compile_specs  # noqa: E402  (tests/kernels/compile_specs, one module per kernel module)
 
 # kernels that must be among the compiled ones (a module that stops exposing them fails the run)
 REQUIRED = {
@@ -46,11 +49,8 @@ REQUIRED = {
 def specs_for(arch: tuple[int, int]):
     """(module name, spec) for every kernel variant launched on `arch`, duplicates dropped."""
     seen = set()
-    for info in pkgutil.iter_modules(sparseffn.kernels.__path__):
-        module = importlib.import_module(f"sparseffn.kernels.{info.name}")
-        make = getattr(module, "compile_specs", None)
-        if make is None:
-            continue
+    for info in pkgutil.iter_modules(compile_specs.__path__):
+        make = importlib.import_module(f"compile_specs.{info.name}").compile_specs
         params = inspect.signature(make).parameters
         kwargs = {"with_options": True} if "with_options" in params else {}
         if "arch" in params:

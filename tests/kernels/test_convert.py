@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseffn.kernels.convert import convert, compile_specs
+from sparseffn.kernels.convert import convert
+from tests.kernels.compile_specs.convert import compile_specs
 
 pytestmark = pytest.mark.filterwarnings(  # triton's interpreter turns 1-element arrays into ints
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")

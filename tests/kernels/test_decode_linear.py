@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseffn.kernels.decode_linear import MAX_TOKENS, compile_specs, decode_linear
+from sparseffn.kernels.decode_linear import MAX_TOKENS, decode_linear
+from tests.kernels.compile_specs.decode_linear import compile_specs
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 

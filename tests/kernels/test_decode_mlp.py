@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseffn.kernels.decode_mlp import MAX_TOKENS, DecodeConfig, decode_mlp, m_pad, compile_specs
+from sparseffn.kernels.decode_mlp import MAX_TOKENS, decode_mlp, m_pad
+from sparseffn.kernels.configs.decode_mlp import DecodeConfig
+from tests.kernels.compile_specs.decode_mlp import compile_specs
 from sparseffn.ops.reference import mlp_activation_reference, sparse_mlp_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")

@@ -23,13 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparseffn.kernels.dense_rows_mlp import (
-    DenseRowsConfig,
-    _compact_rows_kernel,
-    default_config,
-    dense_rows_mlp,
-    compile_specs,
-)
+from sparseffn.kernels.dense_rows_mlp import _compact_rows_kernel, dense_rows_mlp
+from sparseffn.kernels.configs.dense_rows_mlp import DenseRowsConfig, default_config
+from tests.kernels.compile_specs.dense_rows_mlp import compile_specs
 from tests.kernels.jit import do_not_specialize, positional_args
 
 pytestmark = pytest.mark.filterwarnings(  # triton's interpreter turns 1-element arrays into ints

@@ -28,14 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from sparseffn.kernels.dense_rows_mlp import _compact_rows_kernel
-from sparseffn.kernels.dense_rows_mlp_backward import (
-    DenseRowsBackwardConfig,
-    _dense_rows_mlp_backward_dw_kernel,
-    _dense_rows_mlp_backward_dx_kernel,
-    default_backward_config,
-    dense_rows_mlp_backward,
-    compile_specs,
-)
+from sparseffn.kernels.dense_rows_mlp_backward import (_dense_rows_mlp_backward_dw_kernel,
+                                                       _dense_rows_mlp_backward_dx_kernel, dense_rows_mlp_backward)
+from sparseffn.kernels.configs.dense_rows_mlp_backward import DenseRowsBackwardConfig, default_backward_config
+from tests.kernels.compile_specs.dense_rows_mlp_backward import compile_specs
 from tests.kernels.jit import do_not_specialize, positional_args
 
 pytestmark = pytest.mark.filterwarnings(  # triton's interpreter turns 1-element arrays into ints

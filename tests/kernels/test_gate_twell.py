@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparseffn.kernels.gate_twell import (FEW_TOKENS, GateTwellConfig, _gate_twell_kernel, default_config,
-                                          few_tokens_config, gate_twell)
+from sparseffn.kernels.gate_twell import FEW_TOKENS, _gate_twell_kernel, gate_twell
+from sparseffn.kernels.configs.gate_twell import GateTwellConfig, default_config, few_tokens_config
 from tests.kernels.jit import do_not_specialize, positional_args
 
 pytestmark = pytest.mark.filterwarnings(

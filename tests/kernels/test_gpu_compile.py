@@ -50,7 +50,7 @@ def test_every_kernel_compiles_for(target, runs):
 
 def test_portable_and_hopper_variants_differ_where_they_must():
     """gate_twell's bf16 compare and TMA are Hopper-only: below 9.0 the specs ask for neither."""
-    from sparseffn.kernels.gate_twell import compile_specs
+    from tests.kernels.compile_specs.gate_twell import compile_specs
 
     for arch in COMPILE_TARGETS:
         specs = compile_specs(arch=arch)

@@ -17,16 +17,10 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from sparseffn.kernels.rms_norm import (
-    MAX_D,
-    RMSNormConfig,
-    _rms_norm_backward_kernel,
-    _rms_norm_forward_kernel,
-    default_config,
-    rms_norm_backward,
-    rms_norm_forward,
-    compile_specs,
-)
+from sparseffn.kernels.rms_norm import (MAX_D, _rms_norm_backward_kernel, _rms_norm_forward_kernel, rms_norm_backward,
+                                        rms_norm_forward)
+from sparseffn.kernels.configs.rms_norm import RMSNormConfig, default_config
+from tests.kernels.compile_specs.rms_norm import compile_specs
 from sparseffn.ops.fused_norm_rope import rms_norm, rms_norm_op, rms_norm_reference
 from tests.kernels.jit import do_not_specialize
 

@@ -14,15 +14,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from sparseffn.kernels.rope import (
-    RopeConfig,
-    _rope_kernel,
-    default_config,
-    empty_like_layout,
-    rope_backward,
-    rope_forward,
-    compile_specs,
-)
+from sparseffn.kernels.rope import _rope_kernel, empty_like_layout, rope_backward, rope_forward
+from sparseffn.kernels.configs.rope import RopeConfig, default_config
+from tests.kernels.compile_specs.rope import compile_specs
 from sparseffn.ops.fused_norm_rope import apply_rope, rope_op, rope_reference
 from tests.kernels.jit import do_not_specialize
 

@@ -19,16 +19,10 @@ import dataclasses
 import pytest
 import torch
 
-from sparseffn.kernels.twell_train import (
-    TwellTrainConfig,
-    _twell_train_backward_kernel,
-    _twell_train_forward_kernel,
-    default_backward_config,
-    default_forward_config,
-    compile_specs,
-    twell_train_backward,
-    twell_train_forward,
-)
+from sparseffn.kernels.twell_train import (_twell_train_backward_kernel, _twell_train_forward_kernel,
+                                           twell_train_backward, twell_train_forward)
+from sparseffn.kernels.configs.twell_train import TwellTrainConfig, default_backward_config, default_forward_config
+from tests.kernels.compile_specs.twell_train import compile_specs
 from tests.kernels.jit import do_not_specialize, positional_args
 from tests.kernels.test_twell_up_down import _activation, _pack
 

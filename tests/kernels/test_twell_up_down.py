@@ -18,13 +18,9 @@ import itertools
 import pytest
 import torch
 
-from sparseffn.kernels.twell_up_down import (
-    UpDownConfig,
-    benchmark_configs,
-    default_config,
-    compile_specs,
-    twell_up_down,
-)
+from sparseffn.kernels.twell_up_down import twell_up_down
+from sparseffn.kernels.configs.twell_up_down import UpDownConfig, benchmark_configs, default_config
+from tests.kernels.compile_specs.twell_up_down import compile_specs
 
 pytestmark = pytest.mark.filterwarnings(  # triton's interpreter turns 1-element arrays into ints
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")

@@ -22,17 +22,10 @@ import torch
 from sparseffn.format import TwELL
 from sparseffn.kernels import unit_grads
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
-from sparseffn.kernels.unit_grads import (
-    UnitGradsConfig,
-    _unit_histogram_kernel,
-    _unit_scatter_kernel,
-    default_unit_grads_config,
-    compile_specs,
-    SlotCoefficients,
-    SlotsByUnit,
-    slots_by_unit,
-    unit_weight_grads,
-)
+from sparseffn.kernels.unit_grads import (_unit_histogram_kernel, _unit_scatter_kernel, SlotCoefficients, SlotsByUnit,
+                                          slots_by_unit, unit_weight_grads)
+from sparseffn.kernels.configs.unit_grads import UnitGradsConfig, default_unit_grads_config
+from tests.kernels.compile_specs.unit_grads import compile_specs
 from sparseffn.ops.reference import mlp_activation_reference
 from tests.kernels.jit import do_not_specialize, positional_args
 from tests.kernels.test_twell_up_down import _activation, _pack

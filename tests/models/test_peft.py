@@ -13,7 +13,7 @@ from sparseffn.models import collect_l1, sparse_layers
 from sparseffn.nn import SparseMLP
 from tests.models.families import family_lm, ids
 
-nn_sparse_mlp = importlib.import_module("sparseffn.nn.sparse_mlp")
+nn_dispatch = importlib.import_module("sparseffn.nn.dispatch")
 MLP_TARGETS = {"llama": ["gate_proj", "up_proj", "down_proj"], "phi3": ["gate_up_proj", "down_proj"],
                "gpt2": ["c_fc", "c_proj"]}  # matched in the MLPs only (GPT-2's attention has a c_proj too)
 
@@ -77,8 +77,8 @@ def test_lora_runs_the_sparse_op_on_merged_weights(monkeypatch):
     """Plain LoRA (no dropout) resolves to merged weights and the op runs; dropout while training makes
     the projections be called as modules (dense), as PEFT's forward needs."""
     calls = []
-    real = nn_sparse_mlp.sparse_mlp
-    monkeypatch.setattr(nn_sparse_mlp, "sparse_mlp", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    real = nn_dispatch.sparse_mlp_with_decision
+    monkeypatch.setattr(nn_dispatch, "sparse_mlp_with_decision", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     model = _lora(sparsify_(family_lm("llama")), "llama")
     model(input_ids=ids())
     assert len(calls) == 2

@@ -1,5 +1,6 @@
 import copy
 import importlib
+import inspect
 import os
 
 import pytest
@@ -9,11 +10,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from sparseffn.nn import DenseMLP, SparseMLP
-from sparseffn.ops.sparse_mlp import ModeDecision
-from sparseffn.ops.twell_mlp import SparseMLPWeights
 
 # the modules (their packages export functions and classes under the same names)
-nn_sparse_mlp = importlib.import_module("sparseffn.nn.sparse_mlp")
+nn_dispatch = importlib.import_module("sparseffn.nn.dispatch")
 ops_sparse_mlp = importlib.import_module("sparseffn.ops.sparse_mlp")
 from sparseffn.ops.reference import l1_penalty
 
@@ -312,13 +311,13 @@ def test_l1_follows_the_module_mode():
 
 def test_eval_no_grad_takes_the_inference_kernels_training_the_training_kernels(monkeypatch):
     seen = []
-    real = ops_sparse_mlp.sparse_mlp
+    real = ops_sparse_mlp.sparse_mlp_with_decision
 
     def spy(*args, **kwargs):
         seen.append((kwargs["return_l1"], torch.is_grad_enabled()))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(nn_sparse_mlp, "sparse_mlp", spy)
+    monkeypatch.setattr(nn_dispatch, "sparse_mlp_with_decision", spy)
     sparse = SparseMLP.from_dense(_llama_mlp())
     sparse(_x(3))
     sparse.eval()
@@ -327,26 +326,42 @@ def test_eval_no_grad_takes_the_inference_kernels_training_the_training_kernels(
     assert seen == [(True, True), (False, False)]
 
 
+def _spy_decisions(monkeypatch) -> list[dict]:
+    """Every decision made (ops.sparse_mlp._decision, the memoized rules), as a dict of its inputs."""
+    real = ops_sparse_mlp._decision
+    names = list(inspect.signature(real).parameters)
+    seen = []
+
+    def spy(*args):
+        seen.append(dict(zip(names, args)))
+        return real(*args)
+
+    monkeypatch.setattr(ops_sparse_mlp, "_decision", spy)
+    return seen
+
+
 def test_auto_mode_dispatches_on_measured_activity(monkeypatch):
     """Unmeasured: dense. The activity sample taken on call 0 is read `lag` calls later (before call
-    `lag` decides); from then on auto mode decides from it, per kind of call, with the
+    `lag` decides); from then on the op decides from it, once per call, per kind of call, with the
     last decision of that kind as hysteresis input; a hint replaces it and stops the counting."""
     sparse = SparseMLP.from_dense(_llama_mlp())
     sparse.eval()
-    decisions = []
-    monkeypatch.setattr(importlib.import_module("sparseffn.nn.dispatch"), "choose_mode",
-                        lambda x, up, **k: decisions.append(k) or ModeDecision("dense", "spy"))
+    decisions = _spy_decisions(monkeypatch)
     x = _x(3)
     with torch.no_grad():
         want = float(sparse.activation_mask(x).sum()) / 3
-        for _ in range(sparse.activity.lag):
+        for call in range(sparse.activity.lag):
             sparse(x)
             assert sparse.last_decision.reason.startswith("activity not measured")
-        assert decisions == [] and sparse.activity.nnz is None
+            assert len(decisions) == call + 1 and decisions[-1]["expected_nnz"] is None
+            assert decisions[-1]["unmeasured"] == sparse.last_decision.reason
+        assert sparse.activity.nnz is None
         sparse(x)
         assert sparse.activity.nnz == want and 0 < want < H
         assert decisions[-1]["expected_nnz"] == want and decisions[-1]["previous"] == "dense"
+        assert decisions[-1]["unmeasured"] is None and not sparse.last_decision.reason.startswith("activity not measured")
         sparse(x)
+    assert len(decisions) == sparse.activity.lag + 2  # one decision per call
     assert sparse.activity.last == {"decode": "dense"} and sparse.activity.calls == sparse.activity.lag + 2
     assert "activity=Activity(" in repr(sparse)
     sparse.expected_nnz = 7.0
@@ -355,16 +370,29 @@ def test_auto_mode_dispatches_on_measured_activity(monkeypatch):
     assert decisions[-1]["expected_nnz"] == 7.0 and sparse.activity.calls == sparse.activity.lag + 2
 
 
+def test_the_decision_sees_the_training_kernels_the_call_runs(monkeypatch):
+    """track_l1=False while gradients flow: the call runs the training kernels (if sparse), so the one
+    decision is made, and recorded, as a training call's."""
+    sparse = SparseMLP.from_dense(_llama_mlp())
+    sparse.track_l1 = False
+    sparse.expected_nnz = 3.0
+    decisions = _spy_decisions(monkeypatch)
+    sparse(_x(2))
+    assert [d["training"] for d in decisions] == [True]
+    assert sparse.last_decision.kind == "training" and sparse.activity.last == {"training": "dense"}
+    with torch.no_grad():
+        sparse(_x(2))
+    assert [d["training"] for d in decisions] == [True, False] and sparse.last_decision.kind == "decode"
+
+
 def test_as_captured_calls_decide_as_captured_and_are_not_counted(monkeypatch):
-    """Inside ops.sparse_mlp.as_captured (nested too) a call is traced: choose_mode sees it as
+    """Inside ops.sparse_mlp.as_captured (nested too) a call is traced: the decision sees it as
     captured and the activity does not count it; outside, both as before."""
     from sparseffn.ops.sparse_mlp import as_captured, call_traced
 
     sparse = SparseMLP.from_dense(_llama_mlp())
     sparse.eval()
-    seen = []
-    monkeypatch.setattr(importlib.import_module("sparseffn.nn.dispatch"), "choose_mode",
-                        lambda x, up, **k: seen.append(call_traced(x)) or ModeDecision("dense", "spy"))
+    seen = _spy_decisions(monkeypatch)
     x = _x(2)
     with torch.no_grad():
         sparse(x)
@@ -377,7 +405,7 @@ def test_as_captured_calls_decide_as_captured_and_are_not_counted(monkeypatch):
         sparse(x)
         with as_captured():
             sparse(x)
-    assert seen == [False, True]
+    assert [d["traced"] for d in seen] == [False, True, False, True]
 
 
 def test_activity_samples_and_resumes_exactly():

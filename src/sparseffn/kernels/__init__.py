@@ -1,1 +1,2 @@
-"""Triton kernels, one op per module. Launchers live beside their kernels; ops/ dispatches to them."""
+"""Triton kernels, one op per module: the kernels, then their launcher; ops/ dispatches to them.
+configs/<op>.py holds each op's launch config type and default-config table."""

@@ -7,8 +7,7 @@ src is fp32, bf16 or fp16; rnd is round-to-nearest-even, as torch's `.to()` (exa
 match); on the GPU the results are bitwise torch's. Uses: the training backward rounds its fp32
 weight-gradient accumulators (the down projection's transposed) and both training passes take
 down_proj.weight^T. Why a kernel: torch's transposing copy (`.t().contiguous()`) runs a
-non-vectorised elementwise kernel, several times slower than a tiled copy (docs/benchmarks.md,
-"Kernel notes"). Each program moves a [BLOCK_R, BLOCK_C] tile: loads along C, stores along C
+non-vectorised elementwise kernel, several times slower than a tiled copy (docs/kernel-notes.md). Each program moves a [BLOCK_R, BLOCK_C] tile: loads along C, stores along C
 (transposed: along R; Triton stages the tile through shared memory so both sides stay coalesced).
 
 Layouts: src [R, C], unit stride along C, any row stride; dst contiguous. Any R, C >= 0.
@@ -18,16 +17,14 @@ torch's rounding).
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, TL_DTYPES, cdiv
+from sparseffn.kernels._runtime import DTYPES, cdiv
 from sparseffn.kernels.launch import Launcher
 
-__all__ = ["convert", "compile_specs"]
+__all__ = ["convert"]
 
 _BLOCK = 64  # BLOCK_R = BLOCK_C: a 16 KB fp32 (8 KB bf16) tile per program
 _WARPS = 4
@@ -75,17 +72,3 @@ def convert(src: torch.Tensor, dtype: torch.dtype, *, transpose: bool = False) -
             src, dst, r, c, src.stride(0), TRANSPOSE=transpose, BLOCK_R=_BLOCK, BLOCK_C=_BLOCK,
             num_warps=_WARPS)
     return dst
-
-
-def compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) for fp32 sources to both output dtypes and
-    each dtype to itself, plain and transposed."""
-    specs = []
-    pairs = [("fp32", ty) for ty in TL_DTYPES.values()] + [(ty, ty) for ty in TL_DTYPES.values()]
-    for (src, dst), transpose in itertools.product(pairs, (False, True)):
-        constexprs = {"TRANSPOSE": transpose, "BLOCK_R": _BLOCK, "BLOCK_C": _BLOCK}
-        signature = {"src_ptr": f"*{src}", "dst_ptr": f"*{dst}", "R": "i32", "C": "i32", "stride_src": "i32",
-                     **{k: "constexpr" for k in constexprs}}
-        spec = (_convert_kernel, signature, constexprs)
-        specs.append(spec + ({"num_warps": _WARPS},) if with_options else spec)
-    return specs

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_few_tokens, interpreting, next_power_of_2
+from sparseffn.kernels._runtime import cdiv, check_few_tokens, interpreting, next_power_of_2
 from sparseffn.kernels.decode_mlp import _rows_dot
 from sparseffn.kernels.launch import Launcher
 
@@ -29,7 +29,7 @@ BLOCK_N = 2  # units per program: many small programs keep enough rows in flight
 MAX_BLOCK_K = 2048
 NUM_WARPS = 4
 
-__all__ = ["MAX_TOKENS", "decode_linear", "launch_decode_linear", "compile_specs"]
+__all__ = ["MAX_TOKENS", "decode_linear", "launch_decode_linear"]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -127,20 +127,3 @@ def launch_decode_linear(x: torch.Tensor, weights) -> torch.Tensor:
                   ws[0].stride(0), ws[1].stride(0), ws[2].stride(0),
                   M_PAD=m, BLOCK_N=BLOCK_N, BLOCK_K=_block_k(d), num_warps=NUM_WARPS, num_stages=1)
     return y
-
-
-def compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) of the variants `decode_linear` launches:
-    bf16 / fp16, one or two tokens, D = 2048 (the block over D is a constexpr of D)."""
-    specs = []
-    for dtype in (torch.bfloat16, torch.float16):
-        ty = TL_DTYPES[dtype]
-        for m in (1, 2):
-            sig = {"x_ptr": f"*{ty}", "w0_ptr": f"*{ty}", "w1_ptr": f"*{ty}", "w2_ptr": f"*{ty}", "y_ptr": f"*{ty}",
-                   "M": "i32", "D": "i32", "N0": "i32", "N1": "i32", "N2": "i32", "stride_xm": "i32",
-                   "stride_w0": "i32", "stride_w1": "i32", "stride_w2": "i32",
-                   "M_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-            cx = {"M_PAD": m, "BLOCK_N": BLOCK_N, "BLOCK_K": _block_k(2048)}
-            spec = (_decode_linear_kernel, sig, cx)
-            specs.append(spec + (({"num_warps": NUM_WARPS, "num_stages": 1},) if with_options else ()))
-    return specs

@@ -28,22 +28,18 @@ Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (DOT_IN_FP32).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import (HOPPER, TL_DTYPES, capability, cdiv, check_capability, check_config_fields,
-                                        check_few_tokens, interpreting, mma, num_sms, shared_memory_limit)
+from sparseffn.kernels._runtime import capability, cdiv, check_capability, check_few_tokens, interpreting, mma, num_sms
+from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config, down_rows
 from sparseffn.kernels.launch import Launcher
 
 MAX_TOKENS = 64
 PADDED_TOKENS = (1, 2, 16, 32, 64)  # the token counts the kernels are built for
 
-__all__ = ["MAX_TOKENS", "DecodeConfig", "decode_mlp", "default_config", "launch_decode_mlp", "compile_specs"]
+__all__ = ["MAX_TOKENS", "decode_mlp", "launch_decode_mlp"]
 
 
 @triton.jit
@@ -217,73 +213,10 @@ _gate_up_launch = Launcher(_decode_gate_up_kernel)
 _down_launch = Launcher(_decode_down_kernel)
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Launch parameters. K1: block_h units per program, block_k columns per step, gate_warps /
-    gate_stages. K2: block_s list entries per step, block_d output columns per program (None: enough
-    programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step, split spans
-    of the units per column block."""
-
-    block_h: int = 16
-    block_k: int = 256
-    gate_warps: int = 4
-    gate_stages: int = 3
-    block_s: int = 64
-    block_d: int | None = None
-    down_warps: int = 4
-    down_stages: int = 3
-    prefix: int = 4096  # flags per step of K2's compaction
-    split: int = 1  # K2's programs per column block, each over one span of the units
-
-    def __post_init__(self) -> None:
-        check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
-                                            "down_warps", "down_stages", "prefix", "split"),
-                            powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix"),
-                            at_least=((("block_k", "block_s"), 16, "tl.dot"), (("block_h",), 2, "a 2-D tile")))
-        if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
-                                         or self.block_d < 16 or self.block_d & (self.block_d - 1)):
-            raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
-
-
 def m_pad(m: int) -> int:
     """The kernels' padded token count: 1, 2, or the smallest of 16 / 32 / 64 holding m (from 3 tokens
     on, tl.dot on padded rows beats the CUDA-core products)."""
     return m if m <= 2 else max(16, 1 << (m - 1).bit_length())
-
-
-def down_rows(m_padded: int) -> int:
-    """K2's token rows: 1 (CUDA-core products), else at least 16 (tl.dot's minimum)."""
-    return 1 if m_padded == 1 else max(16, m_padded)
-
-
-@functools.lru_cache(maxsize=None)
-def default_config(m_padded: int, arch: tuple[int, int] = HOPPER) -> DecodeConfig:
-    """The config per padded M, from the sweep on the H200 (benchmarks/results/h200/decode_sweep.csv,
-    D=2048/H=5632, 29 active units per token), with its pipeline stages cut to fit the shared memory
-    of a GPU of capability `arch` (and 32-unit tiles from sm_100 on). One or two tokens: few units per program and whole-row steps, since
-    the CUDA-core loop is not software-pipelined (each step is one memory round trip); more tokens:
-    tl.dot tiles, pipelined. The down kernel splits the units into 4 to 8 spans (more programs)."""
-    if m_padded == 1:
-        config = DecodeConfig(block_h=4, block_k=2048, gate_stages=1, block_s=128, block_d=64, down_stages=1,
-                              prefix=2048, split=4)
-    elif m_padded == 2:
-        config = DecodeConfig(block_h=2, block_k=2048, gate_stages=1, block_s=64, block_d=64, down_stages=1,
-                              prefix=2048, split=8)
-    elif m_padded == 16:
-        config = DecodeConfig(block_h=64, block_k=256, gate_stages=4, block_s=128, block_d=64, down_stages=2,
-                              prefix=2048, split=4)
-    else:
-        config = DecodeConfig(block_h=64, block_k=128, gate_stages=4, block_s=128, block_d=64, down_stages=4,
-                              prefix=8192, split=4)
-    if m_padded < 16:
-        return config
-    if arch >= (10, 0):  # Triton 3.6's TMEM layout pass fails on 64-unit tiles there (compile check)
-        config = dataclasses.replace(config, block_h=32)
-    limit = shared_memory_limit(arch) - 8 * 1024  # headroom for the compiler's own scratch
-    gate_stage = (config.block_h + m_padded) * config.block_k * 2  # 16-bit tiles of one pipeline stage
-    down_stage = (config.block_s * config.block_d + down_rows(m_padded) * config.block_s) * 2
-    return dataclasses.replace(config, gate_stages=max(1, min(config.gate_stages, limit // gate_stage)),
-                               down_stages=max(1, min(config.down_stages, limit // down_stage)))
 
 
 def down_block(config: DecodeConfig, d: int, sms: int) -> int:
@@ -370,40 +303,3 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
         DOT_IN_FP32=dot_fp32, num_warps=config.down_warps, num_stages=config.down_stages,
     )
     return y
-
-
-def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) of the variants decode_mlp launches on a GPU
-    of capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
-    config."""
-    specs = []
-
-    def add(fn, signature, constexprs, warps, stages):
-        for name in constexprs:
-            signature.setdefault(name, "constexpr")
-        spec = (fn, signature, constexprs)
-        specs.append(spec + (({"num_warps": warps, "num_stages": stages},) if with_options else ()))
-
-    for dtype in (torch.bfloat16, torch.float16):
-        ty = TL_DTYPES[dtype]
-        for mp in PADDED_TOKENS:
-            cfg = default_config(mp, arch)
-            for gated, has_threshold in ((True, False), (True, True), (False, True)):
-                if mp not in (1, 64) and not (gated and not has_threshold):
-                    continue
-                sig = {"x_ptr": f"*{ty}", "first_ptr": f"*{ty}", "up_ptr": f"*{ty}",
-                       "threshold_ptr": "*fp32" if has_threshold else "constexpr", "h_ptr": f"*{ty}",
-                       "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32",
-                       "n_counts": "i32", "stride_xm": "i32", "stride_fh": "i32", "stride_uh": "i32"}
-                cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "M_PAD": mp, "BLOCK_H": cfg.block_h,
-                      "BLOCK_K": cfg.block_k, "DOT_IN_FP32": False}
-                if not has_threshold:
-                    cx["threshold_ptr"] = None
-                add(_decode_gate_up_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
-            sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
-                   "y_ptr": f"*{ty}", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32",
-                   "stride_dh": "i32", "stride_ym": "i32"}
-            cx = {"M_PAD": mp, "ROWS": down_rows(mp), "SPLIT": cfg.split, "BLOCK_S": cfg.block_s,
-                  "BLOCK_D": down_block(cfg, 2048, 132), "PREFIX": cfg.prefix, "DOT_IN_FP32": False}
-            add(_decode_down_kernel, sig, cx, cfg.down_warps, cfg.down_stages)
-    return specs

@@ -29,20 +29,16 @@ Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (its low-precisi
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import (
-    DTYPES, TL_DTYPES, cdiv, check_capability, check_config_fields, interpreting, mma, next_power_of_2, num_sms,
-)
+from sparseffn.kernels._runtime import DTYPES, cdiv, check_capability, interpreting, mma, num_sms
+from sparseffn.kernels.configs.dense_rows_mlp import DenseRowsConfig, default_config
 from sparseffn.kernels.launch import Launcher
 from sparseffn.kernels.row_split import check_row_list
 
-__all__ = ["DenseRowsConfig", "compact_rows", "default_config", "dense_rows_mlp", "compile_specs"]
+__all__ = ["compact_rows", "dense_rows_mlp"]
 
 _FLAG_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _COMPACT_BLOCK = 2048  # flags per step of the one-program scan
@@ -231,55 +227,6 @@ def _dense_rows_mlp_kernel(
 
 
 _dense_rows_mlp_launch = Launcher(_dense_rows_mlp_kernel)
-
-
-# ----------------------------------------------------------------------------------------------------
-# configuration
-
-
-@dataclass(frozen=True)
-class DenseRowsConfig:
-    """Launch parameters of `_dense_rows_mlp_kernel` (all powers of two).
-
-    block_r tokens per tile (MMA N: >= 8 on the GPU), block_h units per chunk and block_dy y
-    columns per tile (MMA M: >= 16, 64 per warpgroup for wgmma), block_k the D step (>= 16).
-    The y accumulator is block_dy * block_r fp32 spread over num_warps * 32 threads.
-    """
-
-    block_r: int = 16
-    block_h: int = 64
-    block_k: int = 64
-    block_dy: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
-    programs_per_sm: int = 1  # persistent grid: #SMs x this (the interpreter: 3 x this)
-
-    def __post_init__(self) -> None:
-        check_config_fields(
-            self, positive=("block_r", "block_h", "block_k", "block_dy", "num_warps", "num_stages", "programs_per_sm"),
-            powers_of_two=("block_r", "block_h", "block_k", "block_dy", "num_warps"),
-            at_least=((("block_h", "block_k", "block_dy"), 16, "tl.dot"), (("block_r",), 8, "tl.dot")))
-
-
-@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_config(d: int, *, cuda: bool) -> DenseRowsConfig:
-    """Config from D only (never M: M adds no compiled variants).
-
-    GPU, D % 8 == 0 (16-byte vector loads, cp.async pipeline): 16 tokens per tile, 64-unit
-    chunks, BLOCK_K 64, y slices of up to 512 columns (n_d = 4 at D = 2048), 8 warps at 512 and 4
-    below, 3 stages: no spills at D = 2048 (ptxas, sm_90a). Other D (element loads through
-    registers): slices of up to 256, 8 warps, 2 stages, also without spills. Not tuned by a sweep.
-    Interpreter: big blocks, since each block operation is one numpy call.
-    """
-    block_dy = min(max(next_power_of_2(max(d, 1)), 64), 512)
-    if not cuda:
-        return DenseRowsConfig(block_r=16, block_h=128, block_k=128, block_dy=min(block_dy, 128),
-                               num_warps=4, num_stages=1)
-    if d % 8:
-        return DenseRowsConfig(block_r=16, block_h=64, block_k=64, block_dy=min(block_dy, 256),
-                               num_warps=8, num_stages=2)
-    return DenseRowsConfig(block_r=16, block_h=64, block_k=64, block_dy=block_dy,
-                           num_warps=8 if block_dy >= 512 else 4, num_stages=3)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -521,62 +468,3 @@ def _aligned_rows(t: torch.Tensor) -> bool:
 def cuda_supported(d: int, *weights: torch.Tensor) -> bool:
     """Whether the kernel runs on CUDA for hidden size d with these [H, D] weight views."""
     return d % 8 == 0 and all(_aligned_rows(w) for w in weights)
-
-
-# ----------------------------------------------------------------------------------------------------
-# GPU compile coverage (tests/kernels/gpu_compile.py)
-
-
-def compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs) for what the launcher runs on a Hopper GPU: the
-    compaction scan, and the MLP kernel for bf16/fp16 x gated/non-gated x threshold on/off at the
-    default configs of D = 2048 (aligned: 16-byte vectors; BLOCK_DY 512, 8 warps), D = 72
-    (aligned, BLOCK_DY 128, 4 warps) and D = 100 (unaligned, generic loads; BLOCK_DY 128, 8 warps),
-    without row_l1, plus the row_l1 variants (the training forward) at D = 2048.
-
-    with_options=True appends each variant's compile options (num_warps, num_stages) as a 4th
-    element; gpu_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
-    """
-    specs = []
-
-    def add(fn, signature, constexprs, options):
-        for name in constexprs:
-            signature.setdefault(name, "constexpr")
-        spec = (fn, signature, constexprs)
-        specs.append(spec + (options,) if with_options else spec)
-
-    for flag_ty in ("u8", "i32"):
-        add(_compact_rows_kernel,
-            {"flags_ptr": f"*{flag_ty}", "ids_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "stride_f": "i32"},
-            {"BLOCK": _COMPACT_BLOCK}, {"num_warps": _COMPACT_WARPS})
-
-    # (D, ALIGNED): the paper's D and a small one with 16-byte vectors, an odd D on the generic path
-    variants = [(d, aligned, False) for d, aligned in ((2048, True), (72, True), (100, False))]
-    variants.append((2048, True, True))
-    for d, aligned, write_l1 in variants:
-        cfg = default_config(d, cuda=True)
-        for dtype, ty in TL_DTYPES.items():
-            for gated in (True, False):
-                for has_threshold in (False, True):
-                    signature = {
-                        "x_ptr": f"*{ty}", "ids_ptr": "*i32", "count_ptr": "*i32", "first_ptr": f"*{ty}",
-                        "up_ptr": f"*{ty}" if gated else "constexpr", "down_ptr": f"*{ty}",
-                        "threshold_ptr": "*fp32" if has_threshold else "constexpr", "out_ptr": f"*{ty}",
-                        "row_l1_ptr": "*fp32" if write_l1 else "constexpr",
-                        "D": "i32", "H": "i32", "stride_xm": "i32", "stride_fh": "i32", "stride_uh": "i32",
-                        "stride_dh": "i32", "stride_om": "i32", "stride_l1": "i32",
-                    }
-                    constexprs = {
-                        "GATED": gated, "HAS_THRESHOLD": has_threshold, "WRITE_L1": write_l1, "ALIGNED": aligned,
-                        "BLOCK_R": cfg.block_r, "BLOCK_H": cfg.block_h, "BLOCK_K": cfg.block_k,
-                        "BLOCK_DY": cfg.block_dy, "DOT_IN_FP32": False,
-                    }
-                    if not gated:
-                        constexprs["up_ptr"] = None
-                    if not has_threshold:
-                        constexprs["threshold_ptr"] = None
-                    if not write_l1:
-                        constexprs["row_l1_ptr"] = None
-                    add(_dense_rows_mlp_kernel, signature, constexprs,
-                        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    return specs

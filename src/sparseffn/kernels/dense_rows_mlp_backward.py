@@ -31,29 +31,17 @@ weights refused. Any M, D, H >= 0 (M < 2**31); offsets int64; compiled variants 
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, interpreting, mma, next_power_of_2, num_sms
-from sparseffn.kernels.dense_rows_mlp import (
-    _INTERPRETER_PROGRAMS,
-    _aligned_rows,
-    check_rows_and_weights,
-    compact_rows,
-    cuda_supported,
-)
+from sparseffn.kernels._runtime import cdiv, interpreting, mma, num_sms
+from sparseffn.kernels.configs.dense_rows_mlp_backward import DenseRowsBackwardConfig, default_backward_config
+from sparseffn.kernels.dense_rows_mlp import (_INTERPRETER_PROGRAMS, _aligned_rows, check_rows_and_weights,
+                                              compact_rows, cuda_supported)
 from sparseffn.kernels.launch import Launcher
 
-__all__ = [
-    "DenseRowsBackwardConfig",
-    "default_backward_config",
-    "dense_rows_mlp_backward",
-    "compile_specs",
-]
+__all__ = ["dense_rows_mlp_backward"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -449,70 +437,6 @@ _dense_rows_mlp_backward_dw_launch = Launcher(_dense_rows_mlp_backward_dw_kernel
 
 
 # ----------------------------------------------------------------------------------------------------
-# configuration
-
-
-@dataclass(frozen=True)
-class DenseRowsBackwardConfig:
-    """Launch parameters of the two backward kernels (block sizes: powers of two).
-
-    dx kernel: block_r tokens per tile (MMA N: >= 8), block_h units per chunk and block_dx dx
-    columns per tile (MMA M: >= 16, 64 per warpgroup for wgmma), block_k the recompute's D step.
-    dw kernel: block_h_w units per tile (MMA M), block_r_w rows per step (MMA K of the weight
-    GEMMs: >= 16), block_k_w the recompute's D step, block_dw accumulator columns per slice.
-    d_groups: D groups per unit chunk in the dw kernel (its recompute factor); None lets the
-    launcher pick floor(#programs / #chunks) (at least 1, at most the slices): the most tiles that
-    still fit in one wave of the persistent grid.
-    """
-
-    block_r: int = 16
-    block_h: int = 64
-    block_k: int = 64
-    block_dx: int = 256
-    num_warps: int = 8
-    num_stages: int = 3
-    block_h_w: int = 64
-    block_r_w: int = 32
-    block_k_w: int = 32
-    block_dw: int = 128
-    num_warps_w: int = 8
-    num_stages_w: int = 2
-    d_groups: int | None = None
-    programs_per_sm: int = 1  # persistent grids: #SMs x this (the interpreter: 3 x this)
-
-    def __post_init__(self) -> None:
-        if self.d_groups is not None:
-            check_config_fields(self, positive=("d_groups",))
-        check_config_fields(
-            self,
-            positive=("block_r", "block_h", "block_k", "block_dx", "num_warps", "num_stages", "block_h_w", "block_r_w",
-                      "block_k_w", "block_dw", "num_warps_w", "num_stages_w", "programs_per_sm"),
-            powers_of_two=("block_r", "block_h", "block_k", "block_dx", "num_warps", "block_h_w", "block_r_w",
-                           "block_k_w", "block_dw", "num_warps_w"),
-            at_least=((("block_h", "block_k", "block_dx", "block_h_w", "block_r_w", "block_k_w", "block_dw"), 16,
-                       "tl.dot"), (("block_r",), 8, "tl.dot")))
-
-
-@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_backward_config(d: int, *, cuda: bool) -> DenseRowsBackwardConfig:
-    """Config from D only (never M or R: they add no compiled variants).
-
-    GPU (D % 8 == 0; CUDA runs only the aligned path): dx kernel 16 tokens per tile, 64-unit
-    chunks, BLOCK_K 64, dx slices of up to 256 columns (n_dx = 8 at D = 2048), 8 warps, 3 stages:
-    115-186 registers, no spills (ptxas, sm_90a; 512-column slices spill when gated). dw kernel
-    64 units x 128 columns per accumulator tile, 32 rows per step, BLOCK_K 32, 8 warps, 2 stages:
-    214-254 registers, no spills (one CTA per SM, as the persistent grid assumes). Not tuned by a
-    sweep. Interpreter: big blocks, since each block operation is one numpy call.
-    """
-    block_dx = min(max(next_power_of_2(max(d, 1)), 64), 256)
-    if not cuda:
-        return DenseRowsBackwardConfig(block_r=16, block_h=128, block_k=128, block_dx=min(block_dx, 128),
-                                       num_warps=4, num_stages=1, block_h_w=128, block_r_w=64, block_k_w=128,
-                                       block_dw=128, num_warps_w=4, num_stages_w=1)
-    return DenseRowsBackwardConfig(block_dx=block_dx)
-
-
-# ----------------------------------------------------------------------------------------------------
 # launcher
 
 
@@ -705,59 +629,3 @@ def launch_dense_rows_backward(
     if dx_out is not result:
         result.copy_(dx_out)
     return result
-
-
-# ----------------------------------------------------------------------------------------------------
-# GPU compile coverage (tests/kernels/gpu_compile.py)
-
-
-def compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs) for what the launcher runs on a Hopper GPU, aligned
-    (the only CUDA path): both kernels for bf16/fp16 x gated/non-gated x threshold on/off with
-    l1_grad (what the training op passes) at the default config of D = 2048 (dx slices of 256),
-    plus without l1_grad (threshold on), and at D = 64 (dx slices of 64; threshold and l1_grad on).
-    The compaction scan is compiled by kernels/dense_rows_mlp.py's list.
-
-    with_options=True appends each variant's compile options (num_warps, num_stages) as a 4th
-    element; gpu_compile.py compiles with Triton's defaults (4 warps, 3 stages) instead.
-    """
-    specs = []
-
-    def add(fn, signature, constexprs, options):
-        for name in constexprs:
-            signature.setdefault(name, "constexpr")
-        spec = (fn, signature, constexprs)
-        specs.append(spec + (options,) if with_options else spec)
-
-    variants = [(2048, thr, True) for thr in (False, True)] + [(2048, True, False), (64, True, True)]
-    for d, has_threshold, has_l1 in variants:
-        cfg = default_backward_config(d, cuda=True)
-        for dtype, ty in TL_DTYPES.items():
-            for gated in (True, False):
-                inputs = {
-                    "x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "ids_ptr": "*i32", "count_ptr": "*i32",
-                    "first_ptr": f"*{ty}", "up_ptr": f"*{ty}" if gated else "constexpr",
-                    "down_ptr": f"*{ty}", "threshold_ptr": "*fp32" if has_threshold else "constexpr",
-                    "l1_grad_ptr": "*fp32" if has_l1 else "constexpr",
-                }
-                flags = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "HAS_L1": has_l1, "ALIGNED": True,
-                         "DOT_IN_FP32": False}
-                nones = {name: None for name, on in (("up_ptr", gated), ("threshold_ptr", has_threshold),
-                                                     ("l1_grad_ptr", has_l1)) if not on}
-                dx_sig = dict(inputs, dx_ptr=f"*{ty}", D="i32", H="i32", stride_xm="i32", stride_ym="i32",
-                              stride_fh="i32", stride_uh="i32", stride_dh="i32", stride_om="i32")
-                add(_dense_rows_mlp_backward_dx_kernel, dx_sig,
-                    dict(flags, **nones, BLOCK_R=cfg.block_r, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-                         BLOCK_DX=cfg.block_dx),
-                    {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-                dw_sig = dict(inputs, grad_first_ptr="*fp32",
-                              grad_up_ptr="*fp32" if gated else "constexpr", grad_down_ptr="*fp32",
-                              D="i32", H="i32", slices_per_tile="i32", stride_xm="i32", stride_ym="i32",
-                              stride_fh="i32", stride_uh="i32", stride_dh="i32", stride_gf="i32",
-                              stride_gu="i32", stride_gd="i32")
-                dw_nones = dict(nones, **({} if gated else {"grad_up_ptr": None}))
-                add(_dense_rows_mlp_backward_dw_kernel, dw_sig,
-                    dict(flags, **dw_nones, BLOCK_R=cfg.block_r_w, BLOCK_H=cfg.block_h_w,
-                         BLOCK_K=cfg.block_k_w, BLOCK_DW=cfg.block_dw),
-                    {"num_warps": cfg.num_warps_w, "num_stages": cfg.num_stages_w})
-    return specs

@@ -29,18 +29,13 @@ output for "Potential Performance Loss" after changing the epilogue.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from sparseffn.kernels._runtime import (DTYPES, HOPPER, TL_DTYPES, capability, cdiv, check_capability, interpreting,
-                                        num_sms, shared_memory_limit)
+from sparseffn.kernels._runtime import DTYPES, HOPPER, capability, cdiv, check_capability, interpreting, num_sms
+from sparseffn.kernels.configs.gate_twell import GateTwellConfig, default_config, few_tokens_config
 from sparseffn.kernels.launch import Launcher
 
 SUPPORTED_TILES = (32, 64, 128, 256)
@@ -355,85 +350,15 @@ _pack_twell_launch = Launcher(_pack_twell_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
-# configuration
-
-
-@dataclass(frozen=True)
-class GateTwellConfig:
-    """Launch configuration (BLOCK_N is always the TwELL tile).
-
-    programs_per_sm sizes the persistent grid (#SMs x programs_per_sm): 2 lets one program's
-    epilogue overlap another's main loop when registers and shared memory allow two per SM (e.g.
-    tile 256 with block_m 64 and 4 warps). scan_epilogue selects the tl.cumsum reference epilogue
-    (it needs the tile in shared memory: at tile 256 and 8 warps more than an H200 SM has).
-    asm_stores=False uses tl.store on the GPU too (the interpreter always does).
-    """
-
-    block_m: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-    programs_per_sm: int = 1
-    scan_epilogue: bool = False
-    asm_stores: bool = True
-
-
-@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_config(d: int, h: int, dtype: torch.dtype, tile: int, *, cuda: bool,
-                   arch: tuple[int, int] = HOPPER) -> GateTwellConfig:
-    """Deterministic config from (D, H, dtype, tile, GPU generation), never M (M must add no
-    compiled variants).
-
-    Hopper: BLOCK_M 128, BLOCK_K 64; 8 warps (two wgmma warpgroups, 64 rows each) for tiles 256
-    and 128, whose fp32 accumulator is then 128 / 64 registers per thread; 3 stages at tile 256
-    (144 KiB of shared memory), 4 below; never more stages than k-steps. Other generations take the
-    same shape with fewer stages, then 64-row blocks, until the pipeline buffers fit their shared
-    memory (`_runtime.shared_memory_limit`). bf16 and fp16 cost the same and H does not change the
-    choice. Interpreter: big blocks, since each block operation is one numpy call.
-    """
-    del dtype, h
-    if not cuda:
-        return GateTwellConfig(block_m=64, block_k=64, group_m=2, num_warps=4, num_stages=1)
-    k_tiles = max(1, -(-d // 64))
-    hopper = GateTwellConfig(block_m=128, block_k=64, group_m=8, num_warps=8 if tile >= 128 else 4,
-                             num_stages=min(3 if tile == 256 else 4, max(2, k_tiles)))
-    return fit_shared_memory(hopper, tile, arch)
-
-
-def fit_shared_memory(config: GateTwellConfig, tile: int, arch: tuple[int, int]) -> GateTwellConfig:
-    """`config` with fewer pipeline stages (down to 2), then 64-row blocks, until its buffers fit the
-    shared memory of a GPU of capability `arch`, with 8 KiB to spare for the epilogue and compiler."""
-    budget = shared_memory_limit(arch) - 8 * 1024
-
-    def need(c):
-        return c.num_stages * (c.block_m + tile) * c.block_k * 2
-
-    while config.num_stages > 2 and need(config) > budget:
-        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
-    if need(config) > budget and config.block_m > 64:
-        config = dataclasses.replace(config, block_m=64)
-    return config
+# launcher
 
 
 # Few tokens (1 <= M <= FEW_TOKENS on a GPU): one program per (row block, tile) would leave most SMs
 # idle, so the GEMM writes the dense relu output over 32-column N-blocks and a second kernel packs it
-# (measurements: docs/benchmarks.md, "Kernel notes"). Inference calls this small take the decode
+# (measurements: docs/kernel-notes.md). Inference calls this small take the decode
 # kernels; this path serves explicit gate_twell calls and the training forward.
 FEW_TOKENS = 64
 _FEW_TOKENS_BLOCK_N = 32
-
-
-def few_tokens_config(d: int, m: int) -> GateTwellConfig:
-    """Config of the dense-output GEMM of few-token calls: BLOCK_M 16 (M <= 16) or 64, BLOCK_K 256 /
-    128, one program per N-block, never more stages than k-steps."""
-    block_m, block_k, stages = (16, 256, 3) if m <= 16 else (64, 128, 4)
-    return _few_tokens_config(block_m, block_k, min(stages, max(1, cdiv(d, block_k))))
-
-
-@functools.lru_cache(maxsize=None)
-def _few_tokens_config(block_m: int, block_k: int, stages: int) -> GateTwellConfig:
-    return GateTwellConfig(block_m=block_m, block_k=block_k, group_m=1, num_warps=4, num_stages=stages)
 
 
 def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -447,10 +372,6 @@ def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.data_ptr() % 16 == 0
         and weight.data_ptr() % 16 == 0
     )
-
-
-# ----------------------------------------------------------------------------------------------------
-# launcher
 
 
 def _check_inputs(x, weight, threshold, tile, slots, mode, config):
@@ -632,97 +553,3 @@ def _pack_few_tokens(x, weight, threshold, tile, slots, arch):
     if n_tiles:
         _pack_twell_launch[(m, n_tiles)](p, values, columns, counts, h, n_tiles, p.stride(0), SLOTS=slots, TILE=tile)
     return values, columns, counts
-
-
-# ----------------------------------------------------------------------------------------------------
-# GPU compile coverage (tests/kernels/gpu_compile.py)
-
-
-def compile_specs(arch: tuple[int, int] = HOPPER, with_options: bool = False):
-    """(jit_function, signature, constexprs) for every variant gate_twell launches on a GPU of
-    capability `arch`: bf16/fp16 x threshold on/off x {persistent (+ TMA from Hopper on), one tile
-    per program with pointers} at the default tile-256 and tile-128 configs, the few-token dense
-    output and packing kernels, plus tiles 64 and 32, a slots count that is not a power of two, the
-    persistent pointer fallback, tl.store stores, the scan reference epilogue, a two-programs-per-SM
-    config and the diagnostic modes (explicit configs shrunk to the arch's shared memory).
-
-    with_options=True appends the compile options (num_warps, num_stages) of each variant's config
-    as a 4th element.
-    """
-    specs = []
-
-    def add(dtype, has_threshold, tile, slots, *, persistent, tma, mode="pack", config=None):
-        cfg = fit_shared_memory(config, tile, arch) if config else default_config(2048, 5632, dtype, tile, cuda=True,
-                                                                                  arch=arch)
-        tma = tma and arch >= HOPPER
-        ty = TL_DTYPES[dtype]
-        if tma:
-            x_ty = f"tensordesc<{ty}[{cfg.block_m}, {cfg.block_k}]>"
-            w_ty = f"tensordesc<{ty}[{tile}, {cfg.block_k}]>"
-        else:
-            x_ty = w_ty = f"*{ty}"
-        signature = {
-            "x": x_ty,
-            "weight": w_ty,
-            "threshold_ptr": "*fp32" if has_threshold else "constexpr",
-            "values_ptr": f"*{ty}",
-            "columns_ptr": "*i16",
-            "counts_ptr": "*i32",
-            "M": "i32",
-            "D": "i32",
-            "H": "i32",
-            "stride_xm": "i32",
-            "stride_xk": "i32",
-            "stride_wn": "i32",
-        }
-        constexprs = {
-            "SLOTS": slots,
-            "HAS_THRESHOLD": has_threshold,
-            "MODE": _MODE_ID[mode],
-            "BLOCK_M": cfg.block_m,
-            "BLOCK_N": tile,
-            "BLOCK_K": cfg.block_k,
-            "GROUP_M": cfg.group_m,
-            "USE_TMA": tma,
-            "FLATTEN": persistent,
-            "SCAN_EPILOGUE": cfg.scan_epilogue,
-            "ASM_STORES": cfg.asm_stores,
-            "NATIVE_BF16": arch >= HOPPER,
-            "DOT_IN_FP32": False,
-        }
-        if not has_threshold:
-            constexprs["threshold_ptr"] = None
-        for name in constexprs:
-            signature.setdefault(name, "constexpr")
-        spec = (_gate_twell_kernel, signature, constexprs)
-        if with_options:
-            spec += ({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},)
-        specs.append(spec)
-
-    bf16, fp16 = torch.bfloat16, torch.float16
-    for dtype in (bf16, fp16):
-        for has_threshold in (False, True):
-            for tile, slots in ((256, 32), (128, 16)):
-                add(dtype, has_threshold, tile, slots, persistent=True, tma=True)
-                add(dtype, has_threshold, tile, slots, persistent=False, tma=False)
-    add(bf16, True, 64, 8, persistent=True, tma=True)
-    add(fp16, False, 32, 4, persistent=True, tma=True)
-    add(bf16, True, 256, 24, persistent=True, tma=True)  # slots not a power of two
-    add(bf16, True, 256, 32, persistent=True, tma=False)  # persistent pointer fallback (strided x)
-    add(bf16, True, 256, 32, persistent=True, tma=True, config=GateTwellConfig(128, 64, 8, 8, 3, asm_stores=False))
-    add(bf16, True, 128, 16, persistent=True, tma=True, config=GateTwellConfig(128, 64, 8, 8, 3, scan_epilogue=True))
-    add(bf16, True, 256, 32, persistent=True, tma=True, config=GateTwellConfig(64, 64, 8, 4, 2, programs_per_sm=2))
-    for mode in ("counts", "dense"):
-        add(bf16, True, 256, 32, persistent=True, tma=True, mode=mode)
-    # few-token calls: the dense output in N-blocks of 32 (both row-block configs), then the packing
-    for dtype in (bf16, fp16):
-        for m, has_threshold in ((1, False), (64, True)):
-            add(dtype, has_threshold, _FEW_TOKENS_BLOCK_N, _FEW_TOKENS_BLOCK_N, persistent=False, tma=False,
-                mode="dense", config=few_tokens_config(2048, m))
-        for tile, slots in ((256, 32), (64, 8)):
-            ty = TL_DTYPES[dtype]
-            signature = {"p_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16", "counts_ptr": "*i32",
-                         "H": "i32", "n_tiles": "i32", "stride_pm": "i32", "SLOTS": "constexpr", "TILE": "constexpr"}
-            spec = (_pack_twell_kernel, signature, {"SLOTS": slots, "TILE": tile})
-            specs.append(spec + (({"num_warps": 4, "num_stages": 3},) if with_options else ()))
-    return specs

@@ -3,7 +3,7 @@
 Why. At a few thousand tokens a sparse MLP step is bound by host work, not GPU work (a training step
 makes about 18 Triton launches), and Triton's per-launch path (argument binder, C launcher checking
 each tensor, cache key, metadata) costs tens of µs per 20-argument launch on the hosts measured
-(docs/benchmarks.md, "Kernel notes").
+(docs/kernel-notes.md).
 
 How. `Launcher(kernel)[grid](*args, **meta)` launches exactly what `kernel[grid](*args, **meta)`
 would. The first launch of each argument key goes through Triton (which compiles, caches and

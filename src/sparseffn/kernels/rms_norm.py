@@ -30,15 +30,14 @@ device (CUDA, or CPU under TRITON_INTERPRET=1). Compiled variants do not depend 
 
 from __future__ import annotations
 
-import functools
 import numbers
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import cdiv, check_capability, interpreting, next_power_of_2, num_sms
+from sparseffn.kernels.configs.rms_norm import RMSNormConfig, default_config
 from sparseffn.kernels.launch import Launcher
 
 # dtypes x, weight and dy may have, and their names in Triton signatures
@@ -131,40 +130,6 @@ def _rms_norm_backward_kernel(
 
 
 _rms_norm_backward_launch = Launcher(_rms_norm_backward_kernel)
-
-
-# ----------------------------------------------------------------------------------------------------
-# configuration
-
-
-@dataclass(frozen=True)
-class RMSNormConfig:
-    """Launch configuration. block_m: rows per program (per loop step in backward); num_warps;
-    programs_per_sm: the backward grid is min(row blocks, SMs x programs_per_sm) (2 "SMs" on CPU)."""
-
-    block_m: int
-    num_warps: int
-    programs_per_sm: int = 4
-
-
-@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_config(d: int, *, cuda: bool) -> RMSNormConfig:
-    """From D only (M must add no compiled variants).
-
-    CUDA: tiles of about 4096 elements (D = 2048: 2 rows, D <= 256: 16 rows, D >= 4096: one row),
-    16 fp32 elements per thread and tensor (8 warps at D = 2048; capped at 16 warps, so D = 16384
-    holds 32), loaded as 16-byte vectors. sm_90 registers per thread (ptxas): forward 40 at
-    D = 2048, backward 80 at D = 2048 and 128 without spills at D = 16384 (bf16); the backward
-    spills past that. The backward grid keeps every program resident at once (16 warps per SM:
-    2 programs of 8 warps at D = 2048), so no second wave leaves SMs idle at the end.
-    Interpreter: big blocks (each block operation is one numpy call).
-    """
-    block_d = next_power_of_2(max(d, 1))
-    if not cuda:
-        return RMSNormConfig(block_m=max(1, min(64, 8192 // block_d)), num_warps=4)
-    block_m = max(1, min(16, 4096 // block_d))
-    num_warps = max(1, min(16, block_m * block_d // 512))
-    return RMSNormConfig(block_m=block_m, num_warps=num_warps, programs_per_sm=max(1, 16 // num_warps))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -280,41 +245,3 @@ def rms_norm_backward(
         num_warps=config.num_warps,
     )
     return dx, dw_partial.sum(0).to(weight.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------
-# GPU compile coverage (tests/kernels/gpu_compile.py)
-
-
-def compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) for both kernels: every (x, weight) dtype
-    pair of bf16/fp16/fp32 at D = 2048 (dy and y in their promoted dtype), and bf16 with bf16 or
-    fp32 weights at D = 96 (masked, 16 rows a program), 4096, 16384 and MAX_D."""
-    specs = []
-
-    def add(d, x_dtype, w_dtype):
-        config = default_config(d, cuda=True)
-        x_ty, w_ty = TL_NORM_DTYPES[x_dtype], TL_NORM_DTYPES[w_dtype]
-        y_ty = TL_NORM_DTYPES[torch.promote_types(w_dtype, x_dtype)]
-        constexprs = {"BLOCK_M": config.block_m, "BLOCK_D": next_power_of_2(d)}
-        forward = {
-            "x_ptr": f"*{x_ty}", "weight_ptr": f"*{w_ty}", "y_ptr": f"*{y_ty}", "rstd_ptr": "*fp32",
-            "M": "i32", "D": "i32", "stride_xm": "i32", "stride_ym": "i32", "eps": "fp32",
-        }
-        backward = {
-            "dy_ptr": f"*{y_ty}", "x_ptr": f"*{x_ty}", "weight_ptr": f"*{w_ty}", "rstd_ptr": "*fp32",
-            "dx_ptr": f"*{x_ty}", "dw_partial_ptr": "*fp32",
-            "M": "i32", "D": "i32", "stride_dym": "i32", "stride_xm": "i32", "stride_dxm": "i32",
-        }
-        for kernel, signature in ((_rms_norm_forward_kernel, forward), (_rms_norm_backward_kernel, backward)):
-            signature = {**signature, **{k: "constexpr" for k in constexprs}}
-            spec = (kernel, signature, constexprs)
-            specs.append(spec + ({"num_warps": config.num_warps},) if with_options else spec)
-
-    for x_dtype in NORM_DTYPES:
-        for w_dtype in NORM_DTYPES:
-            add(2048, x_dtype, w_dtype)
-    for d in (96, 4096, 16384, MAX_D):
-        add(d, torch.bfloat16, torch.bfloat16)
-        add(d, torch.bfloat16, torch.float32)
-    return specs

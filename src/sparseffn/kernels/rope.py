@@ -30,14 +30,12 @@ config is a function of (Hq, Hk, d).
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import cdiv, check_capability, interpreting, next_power_of_2
+from sparseffn.kernels.configs.rope import RopeConfig, default_config
 from sparseffn.kernels.launch import Launcher
 
 ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -122,40 +120,6 @@ def _rope_kernel(
 
 
 _rope_launch = Launcher(_rope_kernel)
-
-
-# ----------------------------------------------------------------------------------------------------
-# configuration
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Launch configuration: tokens per program, heads per step for q and for k, num_warps."""
-
-    block_s: int
-    block_hq: int
-    block_hk: int
-    num_warps: int = 4
-
-
-@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_config(hq: int, hk: int, d: int, *, cuda: bool) -> RopeConfig:
-    """From (Hq, Hk, d) only (B and S add no compiled variants).
-
-    A step's tile is [block_s, block_h, d/2] per half; all heads in one step up to 4096 elements of
-    a half, and as many tokens as keep q's tile near 2048 elements (Llama 2B, 32 heads of 64: two
-    tokens, one step of [2, 32, 32] per half and tensor; 8 heads of 128: four tokens). sm_90
-    (ptxas): 72 registers, 16-byte loads and stores, no spills. Interpreter: up to 16 tokens a
-    program.
-    """
-    block_half = next_power_of_2(max(d // 2, 1))
-    cap = max(1, 4096 // block_half)
-    block_hq = min(next_power_of_2(hq), cap)
-    block_hk = min(next_power_of_2(hk), cap)
-    target = 8192 if not cuda else 2048
-    block_s = max(1, min(16, target // (block_hq * block_half)))
-    num_warps = 4 if block_s * block_hq * block_half <= 2048 else 8
-    return RopeConfig(block_s=block_s, block_hq=block_hq, block_hk=block_hk, num_warps=num_warps)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -263,51 +227,3 @@ def rope_backward(
     dq, dk = empty_like_layout(dq_out, dtype), empty_like_layout(dk_out, dtype)
     _launch(dq_out, dk_out, cos, sin, dq, dk, config, backward=True)
     return dq, dk
-
-
-# ----------------------------------------------------------------------------------------------------
-# GPU compile coverage (tests/kernels/gpu_compile.py)
-
-
-def compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) for forward and backward at bf16, fp16 and
-    fp32 q / k with cos / sin of the same dtype, bf16 q / k with fp32 cos / sin (autocast: fp32
-    outputs; its backward takes fp32 gradients to bf16), at Llama 2B heads (Hq 32, Hk 32 or 8, d 64),
-    8 heads of 128 and an odd head dim (d 96, masked halves)."""
-    specs = []
-    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-
-    def add(hq, hk, d, x_dtype, cs_dtype, backward):
-        config = default_config(hq, hk, d, cuda=True)
-        out_dtype = torch.promote_types(x_dtype, cs_dtype)
-        in_ty, out_ty = TL_ROPE_DTYPES[out_dtype if backward else x_dtype], TL_ROPE_DTYPES[x_dtype if backward else out_dtype]
-        cs_ty = TL_ROPE_DTYPES[cs_dtype]
-        signature = {
-            "q_ptr": f"*{in_ty}", "k_ptr": f"*{in_ty}", "cos_ptr": f"*{cs_ty}", "sin_ptr": f"*{cs_ty}",
-            "q_out_ptr": f"*{out_ty}", "k_out_ptr": f"*{out_ty}",
-            "B": "i32", "S": "i32", "Hq": "i32", "Hk": "i32",
-            **{name: "i32" for name in (
-                "stride_qb", "stride_qh", "stride_qs", "stride_kb", "stride_kh", "stride_ks",
-                "stride_qob", "stride_qoh", "stride_qos", "stride_kob", "stride_koh", "stride_kos",
-                "stride_cb", "stride_cs", "stride_sb", "stride_ss")},
-        }
-        constexprs = {
-            "HALF": d // 2,
-            "BACKWARD": backward,
-            "BLOCK_S": config.block_s,
-            "BLOCK_HQ": config.block_hq,
-            "BLOCK_HK": config.block_hk,
-            "BLOCK_HALF": next_power_of_2(d // 2),
-        }
-        signature.update({name: "constexpr" for name in constexprs})
-        spec = (_rope_kernel, signature, constexprs)
-        specs.append(spec + ({"num_warps": config.num_warps},) if with_options else spec)
-
-    for backward in (False, True):
-        for dtype in ROPE_DTYPES:
-            add(32, 32, 64, dtype, dtype, backward)
-        add(32, 32, 64, bf16, fp32, backward)
-        add(32, 8, 64, bf16, bf16, backward)
-        add(8, 8, 128, bf16, bf16, backward)
-        add(12, 4, 96, fp16, fp16, backward)
-    return specs

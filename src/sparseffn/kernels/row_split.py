@@ -2,7 +2,7 @@
 
 The token-major kernels (twell_up_down.py, twell_train.py) run a row as one serial chain of weight
 row loads in one program, so the few rows of the heavy tail (~0.5% of the tokens at ~12x the mean
-count) would finish each launch alone (docs/benchmarks.md, "Kernel notes"). A launch splits them:
+count) would finish each launch alone (docs/kernel-notes.md). A launch splits them:
 1. `classify_rows` (one pass over counts [M, n_tiles]) finds each row's overflow (some count > slots:
    the dense backup's rows), as a flag per row and/or as a list (ids and count, in no particular
    order: the backup takes it as is). It also lists the ordinary rows with more than `piece` valid
@@ -40,8 +40,20 @@ import triton.language as tl
 from sparseffn.kernels._runtime import cdiv, next_power_of_2
 from sparseffn.kernels.launch import Launcher
 
-__all__ = ["PARTIALS_BUDGET_BYTES", "RowSplit", "check_row_list", "classify_rows", "gather_pieces", "launch_args",
-           "list_capacity", "listed_row", "new_row_list", "prepare_launch", "compile_specs", "split_signature", "splits"]
+__all__ = [
+    "PARTIALS_BUDGET_BYTES",
+    "RowSplit",
+    "check_row_list",
+    "classify_rows",
+    "gather_pieces",
+    "launch_args",
+    "list_capacity",
+    "listed_row",
+    "new_row_list",
+    "prepare_launch",
+    "split_signature",
+    "splits",
+]
 
 _CLASSIFY_ROWS = 64  # rows per program of _classify_rows_kernel
 # The pieces' fp32 partials are sized for the longest possible row (n_tiles * slots valid slots), so
@@ -239,25 +251,3 @@ def split_signature(split: bool) -> tuple[dict[str, str], dict[str, None]]:
     GPU compile specs: typed pointers when split, None constexprs otherwise."""
     args = {**_LIST_POINTERS, "partials_ptr": "*fp32"}
     return (args, {}) if split else ({k: "constexpr" for k in args}, dict.fromkeys(args))
-
-
-def compile_specs():
-    """(jit_function, signature, constexprs) of the classification: overflow flags with and without the
-    split list (the training forward, the flags alone), and the overflow list with the split list
-    (inference) and alone."""
-    overflow_pointers = {"overflow_ptr": "*u8"}
-    list_pointers = {"overflow_ids_ptr": "*i32", "overflow_count_ptr": "*i32"}
-    specs = []
-    for flags, listed, split in ((True, False, True), (True, False, False), (False, True, True),
-                                 (False, True, False)):
-        pointers = {**(overflow_pointers if flags else {}), **(list_pointers if listed else {}),
-                    **(_LIST_POINTERS if split else {})}
-        constexprs = {"FLAGS": flags, "LIST": listed, "SPLIT": split, "PIECE": 128, "BLOCK_R": _CLASSIFY_ROWS,
-                      "BLOCK_T": 32}
-        for name in (*overflow_pointers, *list_pointers, *_LIST_POINTERS):
-            if name not in pointers:
-                constexprs[name] = None
-        signature = {"counts_ptr": "*i32", **pointers, "M": "i32", "n_tiles": "i32", "slots": "i32",
-                     "split_cap": "i32", **{k: "constexpr" for k in constexprs}}
-        specs.append((_classify_rows_kernel, signature, constexprs))
-    return specs

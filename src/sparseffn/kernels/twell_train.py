@@ -31,31 +31,17 @@ that can pass 2**31 are int64; compiled variants depend on (dtype, D, n_tiles, s
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import itertools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2
+from sparseffn.kernels._runtime import cdiv, check_matrix, next_power_of_2
+from sparseffn.kernels.configs.twell_train import TwellTrainConfig, default_backward_config, default_forward_config
 from sparseffn.kernels.launch import Launcher
-from sparseffn.kernels.row_split import (check_row_list, gather_pieces, launch_args, prepare_launch, split_signature,
-                                        splits)
+from sparseffn.kernels.row_split import check_row_list, gather_pieces, launch_args, prepare_launch, splits
 from sparseffn.kernels.twell_up_down import _load_counts, _piece_head, _row_nnz
 
-__all__ = [
-    "TwellTrainConfig",
-    "default_backward_config",
-    "default_forward_config",
-    "compile_specs",
-    "twell_train_backward",
-    "twell_train_forward",
-]
-
-_MAX_BLOCK_D = 8192
+__all__ = ["twell_train_backward", "twell_train_forward"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -437,75 +423,7 @@ _twell_train_backward_launch = Launcher(_twell_train_backward_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
-# launch configuration
-
-
-@dataclass(frozen=True)
-class TwellTrainConfig:
-    """Launch parameters of the two token-major training kernels. Sizes are powers of two."""
-
-    block_m: int = 2        # tokens per program (consecutive)
-    block_u: int = 4        # active units per chunk: 2-3 weight rows each, loaded together
-    block_d: int = 2048     # output columns per program; >= D keeps token rows in registers
-    block_n: int = 64       # compact slots per batch, columns/values gathered at once (>= block_u)
-    max_block_t: int = 256  # tiles per counts segment at most
-    num_warps: int = 4
-    evict: bool = True      # L2 hints: weights evict_last, streamed token data evict_first
-    max_regs: int | None = None  # register cap per thread (ptxas .maxnreg)
-    split_slots: int = 128  # rows with more valid slots are split into pieces of this many; 0: off
-    split_cap: int = 256    # rows split per call at most (the rest run whole; less for wide MLPs,
-                            # row_split.PARTIALS_BUDGET_BYTES)
-
-    def __post_init__(self) -> None:
-        check_config_fields(self, positive=("block_m", "block_u", "block_d", "block_n", "max_block_t", "num_warps",
-                                            "split_cap"),
-                            powers_of_two=("block_u", "block_d", "block_n", "max_block_t", "num_warps"),
-                            flags=("evict",))
-        if self.block_n < self.block_u:
-            raise ValueError(f"TwellTrainConfig.block_n must be >= block_u = {self.block_u}, "
-                             f"got {self.block_n}")
-        if (not isinstance(self.split_slots, int) or isinstance(self.split_slots, bool) or self.split_slots < 0
-                or (self.split_slots and self.split_slots % self.block_n)):
-            raise ValueError(f"TwellTrainConfig.split_slots must be 0 or a positive multiple of block_n = "
-                             f"{self.block_n}, got {self.split_slots!r}")
-
-
-def _base_config(d: int, max_block_u: int) -> TwellTrainConfig:
-    """The whole row of D in one program up to D = 8192, 8 contiguous elements per thread along D,
-    up to 4 warps, ~8K elements per weight tile of a chunk (at most max_block_u units), batches of
-    64 slots, 2 tokens per program: twell_up_down.default_config's structure. The inference
-    kernel's tuned variants (lookahead, register prefetch, persistent grid) are not carried over."""
-    block_d = min(next_power_of_2(max(d, 1)), _MAX_BLOCK_D)
-    num_warps = max(1, min(4, block_d // 512))
-    block_u = max(1, min(max_block_u, 8192 // block_d))
-    return TwellTrainConfig(block_m=2, block_u=block_u, block_d=block_d, block_n=max(64, block_u),
-                            num_warps=num_warps)
-
-
-@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_forward_config(d: int) -> TwellTrainConfig:
-    """Heuristic forward config for hidden size d (2 weight rows per unit when gated): block_u 4
-    at D = 2048, up to 8 for small D. ptxas (sm_90a, bf16, D = 2048): 128 registers gated, 71
-    non-gated, no spills; the deterministic variant (long rows summed piece by piece) took 168
-    gated, 3 programs per SM instead of 4, and ran slower (docs/benchmarks.md, "Kernel notes"),
-    so at D = 2048 the cap is 128 (no spills in either variant)."""
-    base = _base_config(d, 8)
-    if base.block_d == 2048 and base.num_warps == 4:
-        return dataclasses.replace(base, max_regs=128)
-    return base
-
-
-@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_backward_config(d: int) -> TwellTrainConfig:
-    """Heuristic backward config for hidden size d (3 weight rows per unit when gated, so 12 rows
-    in flight per chunk at D = 2048): block_u 4 at most. ptxas (sm_90a, bf16, D = 2048): the
-    kernel with split pieces takes 243 registers gated (2 programs per SM) left alone, so at
-    D = 2048 it is capped at 168 (3 programs per SM, no spills: what it used before the pieces);
-    128 non-gated."""
-    base = _base_config(d, 4)
-    if base.block_d == 2048 and base.num_warps == 4:
-        return dataclasses.replace(base, max_regs=168)
-    return base
+# launchers
 
 
 def _constexprs(config: TwellTrainConfig, d: int, n_tiles: int, slots: int, *, gated: bool,
@@ -534,10 +452,6 @@ def _split(config: TwellTrainConfig, counts: torch.Tensor, d: int, slots: int, o
     return prepare_launch(counts, slots, piece=config.split_slots, cap=config.split_cap,
                           max_block_t=config.max_block_t, d=d, block_d=config.block_d, overflow_out=overflow_out,
                           overflow_list=overflow_list)
-
-
-# ----------------------------------------------------------------------------------------------------
-# launchers
 
 
 def _check(t: object, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -751,54 +665,3 @@ def twell_train_backward(
         num_warps=config.num_warps,
         maxnreg=config.max_regs,
     )
-
-
-# ----------------------------------------------------------------------------------------------------
-# GPU compile coverage (tests/kernels/gpu_compile.py)
-
-
-def compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) for both kernels, bf16 and fp16, gated and
-    non-gated, at the default configs of D = 2048 (the paper's shape: H = 5632, tile 256, slots
-    32, aligned; also deterministic), D = 100 (unaligned, masked along D) and D = 16384 (D split
-    over programs)."""
-    specs = []
-    shapes = [(2048, 22, 32, True, False), (2048, 22, 32, True, True), (100, 8, 16, False, False),
-              (16384, 64, 32, True, False)]
-    for (d, n_tiles, slots, aligned, deterministic), ty, gated in itertools.product(
-            shapes, TL_DTYPES.values(), (True, False)):
-        for kernel, config in ((_twell_train_forward_kernel, default_forward_config(d)),
-                               (_twell_train_backward_kernel, default_backward_config(d))):
-            constexprs = _constexprs(config, d, n_tiles, slots, gated=gated, aligned=aligned,
-                                     deterministic=deterministic)
-            split_args, split_constexprs = split_signature(constexprs["SPLIT"])
-            if kernel is _twell_train_forward_kernel:
-                split_args["l1_partials_ptr"] = "*fp32" if constexprs["SPLIT"] else "constexpr"
-                if not constexprs["SPLIT"]:
-                    split_constexprs["l1_partials_ptr"] = None
-            constexprs.update(split_constexprs)
-            sizes = {"M": "i32", "D": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32", "split_cap": "i32",
-                     "max_pieces": "i32"}
-            if kernel is _twell_train_forward_kernel:
-                signature = {
-                    "x_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16",
-                    "counts_ptr": "*i32", "up_ptr": f"*{ty}", "down_ptr": f"*{ty}",
-                    "out_ptr": f"*{ty}", "u_ptr": "*fp32", "l1_ptr": "*fp32", **split_args, **sizes,
-                    "stride_xm": "i32", "stride_uh": "i32", "stride_dh": "i32", "stride_om": "i32",
-                }
-            else:
-                signature = {
-                    "dy_ptr": f"*{ty}", "values_ptr": f"*{ty}", "columns_ptr": "*i16",
-                    "counts_ptr": "*i32", "u_ptr": "*fp32", "gate_ptr": f"*{ty}",
-                    "up_ptr": f"*{ty}", "down_ptr": f"*{ty}", "l1_grad_ptr": "*fp32",
-                    "dx_ptr": f"*{ty}", "du_ptr": "*fp32", "dg_ptr": "*fp32", **split_args, **sizes,
-                    "stride_dym": "i32", "stride_gh": "i32", "stride_uh": "i32", "stride_dh": "i32",
-                    "stride_dxm": "i32",
-                }
-            signature.update({k: "constexpr" for k in constexprs})
-            options = {"num_warps": config.num_warps}
-            if config.max_regs is not None:
-                options["maxnreg"] = config.max_regs
-            spec = (kernel, signature, constexprs)
-            specs.append(spec + (options,) if with_options else spec)
-    return specs

@@ -29,30 +29,18 @@ Interpreter (TRITON_INTERPRET=1, CPU tensors): the same kernels (no tl.dot).
 
 from __future__ import annotations
 
-import functools
-import itertools
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import (
-    DTYPES, TL_DTYPES, cdiv, check_config_fields, check_matrix, next_power_of_2,
-)
+from sparseffn.kernels._runtime import DTYPES, cdiv, check_matrix, next_power_of_2
+from sparseffn.kernels.configs.unit_grads import UnitGradsConfig, default_unit_grads_config
 from sparseffn.kernels.launch import Launcher
 from sparseffn.kernels.twell_train import _check, _check_gated
 
-__all__ = [
-    "SlotCoefficients",
-    "UnitGradsConfig",
-    "SlotsByUnit",
-    "default_unit_grads_config",
-    "compile_specs",
-    "slots_by_unit",
-    "unit_weight_grads",
-]
+__all__ = ["SlotCoefficients", "SlotsByUnit", "slots_by_unit", "unit_weight_grads"]
 
 _MAX_DET_BLOCKS = 1024  # deterministic slots_by_unit: row blocks at most ([n_blocks, H] scratch)
 _MIN_DET_ROWS = 16      # ... and rows per block at least
@@ -64,7 +52,7 @@ _ORDER_UNITS = 16      # units per program of _unit_offsets_kernel ([16, 512] co
 _ORDER_STEP = 512
 # Up to this many units the offsets and the order come from _unit_offsets_kernel (H * H comparisons,
 # one launch); above it from torch's cumsum + stable argsort, whose GPU time does not grow with H but
-# which costs ~8 torch calls of host work per step (docs/benchmarks.md, "Kernel notes").
+# which costs ~8 torch calls of host work per step (docs/kernel-notes.md).
 _RANK_MAX_UNITS = 8192
 
 
@@ -249,7 +237,7 @@ def _unit_weight_grads_kernel(
     snake over rounds of G, so every program gets one unit of each round) in D slice s.
 
     Units run hottest first (most entries first, ties by id); the order must be exact (coarser
-    orders measured slower: docs/benchmarks.md, "Kernel notes"). The program walks all its units'
+    orders measured slower: docs/kernel-notes.md). The program walks all its units'
     steps in ONE flat loop of Σ_j max(cdiv(n_j, BLOCK_E), 1) steps (a unit without entries takes one
     empty step that stores its zeros); the step -> (unit, first entry) map is a few reductions over
     the UNITS slots, so no work depends on data-dependent control flow. One step gathers BLOCK_E
@@ -522,36 +510,6 @@ def launch_slots_by_unit(
 # unit_weight_grads
 
 
-@dataclass(frozen=True)
-class UnitGradsConfig:
-    """Launch parameters of `_unit_weight_grads_kernel`. block_e, block_d, num_warps and
-    units_per_program are powers of two; block_d >= 16 (two 16-byte vectors of bf16 / fp16)."""
-
-    block_e: int = 8             # entries (gathered token rows) per step
-    block_d: int = 1024          # gradient columns per program (the D slice)
-    num_warps: int = 4
-    num_stages: int = 1
-    units_per_program: int = 4   # units per program (UNITS)
-    max_regs: int | None = None  # register cap per thread (ptxas .maxnreg); None: no cap
-
-    def __post_init__(self) -> None:
-        check_config_fields(self, positive=("block_e", "block_d", "num_warps", "num_stages", "units_per_program"),
-                            powers_of_two=("block_e", "block_d", "num_warps", "units_per_program"),
-                            at_least=((("block_d",), 16, "two 16-byte vectors"),))
-
-
-@functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
-def default_unit_grads_config(d: int) -> UnitGradsConfig:
-    """From D only (M adds no compiled variant): 8 entries per step, a slice of up to 1024 columns
-    and one warp per 256 of them (up to 4), so that each thread holds 8 columns of every entry of a
-    step and the sums over entries stay in registers (warps left over for the entries would make
-    the sums cross warps through shared memory on every step); 4 units per program, no pipelining
-    stages. The sweep behind it: docs/benchmarks.md, "Kernel notes"."""
-    block_d = min(1024, max(16, next_power_of_2(d)))
-    return UnitGradsConfig(block_e=8, block_d=block_d, num_warps=min(4, max(1, block_d // 256)), num_stages=1,
-                           units_per_program=4, max_regs=None)
-
-
 def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, aligned: bool,
                            shared_rows: bool) -> dict[str, object]:
     return dict(GATED=gated, ALIGNED=aligned, SHARED_ROWS=shared_rows, EVEN_D=d % config.block_d == 0,
@@ -658,63 +616,3 @@ def launch_unit_weight_grads(
         **_unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=shared_rows),
         **_unit_grads_options(config),
     )
-
-
-# ----------------------------------------------------------------------------------------------------
-# GPU compile coverage (tests/kernels/gpu_compile.py)
-
-
-def compile_specs(with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) for the slot histogram, the block prefix,
-    the unit offsets / order and both scatters (int32 and int64 indices; tile 256 / slots 32 and
-    tile 64 / slots 4 blocks; without coefficients, with the non-gated and with the gated ones:
-    bf16 values with int32 indices, fp16 with int64), and the weight-gradient kernel for bf16 /
-    fp16, gated / non-gated, int32 / int64 entries, D = 2048 (aligned, one shared int32 row offset,
-    the default config: 8 entries per step, BLOCK_D 1024, 4 warps) and D = 100 (unaligned, masked
-    along D, separate int64 row offsets), with the launcher's options."""
-    specs = []
-
-    def add(fn, signature, constexprs, options):
-        signature.update({k: "constexpr" for k in constexprs})
-        spec = (fn, signature, constexprs)
-        specs.append(spec + (options,) if with_options else spec)
-
-    for ty, (n_tiles, slots) in itertools.product(("i32", "i64"), ((22, 32), (5, 4))):
-        block_t, block_s = _slot_blocks(n_tiles, slots)
-        common = {"columns_ptr": "*i16", "counts_ptr": "*i32"}
-        sizes = {"M": "i32", "H": "i32", "n_tiles": "i32", "tile": "i32", "slots": "i32"}
-        if (n_tiles, slots) == (22, 32):  # the scans over units do not depend on the slot blocks
-            add(_block_prefix_kernel, {"hist_ptr": f"*{ty}", "n_blocks": "i32", "H": "i32"},
-                {"BLOCK_B": _PREFIX_BLOCKS, "BLOCK_H": _PREFIX_UNITS}, {"num_warps": 4})
-            add(_unit_offsets_kernel,
-                {"counts_ptr": f"*{ty}", "offsets_ptr": f"*{ty}", "order_ptr": "*i32", "H": "i32"},
-                {"BLOCK_J": _ORDER_UNITS, "BLOCK_K": _ORDER_STEP}, {"num_warps": 4})
-        add(_unit_histogram_kernel,
-            {**common, "hist_ptr": f"*{ty}", **sizes, "rows_per_block": "i32"},
-            {"BLOCK_T": block_t, "BLOCK_S": block_s}, {"num_warps": _SLOT_WARPS})
-        values = "*bf16" if ty == "i32" else "*fp16"
-        for serial, coefficients in itertools.product((False, True), (0, 1, 2)):
-            moved = {"values_ptr": values if coefficients else f"*{ty}"}
-            moved.update({name: "*fp32" if coefficients else f"*{ty}" for name in (
-                "u_ptr", "du_ptr", "dg_ptr", "dg_out_ptr", "h_out_ptr", "du_out_ptr")})
-            add(_unit_scatter_kernel,
-                {**common, "offsets_ptr": f"*{ty}", "cursor_ptr": f"*{ty}", "entries_ptr": f"*{ty}", **moved,
-                 **sizes, "rows_per_program": "i32"},
-                {"SERIAL": serial, "COEFFICIENTS": coefficients, "BLOCK_T": block_t, "BLOCK_S": block_s},
-                {"num_warps": _SLOT_WARPS})
-    for ty, gated, (d, aligned), index in itertools.product(
-            TL_DTYPES.values(), (True, False), ((2048, True), (100, False)), ("i32", "i64")):
-        signature = {
-            "x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "dg_ptr": "*fp32", "h_ptr": "*fp32",
-            "du_ptr": "*fp32", "offsets_ptr": f"*{index}",
-            "entries_ptr": f"*{index}", "order_ptr": "*i32",
-            "grad_gate_ptr": "*fp32", "grad_up_ptr": "*fp32", "grad_down_ptr": "*fp32",
-            "D": "i32", "H": "i32", "n_groups": "i32",
-            "stride_xm": "i32", "stride_dym": "i32", "stride_gg": "i32", "stride_gu": "i32",
-            "stride_gd": "i32",
-        }
-        config = default_unit_grads_config(d)
-        add(_unit_weight_grads_kernel, signature,
-            _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=aligned),
-            _unit_grads_options(config))
-    return specs

@@ -1,11 +1,11 @@
-"""What every sparse layer decides per call, in one place: whether to compute the L1 penalty, and
-(auto mode) which path to take from the layer's measured activity.
+"""How every sparse layer calls the op: whether to compute the L1 penalty, and the call of
+`ops.sparse_mlp` with the layer's state as data. The path is not decided here: the op decides once
+(ops/decide.py, through `choose_mode`) from what the layer passes, and the layer records the answer.
 
     l1_wanted(layer, weights)        track_l1 None: in training mode, or when gradients flow to the
                                      weights; True / False: always / never
-    auto_decision(layer, x, ...)     (mode, expected_nnz, previous) for ops.sparse_mlp, decided from
-                                     `layer.expected_nnz` or `layer.activity` (nn/activity.py), with the
-                                     last decision of the same kind of call for hysteresis
+    run_sparse_mlp(layer, x, ...)    the op's result; passes `mode`, `expected_nnz` and `activity`
+                                     (nn/activity.py) down, records the decision in auto mode
     count_call(layer, x, active)     the end of a counted call: a device-side sample when one is due
 
 A counted call is a forward call outside torch.compile tracing, CUDA-graph capture (or
@@ -21,9 +21,8 @@ from typing import Callable
 import torch
 
 from sparseffn.ops.checks import check_expected_nnz
-from sparseffn.ops.decide import DECODE_MAX_TOKENS, MODES, ModeDecision
-from sparseffn.ops.sparse_mlp import call_traced, choose_mode
-from sparseffn.ops.twell_mlp import stored_transposed
+from sparseffn.ops.decide import MODES
+from sparseffn.ops.sparse_mlp import call_traced, sparse_mlp_with_decision
 
 
 def checked_attribute(name: str, value: object) -> object:
@@ -51,26 +50,29 @@ def counted(x: torch.Tensor) -> bool:
     return not (call_traced(x) or torch._C._current_graph_task_id() != -1)
 
 
-def auto_decision(layer, x: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, training: bool,
-                  is_counted: bool) -> tuple[str, float | None, str | None]:
-    """(mode, expected_nnz, previous) for sparse_mlp in auto mode, decided here from the layer's
-    `expected_nnz` or measured activity, so that sparse_mlp does not decide again."""
-    activity = layer.activity
+def run_sparse_mlp(layer, x: torch.Tensor, gate_weight: torch.Tensor | None, up_weight: torch.Tensor,
+                   down_weight: torch.Tensor, threshold: torch.Tensor | None, track: bool,
+                   active: Callable[[], torch.Tensor]):
+    """`ops.sparse_mlp`'s result for the layer's call: its `mode`, `expected_nnz` and measured activity go
+    down as data, the op decides once and runs, and the decision comes back to be recorded (auto mode:
+    `last_decision`, the activity's last path of this kind of call). A counted call polls its activity
+    first and may take a sample after (`count_call`; `active()` as there). x and the weights are already
+    in the dtype to run (autocast is off inside the op)."""
+    mode, activity = layer.mode, layer.activity
+    auto = mode == "auto"
+    is_counted = auto and counted(x)
     if is_counted and layer.expected_nnz is None:
         activity.poll()
-    tokens = x.numel() // max(x.shape[-1], 1)
-    kind = "training" if training else ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
-    previous = activity.last.get(kind)
-    expected = layer.expected_nnz if layer.expected_nnz is not None else activity.nnz
-    if expected is None:
-        decision = ModeDecision("dense", f"activity not measured yet (sampled every {activity.period} calls, "
-                                         f"read {activity.lag} calls later)")
-    else:
-        decision = choose_mode(x, up_weight, expected_nnz=expected, needs_grad=training,
-                               down_t_ready=stored_transposed(down_weight), previous=previous)
-    activity.last[kind] = decision.mode
-    layer.__dict__["last_decision"] = decision
-    return decision.mode, expected, previous
+    with torch.autocast(x.device.type, enabled=False):
+        out, decision = sparse_mlp_with_decision(x, gate_weight, up_weight, down_weight, threshold, return_l1=track,
+                                                 mode=mode, expected_nnz=layer.expected_nnz,
+                                                 activity=activity if auto else None)
+    if auto:
+        activity.last[decision.kind] = decision.mode
+        layer.__dict__["last_decision"] = decision
+    if is_counted:  # after the op: its checks ran on x
+        count_call(layer, x, active)
+    return out
 
 
 def count_call(layer, x: torch.Tensor, active: Callable[[], torch.Tensor]) -> None:

@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparseffn.nn.projections import resolve
-from sparseffn.nn.dispatch import auto_decision, count_call, counted, dense_l1, l1_wanted
+from sparseffn.nn.dispatch import dense_l1, l1_wanted, run_sparse_mlp
 from sparseffn.nn.thresholded import ThresholdedLayer
-from sparseffn.ops.sparse_mlp import sparse_mlp
 
 
 @dataclass(frozen=True)
@@ -137,15 +136,7 @@ class HFSparseMLP(ThresholdedLayer):
                 dtype = torch.get_autocast_dtype(x.device.type)
                 gw, uw, dw = (None if w is None else w.to(dtype) for w in (gw, uw, dw))
                 x = x.to(dtype)
-            mode, expected, previous, is_counted = self.mode, self.expected_nnz, None, False
-            if mode == "auto":
-                is_counted = counted(x)
-                mode, expected, previous = auto_decision(self, x, uw, dw, track, is_counted)
-            with torch.autocast(x.device.type, enabled=False):
-                out = sparse_mlp(x, gw, uw, dw, theta, return_l1=track, mode=mode, expected_nnz=expected,
-                                 previous=previous)
-            if is_counted:
-                count_call(self, x, lambda: self._active_count(x, theta))
+            out = run_sparse_mlp(self, x, gw, uw, dw, theta, track, lambda: self._active_count(x, theta))
             y, l1 = out if track else (out, None)
         else:
             y, l1 = self._dense(x, theta, read)

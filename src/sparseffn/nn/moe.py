@@ -19,15 +19,13 @@ dense on CPU and for small token counts). The routing loop is Hugging Face's eag
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparseffn.nn.dispatch import auto_decision, count_call, counted, l1_wanted
+from sparseffn.nn.dispatch import l1_wanted, run_sparse_mlp
 from sparseffn.nn.thresholded import ThresholdedLayer
-from sparseffn.ops.sparse_mlp import sparse_mlp
 
 
 class SparseExperts(ThresholdedLayer):
@@ -111,15 +109,7 @@ class SparseExperts(ThresholdedLayer):
                 x, weights = x.to(dtype), [w.to(dtype) for w in weights]
             theta_e = None if theta is None else theta[e]
             # auto mode: one activity estimate for the layer, from its experts' calls
-            mode, expected, previous, is_counted = self.mode, self.expected_nnz, None, False
-            if mode == "auto":
-                is_counted = counted(x)
-                mode, expected, previous = auto_decision(self, x, weights[1], weights[2], track, is_counted)
-            with torch.autocast(hidden_states.device.type, enabled=False) if autocast else contextlib.nullcontext():
-                result = sparse_mlp(x, *weights, theta_e, return_l1=track, mode=mode, expected_nnz=expected,
-                                    previous=previous)
-            if is_counted:
-                count_call(self, x, lambda: self._active_count(x, e, theta_e))
+            result = run_sparse_mlp(self, x, *weights, theta_e, track, lambda: self._active_count(x, e, theta_e))
             y, l1 = result if track else (result, None)
             y = y * top_k_weights[token, position, None]
             out.index_add_(0, token, y.to(out.dtype))

@@ -21,11 +21,11 @@ parameters; in `eval()` under `no_grad` it does not, and the lighter inference k
 `track_l1=True` / `False` force it (`models.set_track_l1`); `models.collect_l1` averages `last_l1`
 over layers for `loss = ce + λ · l1`.
 
-Dispatch. In auto mode the module decides once per call (ops/decide.py) from its measured activity
+Dispatch. The module decides nothing: it passes its `mode`, `expected_nnz` and measured activity
 (`activity`, nn/activity.py: active units per token, sampled on the device every few calls, no host
-sync), so a model that is dense at initialization, or sparsified without calibration, runs dense
-until its activations are sparse; `expected_nnz`, when set, replaces the measurement. The last
-decision is `last_decision`. Under autocast the module casts x and its weights to the autocast dtype
+sync) to the op, which decides once per call (ops/decide.py) and runs that path; in auto mode a model
+that is dense at initialization, or sparsified without calibration, runs dense until its activations
+are sparse. The module records the decision the op returns in `last_decision`. Under autocast the module casts x and its weights to the autocast dtype
 itself (differentiably), so fp32 master weights still reach the bf16/fp16 kernels. Modules with
 biases run the same formula in dense torch (the op has no bias arguments).
 
@@ -42,11 +42,11 @@ import torch
 from torch import nn
 
 from sparseffn.nn.activity import Activity
-from sparseffn.nn.dispatch import auto_decision, checked_attribute, count_call, counted, dense_l1, l1_wanted
+from sparseffn.nn.dispatch import checked_attribute, dense_l1, l1_wanted, run_sparse_mlp
 from sparseffn.nn.projections import is_plain, resolved_weights
 from sparseffn.nn.thresholded import finish_threshold_
 from sparseffn.ops.decide import ModeDecision
-from sparseffn.ops.sparse_mlp import MODES, call_traced, sparse_mlp
+from sparseffn.ops.sparse_mlp import call_traced
 from sparseffn.ops.twell_mlp import stored_transposed
 
 ACTIVATIONS = ("relu", "silu")
@@ -252,15 +252,8 @@ class SparseMLP(nn.Module):
             weights = [None if w is None else w.to(dtype) for w in weights]
             x = x.to(dtype)
         gate_weight, up_weight, down_weight = weights
-        mode, expected, previous, is_counted = self.mode, self.expected_nnz, None, False
-        if mode == "auto":
-            is_counted = counted(x)
-            mode, expected, previous = auto_decision(self, x, up_weight, down_weight, track, is_counted)
-        with torch.autocast(x.device.type, enabled=False):
-            out = sparse_mlp(x, gate_weight, up_weight, down_weight, theta, return_l1=track, mode=mode,
-                             expected_nnz=expected, previous=previous)
-        if is_counted:  # after the op: its checks ran on x
-            count_call(self, x, lambda: self.activation_mask(x).sum())
+        out = run_sparse_mlp(self, x, gate_weight, up_weight, down_weight, theta, track,
+                             lambda: self.activation_mask(x).sum())
         y, l1 = out if track else (out, None)
         self.__dict__["last_l1"] = l1  # a plain attribute (never a parameter, buffer or module)
         return y

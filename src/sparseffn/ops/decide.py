@@ -1,4 +1,6 @@
 """Which path a sparse-MLP call takes: the rules of auto mode, as a pure function of the call's facts.
+`decide` is the only place a path is chosen; `ops.sparse_mlp.choose_mode` gathers the facts of a call
+(and a layer's measured activity, as data) and asks it, and every caller obeys the answer.
 
 Paths: "dense" (three torch GEMMs) or "sparse" (Triton kernels; which ones follows from the call:
 the training kernels for calls with gradients or the L1 penalty, the decode kernels for inference
@@ -14,14 +16,15 @@ Auto mode takes the sparse path only where it was measured faster (`benchmarks/r
     host work per call exceeds dense torch's) and the transposed down weight is at hand without a copy;
   - and activations sparse enough: the expected active units per token must lie under the break-even
     of the path (`density_limit`). Without an estimate the functional op assumes sparse activations;
-    `SparseMLP` always passes its measured estimate (nn/activity.py).
-Hysteresis: `previous`, the path this kind of call took last time, keeps a layer that runs dense there
-until its estimate falls under HYSTERESIS x the limit, so it does not flip between paths every step.
+    a layer passes its measured activity (nn/activity.py), and runs dense until it is measured
+    (`unmeasured`, the first rule of auto mode).
+Hysteresis: `previous`, the path this kind of call (`call_kind`) took last time, keeps a layer that runs
+dense there until its estimate falls under HYSTERESIS x the limit, so it does not flip between paths.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +58,9 @@ HYSTERESIS = 0.8
 class ModeDecision:
     mode: str  # "sparse" or "dense"
     reason: str
+    # auto mode: the kind of call (`call_kind`) whose last path a layer records for the hysteresis;
+    # None for a requested mode. Bookkeeping, not part of the explanation (not compared or shown).
+    kind: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,12 @@ class CallFacts:
     interpreted: bool = False  # TRITON_INTERPRET=1 on a CPU tensor
     down_t_ready: bool = False  # down^T [H, D] at hand without a copy (decode kernels)
     traced: bool = False  # captured in a CUDA graph or traced by torch.compile: no host work per call
+
+
+def call_kind(training: bool, tokens: int) -> str:
+    """"training", "decode" (inference, at most DECODE_MAX_TOKENS tokens) or "prefill": the kinds of call
+    auto mode keeps apart (each has its own break-even, and a layer its own last path per kind)."""
+    return "training" if training else ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
 
 
 def density_limit(facts: CallFacts) -> float:
@@ -105,45 +117,56 @@ def _blockers(facts: CallFacts) -> list[str]:
 
 
 def decide(facts: CallFacts, mode: str = "auto", expected_nnz: float | None = None,
-           previous: str | None = None) -> ModeDecision:
+           previous: str | None = None, unmeasured: str | None = None) -> ModeDecision:
     """The path for a call with these facts (module docstring). Raises NotImplementedError when
-    mode="sparse" cannot run, ValueError for an unknown mode."""
+    mode="sparse" cannot run, ValueError for an unknown mode. `unmeasured`: why a layer's activity has no
+    estimate yet (auto mode then runs dense and says so); None when there is one or none is kept."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
         return ModeDecision("dense", "requested")
-    blockers = _blockers(facts)
     if mode == "sparse":
+        blockers = _blockers(facts)
         if blockers:
             raise NotImplementedError(f"mode='sparse' cannot run: {'; '.join(blockers)}")
         return ModeDecision("sparse", "requested")
+    path, reason = _auto(facts, expected_nnz, previous, unmeasured)
+    return ModeDecision(path, reason, call_kind(facts.training, facts.tokens))
+
+
+def _auto(facts: CallFacts, expected_nnz: float | None, previous: str | None,
+          unmeasured: str | None) -> tuple[str, str]:
+    """(path, reason) of auto mode."""
+    if unmeasured is not None:
+        return "dense", unmeasured
+    blockers = _blockers(facts)
     if blockers:
-        return ModeDecision("dense", blockers[0])
+        return "dense", blockers[0]
     if facts.device_type != "cuda":
-        return ModeDecision("dense", "auto mode never interprets kernels on CPU")
+        return "dense", "auto mode never interprets kernels on CPU"
     if facts.capability not in VALIDATED_CAPABILITIES:
         major, minor = facts.capability
-        return ModeDecision("dense", f"compute capability {major}.{minor}: the kernels compile for it but were "
-                                     "measured only on 9.0 (H100/H200); mode='sparse' runs them")
+        return "dense", (f"compute capability {major}.{minor}: the kernels compile for it but were "
+                         "measured only on 9.0 (H100/H200); mode='sparse' runs them")
     if facts.d < AUTO_MIN_D:
-        return ModeDecision("dense", f"D = {facts.d} < {AUTO_MIN_D}: too narrow for the sparse kernels to pay "
-                                     "(measured break-even near D = 1024)")
+        return "dense", (f"D = {facts.d} < {AUTO_MIN_D}: too narrow for the sparse kernels to pay "
+                         "(measured break-even near D = 1024)")
     if facts.training:
         if facts.tokens < AUTO_MIN_TOKENS_TRAIN:
-            return ModeDecision("dense", f"{facts.tokens} tokens < {AUTO_MIN_TOKENS_TRAIN}: too few for the training "
-                                         "kernels to pay (measured break-even between 8192 and 16384)")
+            return "dense", (f"{facts.tokens} tokens < {AUTO_MIN_TOKENS_TRAIN}: too few for the training "
+                             "kernels to pay (measured break-even between 8192 and 16384)")
         kind = "training"
     elif facts.tokens <= DECODE_MAX_TOKENS:
         if not facts.traced:
-            return ModeDecision("dense", f"{facts.tokens} tokens, eager: the decode path's host work per call "
-                                         "exceeds dense torch's (captured in a CUDA graph, it is the faster one)")
+            return "dense", (f"{facts.tokens} tokens, eager: the decode path's host work per call "
+                             "exceeds dense torch's (captured in a CUDA graph, it is the faster one)")
         if not facts.down_t_ready:
-            return ModeDecision("dense", f"{facts.tokens} tokens: the decode kernels read down^T, which this call "
-                                         "would copy (pass prepared weights, or use SparseMLP)")
+            return "dense", (f"{facts.tokens} tokens: the decode kernels read down^T, which this call "
+                             "would copy (pass prepared weights, or use SparseMLP)")
         kind = "decode"
     elif facts.tokens < AUTO_MIN_TOKENS:
-        return ModeDecision("dense", f"{facts.tokens} tokens: between the decode kernels (<= {DECODE_MAX_TOKENS}) "
-                                     f"and TwELL inference (>= {AUTO_MIN_TOKENS}) dense torch is faster")
+        return "dense", (f"{facts.tokens} tokens: between the decode kernels (<= {DECODE_MAX_TOKENS}) "
+                         f"and TwELL inference (>= {AUTO_MIN_TOKENS}) dense torch is faster")
     else:
         kind = "TwELL inference"
     if expected_nnz is not None:
@@ -151,7 +174,7 @@ def decide(facts: CallFacts, mode: str = "auto", expected_nnz: float | None = No
         if previous == "dense":
             limit *= HYSTERESIS
         if expected_nnz > limit:
-            return ModeDecision("dense", f"expected {expected_nnz:g} active units per token > {limit:g}, the "
-                                         f"break-even of {kind}" + (" (hysteresis)" if previous == "dense" else ""))
+            return "dense", (f"expected {expected_nnz:g} active units per token > {limit:g}, the "
+                             f"break-even of {kind}" + (" (hysteresis)" if previous == "dense" else ""))
     estimate = "" if expected_nnz is None else f", expected {expected_nnz:g} active units per token"
-    return ModeDecision("sparse", f"{kind}: {facts.tokens} tokens{estimate}")
+    return "sparse", f"{kind}: {facts.tokens} tokens{estimate}"

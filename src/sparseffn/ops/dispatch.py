@@ -2,7 +2,7 @@
 
 The kernels are registered as custom ops (with fake implementations and autograd) so that
 torch.compile, torch.export and make_fx see one opaque node. In plain eager mode that dispatch buys
-nothing and costs host time (docs/benchmarks.md, "Kernel notes"), so eager calls run the bodies
+nothing and costs host time (docs/kernel-notes.md), so eager calls run the bodies
 directly, and everything else goes through the ops.
 """
 

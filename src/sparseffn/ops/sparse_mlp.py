@@ -4,7 +4,9 @@ Semantics are those of `ops.reference.sparse_mlp_reference`, computed in the inp
 
     y = down(relu(x gate^T - θ) * (x up^T))        or, with gate_weight=None,  y = down(relu(x up^T - θ))
 
-Paths (ops/decide.py chooses in auto mode):
+The path is decided once per call, by `choose_mode` (the rules: ops/decide.py), and taken as decided:
+the nn layers call `sparse_mlp_with_decision` with their measured activity as data and record the
+decision it returns; nothing decides a second time. Paths:
 - "sparse", inference, M <= DECODE_MAX_TOKENS: the decode kernels (kernels/decode_mlp.py: the gate
   matrix read once, up and down rows of active units only), custom op `sparseffn::decode_mlp`.
 - "sparse", inference, larger M: TwELL (ops/twell_mlp.py), custom op `sparseffn::twell_mlp`. Exact for
@@ -20,19 +22,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Protocol
 
 import torch
 
 from sparseffn.kernels._runtime import capability
 from sparseffn.kernels.decode_mlp import decode_mlp, launch_decode_mlp
 from sparseffn.ops.checks import check_sparse_mlp_args
-from sparseffn.ops.decide import DECODE_MAX_TOKENS, MODES, CallFacts, ModeDecision, decide
+from sparseffn.ops.decide import DECODE_MAX_TOKENS, MODES, CallFacts, ModeDecision, call_kind, decide
 from sparseffn.ops.dispatch import eager_call
 from sparseffn.ops.train_mlp import sparse_mlp_train
 from sparseffn.ops.twell_mlp import (SparseMLPWeights, dense_mlp, dense_mlp_inference, stored_transposed,
                                      threshold_vector, transposed_down, twell_mlp)
 
-__all__ = ["MODES", "ModeDecision", "as_captured", "call_traced", "choose_mode", "sparse_mlp"]
+__all__ = ["MODES", "MeasuredActivity", "ModeDecision", "as_captured", "call_traced", "choose_mode", "sparse_mlp",
+           "sparse_mlp_with_decision"]
 
 _AS_CAPTURED = [0]  # depth of open as_captured() blocks (process-wide, like a CUDA graph capture)
 
@@ -56,6 +60,15 @@ def call_traced(x: torch.Tensor) -> bool:
         x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+class MeasuredActivity(Protocol):
+    """What the decision reads of a layer's measured activity (nn/activity.py keeps it): data only."""
+
+    nnz: float | None  # estimated active units per token; None until the first sample is read
+    last: dict[str, str]  # kind of call (decide.call_kind) -> the path it took last time
+    period: int  # a sample every `period` counted calls ...
+    lag: int  # ... read `lag` calls later
+
+
 def choose_mode(
     x: torch.Tensor,
     up_weight: torch.Tensor,
@@ -66,6 +79,7 @@ def choose_mode(
     return_l1: bool = False,
     down_t_ready: bool = False,
     previous: str | None = None,
+    activity: MeasuredActivity | None = None,
 ) -> ModeDecision:
     """Which path `sparse_mlp` takes for these arguments, and why (ops/decide.py has the rules).
     Raises if `mode="sparse"` cannot run.
@@ -73,16 +87,27 @@ def choose_mode(
     needs_grad / return_l1 select the training kernels; down_t_ready: the transposed down weight is
     at hand without a copy (prepared weights, or a down weight stored transposed), which auto mode
     needs for the decode kernels, which it takes under CUDA-graph capture or torch.compile; previous:
-    the path this kind of call took last time (hysteresis). Only shapes, dtypes and devices are
-    looked at, so the decision traces under torch.compile.
+    the path this kind of call took last time (hysteresis). activity: a layer's measured activity
+    (auto mode): its estimate stands in for expected_nnz when that is None (no estimate yet: dense,
+    saying so), and its last path for this kind of call for previous. Only shapes, dtypes, devices
+    and these numbers are looked at, so the decision traces under torch.compile.
     """
     if mode == "dense":
         return _REQUESTED_DENSE
     d = x.shape[-1] if x.dim() else 0
     tokens = x.numel() // max(d, 1)
+    training = needs_grad or return_l1
+    unmeasured = None
+    if activity is not None and mode == "auto":
+        previous = activity.last.get(call_kind(training, tokens))
+        if expected_nnz is None:
+            expected_nnz = activity.nnz
+            if expected_nnz is None:
+                unmeasured = (f"activity not measured yet (sampled every {activity.period} calls, "
+                              f"read {activity.lag} calls later)")
     traced = tokens <= DECODE_MAX_TOKENS and mode == "auto" and call_traced(x)
-    return _decision(mode, d, tokens, x.dtype, x.device, up_weight.shape[0], needs_grad or return_l1, down_t_ready,
-                     traced, expected_nnz, previous)
+    return _decision(mode, d, tokens, x.dtype, x.device, up_weight.shape[0], training, down_t_ready,
+                     traced, expected_nnz, previous, unmeasured)
 
 
 _REQUESTED_DENSE = ModeDecision("dense", "requested")
@@ -90,7 +115,7 @@ _REQUESTED_DENSE = ModeDecision("dense", "requested")
 
 @functools.lru_cache(maxsize=4096)
 def _decision(mode, d, tokens, dtype, device, h, training, down_t_ready, traced, expected_nnz,
-              previous) -> ModeDecision:
+              previous, unmeasured) -> ModeDecision:
     """`decide` memoized on what it looks at (a decode step asks the same question every call; the
     facts and rules cost more host time than the decode kernels' launches)."""
     facts = CallFacts(
@@ -100,7 +125,7 @@ def _decision(mode, d, tokens, dtype, device, h, training, down_t_ready, traced,
         interpreted=device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
         down_t_ready=down_t_ready, traced=traced,
     )
-    return decide(facts, mode, expected_nnz, previous)
+    return decide(facts, mode, expected_nnz, previous, unmeasured)
 
 
 @torch.library.custom_op("sparseffn::twell_mlp", mutates_args=())
@@ -176,6 +201,29 @@ def sparse_mlp(
     every run (by default the rows of over 128 active units past the 256th in one call may not:
     kernels/row_split.py, "Bits").
     """
+    return sparse_mlp_with_decision(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1,
+                                    mode=mode, prepared=prepared, expected_nnz=expected_nnz, previous=previous,
+                                    tile=tile, slots=slots)[0]
+
+
+def sparse_mlp_with_decision(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor | None,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    threshold: torch.Tensor | float | None = None,
+    *,
+    return_l1: bool = False,
+    mode: str = "auto",
+    prepared: SparseMLPWeights | None = None,
+    expected_nnz: float | None = None,
+    previous: str | None = None,
+    activity: MeasuredActivity | None = None,
+    tile: int = 256,
+    slots: int = 32,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], ModeDecision]:
+    """(`sparse_mlp`'s result, the decision it followed): the entry of the nn layers, which pass their
+    measured `activity` (see `choose_mode`) and record the decision. One decision per call."""
     check_sparse_mlp_args(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1, prepared=prepared,
                           expected_nnz=expected_nnz, tile=tile, slots=slots)
     if isinstance(threshold, torch.Tensor) and threshold.requires_grad and torch.is_grad_enabled():
@@ -187,10 +235,16 @@ def sparse_mlp(
     )
     down_t_ready = prepared is not None or stored_transposed(down_weight)
     decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad,
-                           return_l1=return_l1, down_t_ready=down_t_ready, previous=previous)
+                           return_l1=return_l1, down_t_ready=down_t_ready, previous=previous, activity=activity)
+    return _run(decision.mode == "sparse", x, gate_weight, up_weight, down_weight, threshold, needs_grad, return_l1,
+                prepared, tile, slots), decision
+
+
+def _run(sparse, x, gate_weight, up_weight, down_weight, threshold, needs_grad, return_l1, prepared, tile, slots):
+    """The decided path (checked arguments)."""
     if x.numel() == 0 or up_weight.numel() == 0:  # M, D or H = 0: nothing for the kernels; the dense math is exact
         return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
-    if decision.mode == "dense":
+    if not sparse:
         if needs_grad or return_l1:
             return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
         return dense_mlp_inference(x, gate_weight, up_weight, down_weight, threshold)

@@ -1,0 +1,74 @@
+"""Launch configs of the decode kernels (kernels/decode_mlp.py): the config type and the table per
+padded token count, fitted to a GPU generation's shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from sparseffn.kernels._runtime import HOPPER, check_config_fields, shared_memory_limit
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters. K1: block_h units per program, block_k columns per step, gate_warps /
+    gate_stages. K2: block_s list entries per step, block_d output columns per program (None: enough
+    programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step, split spans
+    of the units per column block."""
+
+    block_h: int = 16
+    block_k: int = 256
+    gate_warps: int = 4
+    gate_stages: int = 3
+    block_s: int = 64
+    block_d: int | None = None
+    down_warps: int = 4
+    down_stages: int = 3
+    prefix: int = 4096  # flags per step of K2's compaction
+    split: int = 1  # K2's programs per column block, each over one span of the units
+
+    def __post_init__(self) -> None:
+        check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
+                                            "down_warps", "down_stages", "prefix", "split"),
+                            powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix"),
+                            at_least=((("block_k", "block_s"), 16, "tl.dot"), (("block_h",), 2, "a 2-D tile")))
+        if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
+                                         or self.block_d < 16 or self.block_d & (self.block_d - 1)):
+            raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
+
+
+def down_rows(m_padded: int) -> int:
+    """K2's token rows: 1 (CUDA-core products), else at least 16 (tl.dot's minimum)."""
+    return 1 if m_padded == 1 else max(16, m_padded)
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(m_padded: int, arch: tuple[int, int] = HOPPER) -> DecodeConfig:
+    """The config per padded M, from the sweep on the H200 (benchmarks/results/h200/decode_sweep.csv,
+    D=2048/H=5632, 29 active units per token), with its pipeline stages cut to fit the shared memory
+    of a GPU of capability `arch` (and 32-unit tiles from sm_100 on). One or two tokens: few units per program and whole-row steps, since
+    the CUDA-core loop is not software-pipelined (each step is one memory round trip); more tokens:
+    tl.dot tiles, pipelined. The down kernel splits the units into 4 to 8 spans (more programs)."""
+    if m_padded == 1:
+        config = DecodeConfig(block_h=4, block_k=2048, gate_stages=1, block_s=128, block_d=64, down_stages=1,
+                              prefix=2048, split=4)
+    elif m_padded == 2:
+        config = DecodeConfig(block_h=2, block_k=2048, gate_stages=1, block_s=64, block_d=64, down_stages=1,
+                              prefix=2048, split=8)
+    elif m_padded == 16:
+        config = DecodeConfig(block_h=64, block_k=256, gate_stages=4, block_s=128, block_d=64, down_stages=2,
+                              prefix=2048, split=4)
+    else:
+        config = DecodeConfig(block_h=64, block_k=128, gate_stages=4, block_s=128, block_d=64, down_stages=4,
+                              prefix=8192, split=4)
+    if m_padded < 16:
+        return config
+    if arch >= (10, 0):  # Triton 3.6's TMEM layout pass fails on 64-unit tiles there (compile check)
+        config = dataclasses.replace(config, block_h=32)
+    limit = shared_memory_limit(arch) - 8 * 1024  # headroom for the compiler's own scratch
+    gate_stage = (config.block_h + m_padded) * config.block_k * 2  # 16-bit tiles of one pipeline stage
+    down_stage = (config.block_s * config.block_d + down_rows(m_padded) * config.block_s) * 2
+    return dataclasses.replace(config, gate_stages=max(1, min(config.gate_stages, limit // gate_stage)),
+                               down_stages=max(1, min(config.down_stages, limit // down_stage)))
