@@ -118,6 +118,19 @@ def _reference_files(source: str, local_files_only: bool) -> tuple[Path, list[Pa
     return Path(source), [Path(cached_file(source, n, local_files_only=local_files_only)) for n in names]
 
 
+def checkpoint_format(path: str | os.PathLike, *, local_files_only: bool | None = None) -> str:
+    """What a model directory (or Hub id) holds: "sparseffn" (saved from a sparsified model), "reference" (a
+    `*_sparse_relu` checkpoint of the reference implementation) or "dense" (any other Hugging Face model).
+    Reads config.json only."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    source, local = _resolve(path, local_files_only)
+    raw = _config_dict(source, local)
+    if is_reference(raw):
+        return "reference"
+    return "sparseffn" if CONFIG_KEY in raw else "dense"
+
+
 def load_pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None, **from_pretrained_kwargs):
     """The sparse model in `path`: a directory written by `save_pretrained` of a sparsified model, a checkpoint
     of the paper's reference implementation (`*_sparse_relu`: the released SparseLM models), or the Hub id of one.

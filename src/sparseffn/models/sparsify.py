@@ -202,6 +202,27 @@ def replace_mlps_(model: nn.Module, config: SparsityConfig, names: list[str], *,
     return model
 
 
+def set_sparsity_config_(model: nn.Module, config: SparsityConfig) -> nn.Module:
+    """Give an already sparsified model a new SparsityConfig, as `sparsify_` would have applied it: every
+    sparse layer takes its mode and expected_nnz (and θ = config.threshold when that is set; otherwise the
+    layers keep theirs), and the config records it (so a save says what the model was trained with)."""
+    if not isinstance(config, SparsityConfig):
+        raise TypeError(f"config must be a SparsityConfig, got {type(config).__name__}")
+    layers = sparse_layers(_check_model(model))
+    if not layers:
+        raise ValueError(f"model ({type(model).__name__}) has no sparse layer: sparsify_ it instead")
+    for layer in layers:
+        layer.mode = config.mode
+        layer.expected_nnz = config.expected_nnz
+        if config.threshold is not None:
+            layer.set_threshold_(config.threshold)
+    cfgs = configs(model)
+    if cfgs:
+        setattr(cfgs[0], CONFIG_KEY, config.to_dict())
+    sync_config(model)
+    return model
+
+
 def sparsity_config(model: nn.Module) -> SparsityConfig | None:
     """The SparsityConfig recorded on `model.config` by `sparsify_`, or None."""
     cfgs = configs(_check_model(model))
