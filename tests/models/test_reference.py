@@ -146,6 +146,16 @@ def test_project_save_of_an_imported_model(fixtures, tmp_path):
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "gated", dtype=torch.float32)
     assert torch.allclose(_logits(plain, ids), _logits(gated, ids), rtol=0, atol=1e-5)
 
+    biased = load_pretrained(fixtures["llama-bias-untied"], dtype=torch.float32)  # LlamaMLP has mlp_bias
+    biased.save_pretrained(tmp_path / "biased")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "biased", dtype=torch.float32)
+    assert torch.allclose(_logits(plain, ids), _logits(biased, ids), rtol=0, atol=1e-5)
+    qwen = load_pretrained(fixtures["qwen2-bias"], dtype=torch.float32)  # Qwen2MLP has no biases: refused
+    qwen.save_pretrained(tmp_path / "qwen")
+    with pytest.raises(KeyError, match="load_pretrained"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "qwen")
+    assert torch.equal(_logits(load_pretrained(tmp_path / "qwen"), ids), _logits(qwen, ids))
+
     nongated = load_pretrained(fixtures["llama-nongated-resized"], dtype=torch.float32)
     nongated.save_pretrained(tmp_path / "nongated")
     with pytest.raises(KeyError, match="load_pretrained"):

@@ -93,8 +93,14 @@ def _resolve(source: str | os.PathLike, local_files_only: bool | None) -> tuple[
 def _config_dict(source: str, local_files_only: bool) -> dict:
     from transformers.utils import cached_file
 
-    path = Path(source) / "config.json" if Path(source).is_dir() else Path(
-        cached_file(source, "config.json", local_files_only=local_files_only))
+    if Path(source).is_dir():
+        path = Path(source) / "config.json"
+    else:
+        try:
+            path = Path(cached_file(source, "config.json", local_files_only=local_files_only))
+        except OSError as err:
+            raise OSError(f"{source!r} is not a local directory, and as a Hub id its config.json could not be had: "
+                          f"{' '.join(str(err).split())}") from None
     try:
         data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as err:

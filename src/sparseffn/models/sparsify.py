@@ -6,7 +6,8 @@ Qwen2-MoE / Qwen3-MoE routed experts by SparseExperts). Replacement happens on t
 class is patched), sharing the weight Parameters; state-dict keys stay the Hugging Face ones (plus each
 layer's `threshold`). The config records the change (models/hf_config.py): its activation fields say
 what the model computes, `sparseffn` holds the SparsityConfig, `sparseffn_layers` what load_pretrained
-needs to rebuild the same model.
+needs to rebuild the same model. `replace_mlps_` puts new SparseMLPs of a structure the architecture's
+MLP class lacks (non-gated, biases) in place of its MLPs: load_pretrained's way to a reference checkpoint's.
 """
 
 from __future__ import annotations
