@@ -123,3 +123,29 @@ def test_debug_shows_user_errors_and_internal_errors_keep_their_traceback(tmp_pa
     monkeypatch.setattr("sparseffn.train.loop.train", broken)
     with pytest.raises(RuntimeError, match="an internal bug"):
         main(["train", "--out-dir", str(tmp_path / "run"), "--no-progress"])
+
+
+def test_reference_checkpoint_through_the_cli(tmp_path, capsys):
+    """`fixture` writes a *_sparse_relu checkpoint; generate, eval, bench e2e and export take its directory;
+    without a tokenizer, text commands say so in one line."""
+    import json
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    assert main(["fixture", str(ckpt), "--no-gated", "--new-intermediate-size", "96", "--shard-mb", "0.05"]) == 0
+    assert "llama_sparse_relu checkpoint (non-gated, H=96" in capsys.readouterr().out
+    assert main(["generate", str(ckpt), "--prompt", "To be", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
+    assert main(["eval", str(ckpt), "--seq-len", "16", "--batches", "1", "--batch-size", "2", "--device", "cpu",
+                 "--out-dir", str(tmp_path / "eval")]) == 0
+    assert "| all | 192 |" in capsys.readouterr().out and (tmp_path / "eval" / "eval.json").is_file()
+    assert main(["bench", "e2e", "--model", str(ckpt), "--batches", "1", "--train-batches", "1", "--seq-len", "32",
+                 "--reps", "1", "--warmup", "0", "--non-mlp", "hf", "--out-dir", str(tmp_path / "bench")]) == 0
+    assert "forward | hf | 1×32" in capsys.readouterr().out
+    assert main(["export", str(ckpt), str(out)]) == 0
+    assert "with its tokenizer files (tokenizer.json" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text()) == json.loads((ckpt / "config.json").read_text())
+    assert main(["fixture", str(ckpt)]) == 2
+    assert "already holds a config.json" in _one_line_error(capsys, "fixture")
+    (out / "tokenizer.json").unlink()
+    assert main(["generate", str(out), "--prompt", "x", "--device", "cpu"]) == 2
+    assert "without a tokenizer.json" in _one_line_error(capsys, "generate")

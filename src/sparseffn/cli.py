@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_cmd_train)
 
     ev = sub.add_parser("eval", help="held-out perplexity and per-layer sparsity of a trained model (table + PNG)")
-    ev.add_argument("ckpt", metavar="CKPT", help="a run directory, its model/ folder or a checkpoints/step_*.pt file")
+    ev.add_argument("ckpt", metavar="CKPT", help="a run directory, its model/ folder, a checkpoints/step_*.pt file or "
+                                                 "a model directory with its tokenizer.json (e.g. a SparseLM checkpoint)")
     ev.add_argument("--data", default=None, help="text file or directory (default: the run's data)")
     ev.add_argument("--eval-fraction", type=float, default=None,
                     help="held-out tail of each document (default: the run's)")
@@ -344,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_cmd_eval)
 
     gen = sub.add_parser("generate", help="greedy text from a trained run (a CUDA graph per decode step on a GPU)")
-    gen.add_argument("run", metavar="RUN_DIR", help="a run directory, its model/ folder or a checkpoints/step_*.pt file")
+    gen.add_argument("run", metavar="RUN_DIR", help="a run directory, its model/ folder, a checkpoints/step_*.pt file "
+                                                    "or a model directory with its tokenizer.json (e.g. a SparseLM checkpoint)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from sparseffn import SparsityConfig, calibrate_thresholds, collect_l1, load_pretrained, unsparsify_
+from sparseffn import SparsityConfig, calibrate_thresholds, collect_l1, fuse_non_mlp_, load_pretrained, unsparsify_
 from sparseffn.models import sparse_mlps
 from sparseffn.models.generate import CapturedDecoder
 from sparseffn.models.reference import REFERENCE_FIELDS, export_reference
@@ -95,11 +95,15 @@ def test_fixture_activity_is_sparse_but_not_silent(fixtures):
     assert all(0.5 < float(a) < 0.15 * h for a in active)  # a few percent of the units, never none
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-nongated-resized", "qwen2-bias"])
-def test_imported_model_calibrates_trains_and_generates(fixtures, variant):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_imported_model_evaluates_calibrates_trains_and_generates(fixtures, variant):
+    from sparseffn.train.eval import evaluate
+
     model = load_pretrained(fixtures[variant], dtype=torch.float32)
     assert model.config.sparseffn["l1_coeff"] == REFERENCE_FIELDS["sparsity_l1_coeff"]
     ids = _ids(length=16)
+    result = evaluate(model, _ids(length=17, batch=4, seed=3), batch_size=2, device=torch.device("cpu"))
+    assert result.tokens == 64 and result.ce > 0 and 0 < result.stats.nnz_mean_all < 0.2 * VARIANTS[variant].mlp_size
     # captured generation (on CPU: every step eager) equals Hugging Face's greedy generate
     want = model.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
     got = CapturedDecoder(model, batch_size=2, max_length=32, eager_steps=100).generate(ids, max_new_tokens=6)
@@ -141,6 +145,16 @@ def test_project_save_of_an_imported_model(fixtures, tmp_path):
     assert saved["model_type"] == "llama" and saved["hidden_act"] == "relu" and "sparseffn" in saved
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "gated", dtype=torch.float32)
     assert torch.allclose(_logits(plain, ids), _logits(gated, ids), rtol=0, atol=1e-5)
+
+    biased = load_pretrained(fixtures["llama-bias-untied"], dtype=torch.float32)  # LlamaMLP has mlp_bias
+    biased.save_pretrained(tmp_path / "biased")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "biased", dtype=torch.float32)
+    assert torch.allclose(_logits(plain, ids), _logits(biased, ids), rtol=0, atol=1e-5)
+    qwen = load_pretrained(fixtures["qwen2-bias"], dtype=torch.float32)  # Qwen2MLP has no biases: refused
+    qwen.save_pretrained(tmp_path / "qwen")
+    with pytest.raises(KeyError, match="load_pretrained"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "qwen")
+    assert torch.equal(_logits(load_pretrained(tmp_path / "qwen"), ids), _logits(qwen, ids))
 
     nongated = load_pretrained(fixtures["llama-nongated-resized"], dtype=torch.float32)
     nongated.save_pretrained(tmp_path / "nongated")
@@ -220,6 +234,20 @@ def test_config_errors(fixtures, tmp_path):
         load_pretrained(folder)
 
 
+def test_hub_ids_go_through_transformers_cache_and_formats_are_told_apart(fixtures, tmp_path):
+    from sparseffn.models import checkpoint_format
+
+    with pytest.raises(OSError):  # not cached here, and local_files_only forbids the download
+        load_pretrained("SakanaAI/SparseLM2B", local_files_only=True)
+    with pytest.raises(FileNotFoundError, match="is not a directory with a config.json"):
+        load_pretrained(tmp_path / "SparseLM2B")
+    assert checkpoint_format(fixtures["qwen2-bias"]) == "reference"
+    load_pretrained(fixtures["llama"]).save_pretrained(tmp_path / "project")
+    assert checkpoint_format(tmp_path / "project") == "sparseffn"
+    unsparsify_(load_pretrained(fixtures["llama"])).save_pretrained(tmp_path / "plain")
+    assert checkpoint_format(tmp_path / "plain") == "dense"
+
+
 def test_fixture_config_is_what_the_spec_says():
     config = fixture_config(FixtureSpec(gated=False, new_intermediate_size=96, bias=True))
     assert config["sparsity_gated_mlp"] is False and config["sparsity_new_intermediate_size"] == 96
@@ -250,6 +278,9 @@ def test_gpu_sparse_kernels_on_an_imported_checkpoint(tmp_path, gated):
         logits = _logits(model, ids)
         err = float((logits - reference).norm() / reference.norm())
         assert err <= 2e-2, (mode, err)
+    fuse_non_mlp_(model)  # fused RMSNorm / RoPE kernels around the sparse MLPs
+    err = float((_logits(model, ids) - reference).norm() / reference.norm())
+    assert err <= 2e-2, ("fused", err)
     for m in sparse_mlps(model):
         m.mode = "auto"
     prompt = ids[:1, :24]

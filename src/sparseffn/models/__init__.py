@@ -6,13 +6,14 @@ transformers is imported inside the functions that need it, so importing this pa
 from sparseffn.models.calibrate import calibrate_thresholds, measure_activity
 from sparseffn.models.config import SparsityConfig
 from sparseffn.models.fuse import fuse_non_mlp_, unfuse_non_mlp_
-from sparseffn.models.pretrained import load_pretrained
+from sparseffn.models.pretrained import checkpoint_format, load_pretrained
 from sparseffn.models.registry import MODEL_NAMES, build_model, model_config, parameter_count
 from sparseffn.models.sparsify import (
     collect_l1,
     dispatch_report,
     named_sparse_layers,
     named_sparse_mlps,
+    set_sparsity_config_,
     set_track_l1,
     sparse_layers,
     sparse_mlps,
@@ -27,6 +28,7 @@ __all__ = [
     "SparsityConfig",
     "build_model",
     "calibrate_thresholds",
+    "checkpoint_format",
     "collect_l1",
     "dispatch_report",
     "fuse_non_mlp_",
@@ -36,6 +38,7 @@ __all__ = [
     "named_sparse_layers",
     "named_sparse_mlps",
     "parameter_count",
+    "set_sparsity_config_",
     "set_track_l1",
     "sparse_layers",
     "sparse_mlps",

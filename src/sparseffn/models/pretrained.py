@@ -93,8 +93,14 @@ def _resolve(source: str | os.PathLike, local_files_only: bool | None) -> tuple[
 def _config_dict(source: str, local_files_only: bool) -> dict:
     from transformers.utils import cached_file
 
-    path = Path(source) / "config.json" if Path(source).is_dir() else Path(
-        cached_file(source, "config.json", local_files_only=local_files_only))
+    if Path(source).is_dir():
+        path = Path(source) / "config.json"
+    else:
+        try:
+            path = Path(cached_file(source, "config.json", local_files_only=local_files_only))
+        except OSError as err:
+            raise OSError(f"{source!r} is not a local directory, and as a Hub id its config.json could not be had: "
+                          f"{' '.join(str(err).split())}") from None
     try:
         data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as err:
@@ -116,6 +122,19 @@ def _reference_files(source: str, local_files_only: bool) -> tuple[Path, list[Pa
         return Path(source), [Path(cached_file(source, WEIGHTS_FILE, local_files_only=local_files_only))]
     names = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
     return Path(source), [Path(cached_file(source, n, local_files_only=local_files_only)) for n in names]
+
+
+def checkpoint_format(path: str | os.PathLike, *, local_files_only: bool | None = None) -> str:
+    """What a model directory (or Hub id) holds: "sparseffn" (saved from a sparsified model), "reference" (a
+    `*_sparse_relu` checkpoint of the reference implementation) or "dense" (any other Hugging Face model).
+    Reads config.json only."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    source, local = _resolve(path, local_files_only)
+    raw = _config_dict(source, local)
+    if is_reference(raw):
+        return "reference"
+    return "sparseffn" if CONFIG_KEY in raw else "dense"
 
 
 def load_pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None, **from_pretrained_kwargs):

@@ -265,10 +265,12 @@ def reference_config(model: torch.nn.Module) -> dict:
     if thresholded:
         raise ValueError(f"{len(thresholded)} layer(s) have non-zero thresholds (first: {thresholded[0]}), which the "
                          f"reference format cannot hold (its MLP is a plain ReLU); drop them with set_threshold_(None)")
-    first = mlps[0][1]
-    gated, bias, size = first.gate_proj is not None, first._has_bias(), first.intermediate_size
+    def structure(m):
+        return m.gate_proj is not None, m.up_proj.bias is not None, m.intermediate_size
+
+    gated, bias, size = structure(mlps[0][1])
     for name, m in mlps:
-        if (m.gate_proj is not None, m._has_bias(), m.intermediate_size) != (gated, bias, size):
+        if structure(m) != (gated, bias, size):
             raise ValueError(f"{name}: every MLP must have the same structure in the reference format")
     dtype = mlps[0][1].up_proj.weight.dtype
     recorded = getattr(config, REFERENCE_KEY, None)

@@ -6,7 +6,8 @@ Qwen2-MoE / Qwen3-MoE routed experts by SparseExperts). Replacement happens on t
 class is patched), sharing the weight Parameters; state-dict keys stay the Hugging Face ones (plus each
 layer's `threshold`). The config records the change (models/hf_config.py): its activation fields say
 what the model computes, `sparseffn` holds the SparsityConfig, `sparseffn_layers` what load_pretrained
-needs to rebuild the same model.
+needs to rebuild the same model. `replace_mlps_` puts new SparseMLPs of a structure the architecture's
+MLP class lacks (non-gated, biases) in place of its MLPs: load_pretrained's way to a reference checkpoint's.
 """
 
 from __future__ import annotations
@@ -199,6 +200,27 @@ def replace_mlps_(model: nn.Module, config: SparsityConfig, names: list[str], *,
         layers.append((name, SparseMLP(up.in_features, up.out_features, gated=gated, bias=bias, mode=config.mode,
                                        device=up.weight.device, dtype=up.weight.dtype)))
     _install(model, config, layers, {"gated": gated, "bias": bias})
+    return model
+
+
+def set_sparsity_config_(model: nn.Module, config: SparsityConfig) -> nn.Module:
+    """Give an already sparsified model a new SparsityConfig, as `sparsify_` would have applied it: every
+    sparse layer takes its mode and expected_nnz (and θ = config.threshold when that is set; otherwise the
+    layers keep theirs), and the config records it (so a save says what the model was trained with)."""
+    if not isinstance(config, SparsityConfig):
+        raise TypeError(f"config must be a SparsityConfig, got {type(config).__name__}")
+    layers = sparse_layers(_check_model(model))
+    if not layers:
+        raise ValueError(f"model ({type(model).__name__}) has no sparse layer: sparsify_ it instead")
+    for layer in layers:
+        layer.mode = config.mode
+        layer.expected_nnz = config.expected_nnz
+        if config.threshold is not None:
+            layer.set_threshold_(config.threshold)
+    cfgs = configs(model)
+    if cfgs:
+        setattr(cfgs[0], CONFIG_KEY, config.to_dict())
+    sync_config(model)
     return model
 
 

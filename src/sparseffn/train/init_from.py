@@ -1,0 +1,82 @@
+"""`TrainConfig.init_from`: a run that starts from a saved model instead of random weights.
+
+`init_from` names anything `sparseffn.load_pretrained` opens: a sparseffn save (a run's model/ folder), a
+checkpoint of the reference implementation (`*_sparse_relu`, the released SparseLM models) or the Hub id
+of one. The run then
+
+    model       is that model, in fp32 (bf16 autocast on CUDA as usual), with the run's SparsityConfig
+                (λ and its ramp, mode, dead-unit re-init; its thresholds are kept unless the run sets one)
+    tokenizer   is the checkpoint's tokenizer.json, copied into the run (its vocabulary must fit the model's)
+    resumes     by loading init_from again, then the run's checkpoint over it (init_from must stay readable)
+
+`model` and `model_overrides` do not apply. A dense Hugging Face model goes to `init_from_dense`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from sparseffn.train.data import TextTokenizer
+
+
+def check_init_from(cfg) -> str | None:
+    """The format of cfg.init_from ("sparseffn", "reference", "dense"; None without init_from), checked before
+    the run touches its directory: readable, with a tokenizer."""
+    from sparseffn.models import checkpoint_format
+
+    if cfg.init_from is None:
+        return None
+    fmt = checkpoint_format(cfg.init_from)
+    if fmt == "dense":
+        init_from_dense(cfg, None)
+    tokenizer_file(cfg.init_from)
+    return fmt
+
+
+def tokenizer_file(init_from: str) -> Path:
+    """The checkpoint's tokenizer.json (downloaded through transformers' cache for a Hub id)."""
+    path = Path(init_from)
+    if path.is_dir():
+        found = path / TextTokenizer.FILE
+        if not found.is_file():
+            raise FileNotFoundError(
+                f"init_from {init_from} has no {TextTokenizer.FILE}: training on text needs the model's own tokenizer; "
+                f"copy it into {init_from}")
+        return found
+    from transformers.utils import cached_file
+
+    return Path(cached_file(init_from, TextTokenizer.FILE))
+
+
+def write_run_tokenizer(cfg, out: Path) -> None:
+    """Copy the init_from checkpoint's tokenizer into the run directory."""
+    shutil.copyfile(tokenizer_file(cfg.init_from), out / TextTokenizer.FILE)
+
+
+def build_run_model(cfg, vocab_size: int, device: torch.device):
+    """The model a run trains: `build_model(cfg.model, ...)` at random weights, or the init_from checkpoint
+    (module docstring). vocab_size: the run tokenizer's."""
+    from sparseffn.models import build_model, checkpoint_format, load_pretrained, set_sparsity_config_
+    from sparseffn.train.eval import model_overrides
+
+    if cfg.init_from is None:
+        return build_model(cfg.model, cfg.sparsity, vocab_size=vocab_size, device=device, seed=cfg.seed,
+                           **model_overrides(cfg))
+    if checkpoint_format(cfg.init_from) == "dense":
+        return init_from_dense(cfg, device)
+    model = load_pretrained(cfg.init_from, device=device, dtype=torch.float32)
+    if model.config.vocab_size < vocab_size:
+        raise ValueError(f"init_from {cfg.init_from}: its tokenizer has {vocab_size} tokens, more than the model's "
+                         f"vocabulary ({model.config.vocab_size})")
+    return set_sparsity_config_(model, cfg.sparsity).train()
+
+
+def init_from_dense(cfg, device: torch.device | None):
+    """Start a run from a dense Hugging Face model (not sparsified, not a reference checkpoint)."""
+    raise ValueError(
+        f"init_from {cfg.init_from} is a dense checkpoint (its config.json has no 'sparseffn' entry and is not a "
+        f"*_sparse_relu reference checkpoint); training starts from sparse models only: sparsify_ it and save it "
+        f"with save_pretrained first")
