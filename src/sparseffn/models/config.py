@@ -40,7 +40,7 @@ class SparsityConfig:
     l1_coeff: λ of `loss = ce + λ · mean over layers of l1` (docs/design.md; the paper's released checkpoints use 2e-5).
     l1_warmup_steps: steps over which the training loop ramps λ from 0 (0 = no ramp).
     l1_schedule: the ramp's shape over those steps: "linear" (λ·t/T) or "sine" (ProSparse's λ·sin(π/2·t/T),
-        which stays low longer at the start; train/schedule.py).
+        above the linear ramp throughout, flattening as it reaches λ; train/schedule.py).
     activation: the gate activation; only "relu" exists.
     threshold: a global θ every unit starts with at `sparsify_` (None = 0, plain ReLU); per-unit
         thresholds come from `calibrate_thresholds` and live in the state dict.

@@ -31,7 +31,7 @@ class WarmupCosine:
 def l1_coeff_at(step: int, coeff: float, warmup_steps: int, shape: str = "linear") -> float:
     """λ(step) over a ramp of T = warmup_steps steps, with t = step + 1 (so the ramp reaches `coeff` at
     step T - 1 and holds it): "linear" λ·t/T; "sine" λ·sin(π/2 · t/T), ProSparse's progressive ramp
-    (slower than linear at the start, when a freshly ReLUfied model loses most from the penalty)."""
+    (above linear throughout, and flat near its end, so λ eases into its final value)."""
     if shape not in L1_SCHEDULES:
         raise ValueError(f"L1 schedule shape must be one of {L1_SCHEDULES}, got {shape!r}")
     if warmup_steps <= 0 or step >= warmup_steps:
