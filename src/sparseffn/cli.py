@@ -111,8 +111,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = config_from_flags(args, base)
     result = train(cfg, resume=bool(args.resume), overwrite=args.overwrite, progress=args.progress)
     if result.final_eval is not None:
+        stats = result.final_eval.stats  # None for a dense run
         print(f"held-out CE {result.final_eval.ce:.4f} (perplexity {result.final_eval.ppl:.2f}), "
-              f"{result.final_eval.stats.zeros_pct:.2f}% zeros; run in {result.out_dir}")
+              f"{f'{stats.zeros_pct:.2f}% zeros' if stats is not None else 'dense'}; run in {result.out_dir}")
     return 0
 
 

@@ -202,3 +202,17 @@ def test_sine_l1_schedule_flag_reaches_the_config(small_corpus, tmp_path):
     assert cfg.sparsity.l1_schedule == "sine" and cfg.distill_weight == 0.5 and cfg.calibrate_nnz == 12
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     assert math.isclose(TrainConfig().sparsity.l1_coeff, 1.5e-2)
+
+
+def test_train_dense_from_the_command_line(small_corpus, tmp_path, capsys):
+    out = tmp_path / "dense"
+    flags = ["train", "--model", "tiny", "--model-override", "num_hidden_layers=1", "--model-override",
+             "hidden_act=gelu", "--data", str(small_corpus), "--tokenizer", "byte", "--seq-len", "16",
+             "--batch-size", "2", "--steps", "2", "--eval-batches", "1", "--out-dir", str(out), "--no-progress"]
+    assert main(flags + ["--dense"]) == 2
+    assert "--l1-coeff 0" in capsys.readouterr().err
+    assert main(flags + ["--dense", "--l1-coeff", "0"]) == 0
+    assert "dense; run in" in capsys.readouterr().out
+    assert json.loads((out / "model" / "config.json").read_text())["hidden_act"] == "gelu"
+    assert main(["train", "--preset", "relufy", "--config", str(out / "config.json")]) == 2
+    assert "exclude each other" in capsys.readouterr().err
