@@ -241,6 +241,7 @@ def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
     """Relufy a dense model and fine-tune it; rewrite OUT_DIR/relufy.csv and .png from every run under OUT_DIR/runs."""
+    import importlib.util
     from pathlib import Path
 
     from sparseffn.bench.quality import plot_relufy, relufy_rows, relufy_table, write_relufy_csv
@@ -260,10 +261,14 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
     runs = sorted(d for d in (root / "runs").iterdir() if (d / RECORD).is_file())
     sha = git_sha()
     rows = [row for run in runs for row in relufy_rows(run, sha)]
-    write_relufy_csv(rows, root / "relufy.csv")
-    plot_relufy(rows, root / "relufy.png")
+    written = [write_relufy_csv(rows, root / "relufy.csv")]
+    if importlib.util.find_spec("matplotlib") is not None:
+        written.append(plot_relufy(rows, root / "relufy.png"))
+    else:
+        print("note: matplotlib is not installed, so no relufy.png (pip install 'sparseffn[plot]'; "
+              "sparseffn.bench.quality.plot_relufy draws it from the CSV's rows)")
     print(relufy_table(rows))
-    print(f"wrote {root / 'relufy.csv'} and {root / 'relufy.png'} ({len(runs)} run(s) under {root / 'runs'})")
+    print(f"wrote {' and '.join(map(str, written))} ({len(runs)} run(s) under {root / 'runs'})")
     return 0
 
 
