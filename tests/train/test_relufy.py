@@ -216,3 +216,19 @@ def test_train_dense_from_the_command_line(small_corpus, tmp_path, capsys):
     assert json.loads((out / "model" / "config.json").read_text())["hidden_act"] == "gelu"
     assert main(["train", "--preset", "relufy", "--config", str(out / "config.json")]) == 2
     assert "exclude each other" in capsys.readouterr().err
+
+
+def test_initial_model_must_have_sparse_mlps(dense_run, tmp_path):
+    from tests.models.families import family_lm
+
+    dense_cfg, result = dense_run
+    model, tokenizer = load_dense(result.out_dir)
+    cfg = _finetune_config(dense_cfg, tmp_path / "a")
+    with pytest.raises(ValueError, match="no sparse layers"):
+        train(cfg, progress=False, echo=None, initial=InitialModel(model, tokenizer))
+    from sparseffn import relufy_
+
+    gpt2 = relufy_(family_lm("gpt2"))
+    gpt2.config.vocab_size = 10_000  # past the vocabulary check, to reach the layer check
+    with pytest.raises(ValueError, match=r"\['HFSparseMLP'\]"):
+        train(cfg.replace(out_dir=str(tmp_path / "b")), progress=False, echo=None, initial=InitialModel(gpt2, tokenizer))

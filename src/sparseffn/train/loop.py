@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from sparseffn.models import build_model, calibrate_thresholds, collect_l1, fuse_non_mlp_, sparse_mlps
+from sparseffn.models import (build_model, calibrate_thresholds, collect_l1, fuse_non_mlp_, sparse_layers,
+                              sparse_mlps)
 from sparseffn.train.checkpoint import newest_usable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from sparseffn.train.config import TrainConfig
 from sparseffn.train.data import (
@@ -296,14 +297,15 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
     if info.is_main:
         (out / "run.json").write_text(json.dumps({
             "device": str(device), "autocast": str(resolve_amp(cfg.dtype, device)), "world_size": info.world_size,
-            "vocab_size": tokenizer.vocab_size, "parameters": n_params, "layers": len(mlps), "hidden": hidden, "dense": not mlps,
+            "vocab_size": tokenizer.vocab_size, "parameters": n_params, "layers": len(mlps), "hidden": hidden,
+            "dense": not mlps,
             "d_model": int(model.config.hidden_size), "train_tokens": int(train_tokens.numel()),
             "held_out_tokens": int(held_tokens.numel()), "tokens_per_step": cfg.batch_size * cfg.seq_len
             * cfg.grad_accum * info.world_size, "torch": torch.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads(),
         }, indent=2) + "\n")
     say(f"model: {cfg.model if initial is None else type(model).__name__ + ' (initial model)'}, "
-        f"{n_params / 1e6:.2f}M parameters, {len(mlps) or 'dense'} sparse layers, d_model "
+        f"{n_params / 1e6:.2f}M parameters, {f'{len(mlps)} sparse layers' if mlps else 'dense MLPs'}, d_model "
         f"{model.config.hidden_size}, MLP H={hidden[0] if hidden else model.config.intermediate_size}; "
         f"{info.world_size} process(es) on {device}; "
         f"{cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size:,} tokens/step")
@@ -447,7 +449,11 @@ def _initial(initial, cfg: TrainConfig, tokenizer: TextTokenizer, device: torch.
         raise ValueError(f"the initial model's vocabulary ({model.config.vocab_size}) is smaller than its "
                          f"tokenizer's ({tokenizer.vocab_size})")
     if not sparse_mlps(model):
-        raise ValueError("the initial model has no SparseMLP layers: relufy_ (or sparsify_) it first")
+        kinds = sorted({type(m).__name__ for m in sparse_layers(model)})
+        if kinds:
+            raise ValueError(f"the training loop tracks Llama-style SparseMLP layers; the initial model's are {kinds} "
+                             f"(fine-tune it with your own loop: docs/training.md)")
+        raise ValueError("the initial model has no sparse layers: relufy_ (or sparsify_) it first")
     if initial.teacher is None:
         return model, None
     if cfg.distill_weight == 0:
