@@ -103,12 +103,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if cfg.out_dir != str(folder):
             raise ValueError(f"--out-dir {cfg.out_dir} differs from the run being resumed ({folder})")
     else:
-        base = TrainConfig.load(args.config) if args.config is not None else TrainConfig()
+        from sparseffn.train.relufy import PRESETS
+
+        if args.config is not None and args.preset is not None:
+            raise ValueError("--config and --preset exclude each other (both give the starting config)")
+        base = TrainConfig.load(args.config) if args.config is not None else PRESETS[args.preset or "pretrain"]
         cfg = config_from_flags(args, base)
     result = train(cfg, resume=bool(args.resume), overwrite=args.overwrite, progress=args.progress)
     if result.final_eval is not None:
+        stats = result.final_eval.stats  # None for a dense run
         print(f"held-out CE {result.final_eval.ce:.4f} (perplexity {result.final_eval.ppl:.2f}), "
-              f"{result.final_eval.stats.zeros_pct:.2f}% zeros; run in {result.out_dir}")
+              f"{f'{stats.zeros_pct:.2f}% zeros' if stats is not None else 'dense'}; run in {result.out_dir}")
     return 0
 
 
@@ -273,6 +278,40 @@ def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
     return _run_bench(args, CalibrateBenchConfig, run_calibrate_bench, calibrate_table, plot_calibrate, "calibrate")
 
 
+def _cmd_bench_quality(args: argparse.Namespace) -> int:
+    """Relufy a dense model and fine-tune it; rewrite OUT_DIR/relufy.csv and .png from every run under OUT_DIR/runs."""
+    import importlib.util
+    from pathlib import Path
+
+    from sparseffn.bench.quality import plot_relufy, relufy_rows, relufy_table, write_relufy_csv
+    from sparseffn.bench.timing import git_sha
+    from sparseffn.train.config import config_from_flags
+    from sparseffn.train.relufy import RECORD, RELUFY_CONFIG, relufy_quality
+
+    cfg = config_from_flags(args, RELUFY_CONFIG.replace(out_dir="runs/relufy_quality"))
+    if cfg.init_from is None:
+        raise ValueError("bench quality needs --init-from DIR (a dense model directory or a `sparseffn train --dense` "
+                         "run); L1 sweeps of runs trained from scratch: benchmarks/quality_sweep.sh")
+    # relufy_quality loads and relufies the dense model itself and hands it to the loop as its initial model
+    init_from, cfg = cfg.init_from, cfg.replace(init_from=None)
+    name = args.name or (f"l1_{cfg.sparsity.l1_coeff:g}_{cfg.sparsity.l1_schedule}"
+                         + (f"_kd{cfg.distill_weight:g}" if cfg.distill_weight > 0 else ""))
+    relufy_quality(init_from, cfg, name, progress=args.progress)
+    root = Path(cfg.out_dir)
+    runs = sorted(d for d in (root / "runs").iterdir() if (d / RECORD).is_file())
+    sha = git_sha()
+    rows = [row for run in runs for row in relufy_rows(run, sha)]
+    written = [write_relufy_csv(rows, root / "relufy.csv")]
+    if importlib.util.find_spec("matplotlib") is not None:
+        written.append(plot_relufy(rows, root / "relufy.png"))
+    else:
+        print("note: matplotlib is not installed, so no relufy.png (pip install 'sparseffn[plot]'; "
+              "sparseffn.bench.quality.plot_relufy draws it from the CSV's rows)")
+    print(relufy_table(rows))
+    print(f"wrote {' and '.join(map(str, written))} ({len(runs)} run(s) under {root / 'runs'})")
+    return 0
+
+
 def _cmd_bench_report(args: argparse.Namespace) -> int:
     """Every generated table of the README and docs/benchmarks.md whose CSV exists, with its PNG."""
     from pathlib import Path
@@ -297,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sparseffn.bench.pack_demo import PackDemoConfig
     from sparseffn.train.config import TrainConfig, add_config_flags
     from sparseffn.train.demo import DEMO_CONFIG
+    from sparseffn.train.relufy import RELUFY_CONFIG
 
     parser = argparse.ArgumentParser(prog="sparseffn", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show the traceback of every error, user errors too")
@@ -328,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue the run in RUN_DIR from its newest checkpoint (exactly as if never stopped)")
     tr.add_argument("--overwrite", action="store_true", help="delete an earlier run's files in --out-dir first")
     tr.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    tr.add_argument("--preset", choices=("pretrain", "relufy"), default=None,
+                    help="start from a preset instead of the defaults: pretrain (the defaults shown) or relufy "
+                         "(fine-tuning a relufied pretrained model: docs/sparsify.md)")
     add_config_flags(tr, TrainConfig, defaults=TrainConfig())
     tr.set_defaults(func=_cmd_train)
 
@@ -426,6 +469,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "directory with its tokenizer.json (a released checkpoint)")
     _add_dataclass_flags(cal, CalibrateBenchConfig, skip=("checkpoint",))
     cal.set_defaults(func=_cmd_bench_calibrate)
+    quality = bench.add_parser(
+        "quality", help="relufy a dense model and fine-tune it with L1: its held-out CE, then zeros, active units "
+                        "and CE along the run (OUT_DIR/relufy.csv + relufy.png over every run in OUT_DIR/runs)",
+        description="Training flags map onto TrainConfig as for `sparseffn train`; defaults: the relufy preset "
+                    "(shown), out-dir runs/relufy_quality. Each call adds (or replaces) the run --name.")
+    quality.add_argument("--name", default=None,
+                         help="the run's folder under OUT_DIR/runs (default: from λ, the schedule and distillation)")
+    quality.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    add_config_flags(quality, TrainConfig, defaults=RELUFY_CONFIG)
+    quality.set_defaults(func=_cmd_bench_quality)
     report = bench.add_parser("report", help="regenerate the tables of the README and docs/benchmarks.md, and the "
                                              "PNGs, from the benchmark CSVs")
     report.add_argument("--results-dir", default="benchmarks/results",

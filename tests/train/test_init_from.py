@@ -77,8 +77,7 @@ def test_init_from_refusals_leave_no_run(small_corpus, reference, tmp_path):
 
     dense = tmp_path / "dense"
     build_model("tiny", None, num_hidden_layers=1, vocab_size=300).save_pretrained(dense)
-    (dense / "tokenizer.json").write_text((reference / "tokenizer.json").read_text())
-    with pytest.raises(ValueError, match="is a dense checkpoint"):
+    with pytest.raises(FileNotFoundError, match="expected a saved model directory"):  # no tokenizer.json
         train(_config(small_corpus, tmp_path / "a", dense), progress=False, echo=None)
     assert not (tmp_path / "a").exists()
 
@@ -94,3 +93,30 @@ def test_init_from_refusals_leave_no_run(small_corpus, reference, tmp_path):
         tiny_config(small_corpus, tmp_path / "c", init_from=str(reference))
     with pytest.raises(FileNotFoundError, match="is not a directory with a config.json"):
         train(_config(small_corpus, tmp_path / "d", tmp_path / "missing"), progress=False, echo=None)
+
+
+def test_a_dense_model_is_relufied_and_distilled_from_its_frozen_original(small_corpus, reference, tmp_path):
+    from sparseffn.models import relufied_from
+    from sparseffn.models.registry import build_model
+
+    dense = tmp_path / "dense"
+    original = build_model("tiny", None, num_hidden_layers=2, vocab_size=300, hidden_act="silu", seed=3)
+    original.save_pretrained(dense)
+    (dense / "tokenizer.json").write_text((reference / "tokenizer.json").read_text())
+    cfg = _config(small_corpus, tmp_path / "run", dense, distill_weight=1.0, distill_temperature=2.0,
+                  sparsity=SparsityConfig(l1_coeff=1e-3, l1_warmup_steps=2, l1_schedule="sine"))
+    full = train(cfg, progress=False, echo=None)
+    assert full.completed and len(sparse_mlps(full.model)) == 2
+    saved = load_pretrained(tmp_path / "run" / "model")
+    assert relufied_from(saved) and saved.config.sparseffn["l1_schedule"] == "sine"
+    kl = [r["distill_kl"] for r in read_metrics(full.metrics_path) if r.get("kind") == "train"]
+    assert kl and all(v >= 0 for v in kl) and kl[-1] > 0  # the teacher is the dense original, not the student
+    # the dense original on disk is untouched, and a stopped run resumes to the same weights
+    reloaded = type(original).from_pretrained(dense)
+    assert all(torch.equal(v, reloaded.state_dict()[k]) for k, v in original.state_dict().items())
+    part = cfg.replace(out_dir=str(tmp_path / "part"))
+    train(part, progress=False, echo=None, stop_after_step=5)
+    resumed = train(part, resume=True, progress=False, echo=None)
+    assert _rows(resumed.metrics_path) == _rows(full.metrics_path)
+    a, b = full.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

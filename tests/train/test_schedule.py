@@ -25,3 +25,16 @@ def test_warmup_cosine():
     assert all(b <= a for a, b in zip(after, after[1:]))
     assert WarmupCosine(0.0, 0.0, 0, 10)(3) == 0.0
     assert not math.isnan(WarmupCosine(1e-3, 1e-3, 0, 0)(0))
+
+
+def test_l1_coefficient_sine_ramp_is_prosparse_shape():
+    T, coeff = 8, 3e-2
+    for step in range(T):
+        assert l1_coeff_at(step, coeff, T, "sine") == pytest.approx(coeff * math.sin(math.pi / 2 * (step + 1) / T))
+    assert l1_coeff_at(T - 1, coeff, T, "sine") == pytest.approx(coeff)
+    assert l1_coeff_at(50, coeff, T, "sine") == coeff
+    # below the linear ramp nowhere, and strictly above it inside the ramp (sin x > 2x/π on (0, π/2))
+    assert all(l1_coeff_at(s, coeff, T, "sine") > l1_coeff_at(s, coeff, T) for s in range(T - 1))
+    assert l1_coeff_at(0, coeff, T, "linear") == l1_coeff_at(0, coeff, T)
+    with pytest.raises(ValueError, match="must be one of"):
+        l1_coeff_at(0, coeff, T, "cosine")

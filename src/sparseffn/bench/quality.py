@@ -137,3 +137,129 @@ def plot_quality(rows: list[dict], path: Path) -> Path:
     ax3.set_title("per-layer dead units")
     ax3.legend(fontsize=5, ncol=2)
     return common.save_figure(fig, path)
+
+
+# ------------------------------------------------------------------ ReLUfication of a dense model
+# `sparseffn bench quality --init-from DIR` (train/relufy.py: relufy_quality) leaves one fine-tuning run
+# per setting under OUT/runs/<name>/ with its config.json, run.json, metrics.jsonl and relufy.json (the
+# dense original's and the freshly relufied model's held-out evaluations). These rows follow each run:
+# stage "dense" (the original, before relufy_), "relufied" (step 0, before fine-tuning), then one
+# "fine-tuning" row per evaluation of the run. ce_gap_pct is against the dense original's held-out CE.
+
+RELUFY_FIELDS = (
+    "run", "stage", "step", "tokens", "pretraining_tokens", "tokens_pct_of_pretraining", "eval_ce", "dense_ce",
+    "ce_gap_pct", "zeros_pct", "nnz_mean", "hidden", "l1_coeff", "l1_schedule", "l1_warmup_steps", "threshold",
+    "reinit_dead", "distill_weight", "distill_temperature", "calibrate_nnz", "lr", "steps", "relufied_from",
+    "git_sha",
+)
+
+
+def relufy_rows(run_dir: str | Path, git_sha: str = "") -> list[dict]:
+    """The rows of one fine-tuning run folder written by `relufy_quality` (see above)."""
+    run = Path(run_dir)
+    missing = [n for n in ("config.json", "run.json", "metrics.jsonl", "relufy.json") if not (run / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{run}: not a finished `bench quality --init-from` run (missing {', '.join(missing)})")
+    cfg = json.loads((run / "config.json").read_text())
+    record = json.loads((run / "relufy.json").read_text())
+    per_step = int(json.loads((run / "run.json").read_text())["tokens_per_step"])
+    pretraining = record.get("pretraining_tokens")
+    dense_ce = float(record["dense"]["eval_ce"])
+    sparsity = cfg.get("sparsity", {})
+    common_fields = {
+        "run": run.name, "pretraining_tokens": pretraining if pretraining else "", "dense_ce": round(dense_ce, 5),
+        "l1_coeff": sparsity.get("l1_coeff"), "l1_schedule": sparsity.get("l1_schedule", "linear"),
+        "l1_warmup_steps": sparsity.get("l1_warmup_steps"), "threshold": sparsity.get("threshold") or 0.0,
+        "reinit_dead": sparsity.get("reinit_dead"), "distill_weight": cfg.get("distill_weight", 0.0),
+        "distill_temperature": cfg.get("distill_temperature", 1.0), "calibrate_nnz": cfg.get("calibrate_nnz") or "",
+        "lr": cfg.get("lr"), "steps": cfg.get("steps"),
+        "relufied_from": " ".join(f"{k}={v}" for k, v in (record.get("relufied_from") or {}).items()),
+        "git_sha": git_sha,
+    }
+
+    def row(stage: str, step: int, ev: dict) -> dict:
+        tokens = step * per_step
+        sparse = "eval_zeros_pct" in ev
+        hidden = ev["eval_hidden"] if sparse else None
+        return {
+            **common_fields, "stage": stage, "step": step, "tokens": tokens,
+            "tokens_pct_of_pretraining": round(100 * tokens / pretraining, 3) if pretraining else "",
+            "eval_ce": round(float(ev["eval_ce"]), 5),
+            "ce_gap_pct": round(100 * (float(ev["eval_ce"]) / dense_ce - 1), 3),
+            "zeros_pct": round(float(ev["eval_zeros_pct"]), 3) if sparse else "",
+            "nnz_mean": round(float(ev["eval_nnz_mean_all"]), 2) if sparse else "",
+            "hidden": sum(hidden) / len(hidden) if sparse else "",
+        }
+
+    evals = [r for r in _rows(run / "metrics.jsonl") if r.get("kind") == "eval"]
+    return ([row("dense", 0, record["dense"]), row("relufied", 0, record["relufied"])]
+            + [row("fine-tuning", int(r["step"]), r) for r in evals])
+
+
+def write_relufy_csv(rows: list[dict], path: Path) -> Path:
+    return common.write_csv(rows, path, RELUFY_FIELDS)
+
+
+def _setting(r: dict) -> str:
+    text = f"λ={float(r['l1_coeff']):g} {r['l1_schedule']}/{r['l1_warmup_steps']}"
+    if float(r["distill_weight"] or 0) > 0:
+        text += f" KD {float(r['distill_weight']):g}@T{float(r['distill_temperature']):g}"
+    if float(r["threshold"] or 0) > 0:
+        text += f" shift {float(r['threshold']):g}"
+    if r["calibrate_nnz"] != "":
+        text += f" calib {float(r['calibrate_nnz']):g}"
+    return text
+
+
+def relufy_table(rows: list[dict]) -> str:
+    """One line per run: the dense original, then where its last evaluation stands."""
+    lines = ["| run | setting | dense CE | fine-tuning tokens (% of pretraining) | held-out CE | CE gap | zeros "
+             "| mean nnz / token (of H) |", "|---|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["run"] for r in rows):
+        last = [r for r in rows if r["run"] == name][-1]
+        share = f" ({float(last['tokens_pct_of_pretraining']):.1f}%)" if last["tokens_pct_of_pretraining"] != "" else ""
+        zeros, nnz = "–", "–"
+        if last["zeros_pct"] != "":
+            zeros = f"{float(last['zeros_pct']):.2f}%"
+            nnz = f"{float(last['nnz_mean']):.1f} ({float(last['hidden']):.0f})"
+        lines.append(
+            f"| {name} | {_setting(last)} | {float(last['dense_ce']):.4f} | {int(last['tokens']):,}{share} "
+            f"| {float(last['eval_ce']):.4f} | {float(last['ce_gap_pct']):+.2f}% | {zeros} | {nnz} |")
+    return "\n".join(lines)
+
+
+def plot_relufy(rows: list[dict], path: Path) -> Path:
+    """Left: CE gap to the dense original vs % zeros along each run (target box: right of 99%, below 2%).
+    Middle / right: % zeros and CE gap vs the fine-tuning tokens spent (% of pretraining when known)."""
+    plt = common.pyplot()
+    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
+    names = list(dict.fromkeys(r["run"] for r in rows))
+    share = all(r["tokens_pct_of_pretraining"] != "" for r in rows)
+    for i, name in enumerate(names):
+        sparse = [r for r in rows if r["run"] == name and r["zeros_pct"] != ""]
+        if not sparse:
+            continue
+        label = f"{name}: {_setting(sparse[-1])}"
+        zeros = [float(r["zeros_pct"]) for r in sparse]
+        gap = [float(r["ce_gap_pct"]) for r in sparse]
+        spent = [float(r["tokens_pct_of_pretraining"] if share else r["tokens"]) for r in sparse]
+        ax.plot(zeros, gap, "-o", ms=3, color=f"C{i}", label=label)
+        ax.plot(zeros[-1:], gap[-1:], "*", ms=11, color=f"C{i}")
+        ax2.plot(spent, zeros, "-o", ms=3, color=f"C{i}", label=label)
+        ax3.plot(spent, gap, "-o", ms=3, color=f"C{i}", label=label)
+    ax.axvline(99, color="gray", lw=0.6, ls="--")
+    ax.axhline(2, color="gray", lw=0.6, ls="--")
+    ax.set_xlabel("MLP activations that are zero, %")
+    ax.set_ylabel("held-out CE above the dense original, %")
+    ax.set_title("ReLUfied + L1 fine-tuned (star: last evaluation)")
+    ax.legend(fontsize=7)
+    spent_label = "fine-tuning tokens, % of pretraining" if share else "fine-tuning tokens"
+    ax2.axhline(99, color="gray", lw=0.6, ls="--")
+    ax2.set_xlabel(spent_label)
+    ax2.set_ylabel("zeros, %")
+    ax2.set_title("sparsity along the run (step 0: right after relufy_)")
+    ax3.axhline(2, color="gray", lw=0.6, ls="--")
+    ax3.set_xlabel(spent_label)
+    ax3.set_ylabel("CE gap, %")
+    ax3.set_title("quality along the run")
+    return common.save_figure(fig, path)

@@ -7,6 +7,7 @@ from sparseffn.models.calibrate import calibrate_thresholds, measure_activity
 from sparseffn.models.config import SparsityConfig
 from sparseffn.models.fuse import fuse_non_mlp_, unfuse_non_mlp_
 from sparseffn.models.pretrained import checkpoint_format, load_pretrained
+from sparseffn.models.relufy import relufied_from, relufy_
 from sparseffn.models.registry import MODEL_NAMES, build_model, model_config, parameter_count
 from sparseffn.models.sparsify import (
     collect_l1,
@@ -38,6 +39,8 @@ __all__ = [
     "named_sparse_layers",
     "named_sparse_mlps",
     "parameter_count",
+    "relufied_from",
+    "relufy_",
     "set_sparsity_config_",
     "set_track_l1",
     "sparse_layers",

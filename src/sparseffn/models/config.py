@@ -15,6 +15,7 @@ from typing import Any
 
 ACTIVATIONS = ("relu",)
 MODES = ("auto", "sparse", "dense")
+L1_SCHEDULES = ("linear", "sine")
 
 
 def _real(value: object, name: str) -> float:
@@ -38,6 +39,8 @@ class SparsityConfig:
 
     l1_coeff: λ of `loss = ce + λ · mean over layers of l1` (docs/design.md; the paper's released checkpoints use 2e-5).
     l1_warmup_steps: steps over which the training loop ramps λ from 0 (0 = no ramp).
+    l1_schedule: the ramp's shape over those steps: "linear" (λ·t/T) or "sine" (ProSparse's λ·sin(π/2·t/T),
+        above the linear ramp throughout, flattening as it reaches λ; train/schedule.py).
     activation: the gate activation; only "relu" exists.
     threshold: a global θ every unit starts with at `sparsify_` (None = 0, plain ReLU); per-unit
         thresholds come from `calibrate_thresholds` and live in the state dict.
@@ -49,6 +52,7 @@ class SparsityConfig:
 
     l1_coeff: float = 2e-5
     l1_warmup_steps: int = 0
+    l1_schedule: str = "linear"
     activation: str = "relu"
     threshold: float | None = None
     reinit_dead: bool = False
@@ -64,6 +68,8 @@ class SparsityConfig:
         set_("l1_warmup_steps", _int(self.l1_warmup_steps, "l1_warmup_steps"))
         if self.l1_warmup_steps < 0:
             raise ValueError(f"SparsityConfig.l1_warmup_steps must be >= 0, got {self.l1_warmup_steps}")
+        if self.l1_schedule not in L1_SCHEDULES:
+            raise ValueError(f"SparsityConfig.l1_schedule must be one of {L1_SCHEDULES}, got {self.l1_schedule!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"SparsityConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.threshold is not None:

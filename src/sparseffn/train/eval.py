@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sparseffn.models import sparse_mlps
 from sparseffn.train.data import TextTokenizer, eval_windows, read_corpus, split_documents, token_stream
 from sparseffn.train.distributed import DistInfo, make_reduce
 from sparseffn.train.tracking import ActivationStats, LayerStats
@@ -26,15 +27,17 @@ from sparseffn.train.tracking import ActivationStats, LayerStats
 class EvalResult:
     ce: float
     tokens: int
-    stats: LayerStats
+    stats: LayerStats | None  # None for a model without sparse layers (a dense baseline)
 
     @property
     def ppl(self) -> float:
         return math.exp(min(self.ce, 50.0))
 
     def as_row(self) -> dict:
-        return {"eval_ce": round(self.ce, 6), "eval_ppl": round(self.ppl, 4), "eval_tokens": self.tokens,
-                **self.stats.as_row("eval_"), "eval_silent_frac": [round(v, 6) for v in self.stats.silent_frac]}
+        row = {"eval_ce": round(self.ce, 6), "eval_ppl": round(self.ppl, 4), "eval_tokens": self.tokens}
+        if self.stats is not None:
+            row.update(**self.stats.as_row("eval_"), eval_silent_frac=[round(v, 6) for v in self.stats.silent_frac])
+        return row
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None):
@@ -55,7 +58,8 @@ def evaluate(
     autocast_dtype: torch.dtype | None = None,
     info: DistInfo = DistInfo(),
 ) -> EvalResult:
-    """Mean next-token cross-entropy over `windows` [N, T+1] (split across processes) and sparsity stats."""
+    """Mean next-token cross-entropy over `windows` [N, T+1] (split across processes) and sparsity stats
+    (None when the model has no sparse layer)."""
     reduce = make_reduce(info)
     usable = (windows.shape[0] // info.world_size) * info.world_size  # every rank runs as many forwards
     if usable == 0:
@@ -63,11 +67,11 @@ def evaluate(
     mine = windows[:usable][info.rank::info.world_size]
     was_training = model.training
     model.eval()
-    stats = ActivationStats(_unwrap(model))
+    stats = ActivationStats(_unwrap(model)) if sparse_mlps(_unwrap(model)) else None
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     try:
-        with stats.capture():
+        with stats.capture() if stats is not None else nullcontext():
             for start in range(0, mine.shape[0], batch_size):
                 batch = mine[start:start + batch_size].to(device)
                 with autocast_context(device, autocast_dtype):
@@ -75,9 +79,10 @@ def evaluate(
                 ce = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
                 loss_sum += ce.double()
                 count += batch[:, 1:].numel()
-        layer_stats = stats.collect(reduce)
+        layer_stats = stats.collect(reduce) if stats is not None else None
     finally:
-        stats.remove()
+        if stats is not None:
+            stats.remove()
         model.train(was_training)
     totals = reduce(torch.stack([loss_sum, count]), "sum")
     return EvalResult(ce=float(totals[0] / totals[1]), tokens=int(totals[1]), stats=layer_stats)

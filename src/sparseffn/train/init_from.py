@@ -9,7 +9,8 @@ of one. The run then
     tokenizer   is the checkpoint's tokenizer.json, copied into the run (its vocabulary must fit the model's)
     resumes     by loading init_from again, then the run's checkpoint over it (init_from must stay readable)
 
-`model` and `model_overrides` do not apply. A dense Hugging Face model goes to `init_from_dense`.
+`model` and `model_overrides` do not apply. A dense Hugging Face model goes to `init_from_dense`: it is
+relufied (train/relufy.py) and, with distillation, teaches the run as its frozen dense original.
 """
 
 from __future__ import annotations
@@ -22,17 +23,29 @@ import torch
 from sparseffn.train.data import TextTokenizer
 
 
+def model_source(init_from: str) -> str:
+    """The model folder init_from names: a training run directory's model/, else init_from as given."""
+    run_model = Path(init_from) / "model"
+    return str(run_model) if (run_model / "config.json").is_file() else init_from
+
+
+def init_format(cfg) -> str:
+    """checkpoint_format of cfg.init_from's model: "sparseffn", "reference" or "dense"."""
+    from sparseffn.models import checkpoint_format
+
+    return checkpoint_format(model_source(cfg.init_from))
+
+
 def check_init_from(cfg) -> str | None:
     """The format of cfg.init_from ("sparseffn", "reference", "dense"; None without init_from), checked before
     the run touches its directory: readable, with a tokenizer."""
-    from sparseffn.models import checkpoint_format
-
     if cfg.init_from is None:
         return None
-    fmt = checkpoint_format(cfg.init_from)
+    fmt = init_format(cfg)
     if fmt == "dense":
         init_from_dense(cfg, None)
-    tokenizer_file(cfg.init_from)
+    else:
+        tokenizer_file(model_source(cfg.init_from))
     return fmt
 
 
@@ -53,30 +66,36 @@ def tokenizer_file(init_from: str) -> Path:
 
 def write_run_tokenizer(cfg, out: Path) -> None:
     """Copy the init_from checkpoint's tokenizer into the run directory."""
-    shutil.copyfile(tokenizer_file(cfg.init_from), out / TextTokenizer.FILE)
+    shutil.copyfile(tokenizer_file(model_source(cfg.init_from)), out / TextTokenizer.FILE)
 
 
 def build_run_model(cfg, vocab_size: int, device: torch.device):
     """The model a run trains: `build_model(cfg.model, ...)` at random weights, or the init_from checkpoint
     (module docstring). vocab_size: the run tokenizer's."""
-    from sparseffn.models import build_model, checkpoint_format, load_pretrained, set_sparsity_config_
+    from sparseffn.models import build_model, load_pretrained, set_sparsity_config_
     from sparseffn.train.eval import model_overrides
 
     if cfg.init_from is None:
-        return build_model(cfg.model, cfg.sparsity, vocab_size=vocab_size, device=device, seed=cfg.seed,
+        return build_model(cfg.model, None if cfg.dense else cfg.sparsity, vocab_size=vocab_size, device=device, seed=cfg.seed,
                            **model_overrides(cfg))
-    if checkpoint_format(cfg.init_from) == "dense":
-        return init_from_dense(cfg, device)
-    model = load_pretrained(cfg.init_from, device=device, dtype=torch.float32)
+    if init_format(cfg) == "dense":  # the relufied student (a run's loop also takes the teacher)
+        return init_from_dense(cfg, device, teacher=False).model
+    model = load_pretrained(model_source(cfg.init_from), device=device, dtype=torch.float32)
     if model.config.vocab_size < vocab_size:
         raise ValueError(f"init_from {cfg.init_from}: its tokenizer has {vocab_size} tokens, more than the model's "
                          f"vocabulary ({model.config.vocab_size})")
     return set_sparsity_config_(model, cfg.sparsity).train()
 
 
-def init_from_dense(cfg, device: torch.device | None):
-    """Start a run from a dense Hugging Face model (not sparsified, not a reference checkpoint)."""
-    raise ValueError(
-        f"init_from {cfg.init_from} is a dense checkpoint (its config.json has no 'sparseffn' entry and is not a "
-        f"*_sparse_relu reference checkpoint); training starts from sparse models only: sparsify_ it and save it "
-        f"with save_pretrained first")
+def init_from_dense(cfg, device: torch.device | None, *, teacher: bool = True):
+    """A run that starts from a dense Hugging Face model: load it (local files), keep a frozen copy as the
+    teacher when cfg distills (and `teacher`), relufy_ it with cfg.sparsity (train/relufy.py). Returns the
+    InitialModel; with device None only checks that cfg.init_from is such a model, before the run starts."""
+    from sparseffn.train.relufy import InitialModel, check_dense, load_dense, relufy_start
+
+    if device is None:
+        check_dense(cfg.init_from)
+        return None
+    model, tokenizer = load_dense(cfg.init_from, device)
+    student, frozen = relufy_start(model, cfg if teacher else cfg.replace(distill_weight=0.0))
+    return InitialModel(student, tokenizer, frozen)

@@ -2,11 +2,15 @@
 
 Per optimizer step, `grad_accum` micro-batches of `batch_size` sequences per process:
 
-    loss = CE(logits, next tokens) + λ(step) · collect_l1(model)      λ ramps linearly over l1_warmup_steps
+    loss = CE(logits, next tokens) + λ(step) · collect_l1(model)      λ ramps over l1_warmup_steps
+           [+ distill_weight · T² · KL(teacher ‖ model)]            with a teacher (train/distill.py)
 
 then gradient clipping, AdamW (weight decay on matrices only), the lr schedule, and, with
 `sparsity.reinit_dead`, re-initialisation of units dead for `reinit_dead_after` steps (tracking.py).
-bf16 autocast on CUDA (weights and optimizer state stay fp32), fp32 on CPU.
+bf16 autocast on CUDA (weights and optimizer state stay fp32), fp32 on CPU. The model is built from
+`cfg.model` (sparsified, or as it is with `cfg.dense`), or given as an `InitialModel` (a relufied
+pretrained model, its tokenizer and optionally its frozen dense teacher: train/relufy.py). With
+`cfg.calibrate_nnz`, per-unit thresholds are fitted after the last step, before the final evaluation.
 
 Outputs under `out_dir`: config.json (the resolved TrainConfig), run.json (device, sizes, versions),
 tokenizer.json, metrics.jsonl (one "train" row per logging step and one "eval" row per evaluation),
@@ -33,12 +37,12 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
-from sparseffn.models import collect_l1, fuse_non_mlp_, sparse_mlps
+from sparseffn.models import calibrate_thresholds, collect_l1, fuse_non_mlp_, sparse_layers, sparse_mlps
 from sparseffn.train.checkpoint import newest_usable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from sparseffn.train.config import TrainConfig
 from sparseffn.train.data import (
@@ -61,13 +65,18 @@ from sparseffn.train.distributed import (
     init_process_group,
     make_reduce,
 )
+from sparseffn.train.distill import Distiller
 from sparseffn.train.durable import fsync_file, remove_orphans
 from sparseffn.train.eval import EvalResult, autocast_context, evaluate
-from sparseffn.train.init_from import build_run_model, check_init_from, write_run_tokenizer
+from sparseffn.train.init_from import (build_run_model, check_init_from, init_format, init_from_dense,
+                                        write_run_tokenizer)
 from sparseffn.train.metrics import append_row, truncate_metrics
 from sparseffn.train.runlock import hold_run_lock
 from sparseffn.train.schedule import WarmupCosine, l1_coeff_at
 from sparseffn.train.tracking import ActivationStats, DeadUnits, reinit_dead_gates
+
+if TYPE_CHECKING:
+    from sparseffn.train.relufy import InitialModel
 
 # Fields a resumed run may change without breaking exactness of the steps already taken.
 RESUMABLE_CHANGES = frozenset({"steps", "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
@@ -167,11 +176,13 @@ def train(
     progress: bool = True,
     echo: Callable[[str], None] | None = print,
     stop_after_step: int | None = None,
+    initial: "InitialModel | None" = None,
 ) -> TrainResult:
     """Train `cfg` (see the module docstring). resume: continue the run in cfg.out_dir from its newest
     checkpoint. overwrite: delete an earlier run's files in cfg.out_dir first. progress: tqdm bar.
     echo: where status lines go (None = nowhere). stop_after_step: stop after this step as if the
-    process had been killed (no final save); for tests and time-boxed jobs.
+    process had been killed (no final save); for tests and time-boxed jobs. initial: start from this
+    model and tokenizer instead of building `cfg.model` (train/relufy.py: InitialModel, relufy_start).
     """
     check_init_from(cfg)  # before the run directory is touched
     info = dist_from_env()
@@ -181,14 +192,15 @@ def train(
     created = init_process_group(info, device)
     try:
         with hold_run_lock(cfg.out_dir, info, create=not resume, echo=echo):
-            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step)
+            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step, initial)
     finally:
         if created:
             torch.distributed.destroy_process_group()
 
 
 def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, overwrite: bool,
-           progress: bool, echo: Callable[[str], None] | None, stop_after_step: int | None) -> TrainResult:
+           progress: bool, echo: Callable[[str], None] | None, stop_after_step: int | None,
+           initial=None) -> TrainResult:
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
@@ -213,7 +225,11 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
     # ---- data and tokenizer (trained once by rank 0, saved with the run, loaded by everyone)
     docs = read_corpus(cfg.data)
     train_texts, held_texts = split_documents(docs, cfg.eval_fraction)
-    if info.is_main and not (out / TextTokenizer.FILE).is_file() and cfg.init_from is not None:
+    if initial is None and cfg.init_from is not None and init_format(cfg) == "dense":
+        initial = init_from_dense(cfg, device)  # relufied, with the frozen dense original when distilling
+    if info.is_main and not (out / TextTokenizer.FILE).is_file() and initial is not None:
+        initial.tokenizer.save(out)  # the tokenizer the initial model was trained with
+    elif info.is_main and not (out / TextTokenizer.FILE).is_file() and cfg.init_from is not None:
         write_run_tokenizer(cfg, out)
         say(f"tokenizer: {cfg.init_from}'s")
     elif info.is_main and not (out / TextTokenizer.FILE).is_file():
@@ -233,7 +249,14 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
 
     # ---- model, optimizer, schedule
     torch.manual_seed(cfg.seed)
-    model = build_run_model(cfg, tokenizer.vocab_size, device)
+    distiller = None
+    if initial is not None:
+        model, distiller = _initial(initial, cfg, tokenizer, device)
+    else:
+        model = build_run_model(cfg, tokenizer.vocab_size, device)
+    if cfg.distill_weight > 0 and distiller is None:
+        raise ValueError("distill_weight > 0 needs a teacher: start from a dense pretrained model (--init-from a "
+                         "dense model directory, or InitialModel with a teacher, train/relufy.py)")
     mlps = sparse_mlps(model)
     hidden = [int(m.intermediate_size) for m in mlps]
     if cfg.fuse_non_mlp:  # instance-level swap: state dict, config and checkpoints are unchanged
@@ -252,7 +275,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                                   fused=device.type == "cuda" and not fsdp)
     schedule = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    stats = ActivationStats(model)
+    stats = ActivationStats(model) if mlps else None  # cfg.dense: nothing to track
     dead = DeadUnits(hidden, cfg.sparsity.reinit_dead_after, device=device)
     start = 0
     metrics_path = out / "metrics.jsonl"
@@ -281,13 +304,17 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
         (out / "run.json").write_text(json.dumps({
             "device": str(device), "autocast": str(resolve_amp(cfg.dtype, device)), "world_size": info.world_size,
             "vocab_size": tokenizer.vocab_size, "parameters": n_params, "layers": len(mlps), "hidden": hidden,
+            "dense": not mlps,
             "d_model": int(model.config.hidden_size), "train_tokens": int(train_tokens.numel()),
             "held_out_tokens": int(held_tokens.numel()), "tokens_per_step": cfg.batch_size * cfg.seq_len
             * cfg.grad_accum * info.world_size, "torch": torch.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads(),
         }, indent=2) + "\n")
-    say(f"model: {cfg.init_from or cfg.model}, {n_params / 1e6:.2f}M parameters, {len(mlps)} layers, d_model "
-        f"{model.config.hidden_size}, MLP H={hidden[0]}; {info.world_size} process(es) on {device}; "
+    source = cfg.init_from or (cfg.model if initial is None else type(model).__name__ + " (initial model)")
+    say(f"model: {source}, "
+        f"{n_params / 1e6:.2f}M parameters, {f'{len(mlps)} sparse layers' if mlps else 'dense MLPs'}, d_model "
+        f"{model.config.hidden_size}, MLP H={hidden[0] if hidden else model.config.intermediate_size}; "
+        f"{info.world_size} process(es) on {device}; "
         f"{cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size:,} tokens/step")
 
     # ---- loop
@@ -300,7 +327,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
     window_tokens, window_start = 0, time.perf_counter()
 
     def dead_frac_now(step: int) -> float:
-        return sum(f * h for f, h in zip(dead.dead_frac(step), hidden)) / sum(hidden)
+        return sum(f * h for f, h in zip(dead.dead_frac(step), hidden)) / max(sum(hidden), 1)
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and info.is_main), desc="train", unit="step",
                dynamic_ncols=True)
@@ -308,11 +335,13 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
         for step in range(start, cfg.steps):
             done = completed_steps = step + 1  # optimizer steps completed after this one
             log_now = done % cfg.log_interval == 0 or done == cfg.steps
-            track = log_now or track_every_step
-            lam = l1_coeff_at(step, cfg.sparsity.l1_coeff, cfg.sparsity.l1_warmup_steps)
+            track = (log_now or track_every_step) and stats is not None
+            lam = 0.0 if cfg.dense else l1_coeff_at(step, cfg.sparsity.l1_coeff, cfg.sparsity.l1_warmup_steps,
+                                                    cfg.sparsity.l1_schedule)
             lr = optimizer.param_groups[0]["lr"]
             ce_sum = torch.zeros((), device=device)
             l1_sum = torch.zeros((), device=device)
+            kd_sum = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
                 batch = sampler.batch(step, micro).to(device, non_blocking=True)
                 sync = wrapped.no_sync() if ddp and micro < cfg.grad_accum - 1 else nullcontext()
@@ -320,8 +349,13 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                     with stats.capture() if track else nullcontext(), autocast_context(device, amp):
                         logits = wrapped(input_ids=batch[:, :-1]).logits
                     ce = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-                    l1 = collect_l1(model)
+                    l1 = collect_l1(model) if mlps else torch.zeros((), device=device)
                     loss = ce + lam * l1 if lam > 0 else ce
+                    if distiller is not None:
+                        with autocast_context(device, amp):
+                            kd = distiller.loss(batch[:, :-1], logits)
+                        loss = loss + cfg.distill_weight * kd
+                        kd_sum += kd.detach()
                     (loss / cfg.grad_accum).backward()
                 ce_sum += ce.detach()
                 l1_sum += l1.detach().float()
@@ -346,20 +380,21 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
 
             if log_now:
                 now = time.perf_counter()
-                losses = reduce(torch.stack([ce_sum, l1_sum]).double() / cfg.grad_accum, "mean").tolist()
-                ce_v, l1_v = losses
+                losses = reduce(torch.stack([ce_sum, l1_sum, kd_sum]).double() / cfg.grad_accum, "mean").tolist()
+                ce_v, l1_v, kd_v = losses
                 if not (math.isfinite(ce_v) and math.isfinite(l1_v)):
                     raise FloatingPointError(
                         f"training diverged at step {done}: CE {ce_v}, L1 {l1_v} (lower --lr or --l1-coeff; the "
                         f"newest checkpoint in {out / 'checkpoints'} precedes it)")
                 row = {
-                    "kind": "train", "step": done, "lr": lr, "loss": ce_v + lam * l1_v, "ce": ce_v, "l1": l1_v,
+                    "kind": "train", "step": done, "lr": lr, "loss": ce_v + lam * l1_v + cfg.distill_weight * kd_v,
+                    "ce": ce_v, "l1": l1_v, **({"distill_kl": kd_v} if distiller is not None else {}),
                     "l1_coeff": lam, "grad_norm": float(grad_norm) if grad_norm is not None else None,
                     "tokens_per_s": round(window_tokens / max(now - window_start, 1e-9), 1),
                     "elapsed_s": round(now - started, 2),
-                    **layer_stats.as_row(),
+                    **(layer_stats.as_row() if layer_stats is not None else {}),
                     "dead_frac": [round(v, 6) for v in dead_frac],
-                    "dead_frac_all": round(sum(d * h for d, h in zip(dead_frac, hidden)) / sum(hidden), 6),
+                    "dead_frac_all": round(sum(d * h for d, h in zip(dead_frac, hidden)) / max(sum(hidden), 1), 6),
                     # auto mode, per layer: the path of the last training call and the activity estimate
                     "peak_mib": round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None,
                     "path": [m.activity.last.get("training", m.mode) if m.mode == "auto" else m.mode for m in mlps],
@@ -371,20 +406,25 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                 last_row = row
                 if info.is_main:
                     append_row(metrics_path, row)
-                bar.set_postfix_str(f"loss {row['loss']:.3f} ce {ce_v:.3f} nnz/tok {row['nnz_mean_all']:.1f} "
-                                    f"zeros {row['zeros_pct']:.2f}% dead {100 * row['dead_frac_all']:.0f}%")
+                bar.set_postfix_str(f"loss {row['loss']:.3f} ce {ce_v:.3f}" + (
+                    f" nnz/tok {row['nnz_mean_all']:.1f} zeros {row['zeros_pct']:.2f}% "
+                    f"dead {100 * row['dead_frac_all']:.0f}%" if layer_stats is not None else ""))
             elif reinit is not None and info.is_main:
                 append_row(metrics_path, {"kind": "reinit", "step": done, "reinit": reinit})
 
+            if done == cfg.steps and cfg.calibrate_nnz is not None:
+                _calibrate(model, cfg, sampler, info, fsdp, say)
             if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.steps:
                 final_eval = evaluate(wrapped, windows, batch_size=cfg.batch_size, device=device,
                                       autocast_dtype=amp, info=info)
                 if info.is_main:
                     append_row(metrics_path, {"kind": "eval", "step": done, **final_eval.as_row()})
                 loss_text = f"loss {last_row['loss']:.3f}  " if last_row else ""
+                sparsity_text = (f"  nnz/token {final_eval.stats.nnz_mean_all:.1f} of {sum(hidden) / len(hidden):.0f} "
+                                 f"({final_eval.stats.zeros_pct:.2f}% zeros)  dead {100 * dead_frac_now(done):.1f}%  "
+                                 f"λ {lam:.2g}" if final_eval.stats is not None else "  (dense)")
                 say(f"step {done:>6}/{cfg.steps}  {loss_text}held-out ce {final_eval.ce:.3f} (ppl {final_eval.ppl:.1f})"
-                    f"  nnz/token {final_eval.stats.nnz_mean_all:.1f} of {sum(hidden) / len(hidden):.0f} "
-                    f"({final_eval.stats.zeros_pct:.2f}% zeros)  dead {100 * dead_frac_now(done):.1f}%  λ {lam:.2g}")
+                    + sparsity_text)
             if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
                 _save(out, done, cfg, wrapped, model, optimizer, scheduler, dead, sampler, info, fsdp)
             bar.update(1)
@@ -394,7 +434,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
     finally:
         bar.close()
         bar = None
-        stats.remove()
+        if stats is not None:
+            stats.remove()
 
     model_dir = None
     if not stopped:
@@ -404,6 +445,39 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
             say(f"saved the model to {model_dir} ({time.perf_counter() - started:.0f}s in all)")
     return TrainResult(out, metrics_path, completed_steps, not stopped, model_dir, final_eval, last_row,
                        time.perf_counter() - started, model, tokenizer, windows)
+
+
+def _initial(initial, cfg: TrainConfig, tokenizer: TextTokenizer, device: torch.device):
+    """(model, Distiller or None) of an InitialModel, on `device`, checked against cfg and the tokenizer."""
+    if cfg.dense:
+        raise ValueError("dense=True builds a dense model from cfg.model; an initial model is trained as given")
+    model = initial.model.to(device)
+    if int(model.config.vocab_size) < tokenizer.vocab_size:
+        raise ValueError(f"the initial model's vocabulary ({model.config.vocab_size}) is smaller than its "
+                         f"tokenizer's ({tokenizer.vocab_size})")
+    if not sparse_mlps(model):
+        kinds = sorted({type(m).__name__ for m in sparse_layers(model)})
+        if kinds:
+            raise ValueError(f"the training loop tracks Llama-style SparseMLP layers; the initial model's are {kinds} "
+                             f"(fine-tune it with your own loop: docs/training.md)")
+        raise ValueError("the initial model has no sparse layers: relufy_ (or sparsify_) it first")
+    if initial.teacher is None:
+        return model, None
+    if cfg.distill_weight == 0:
+        raise ValueError("a teacher was given but distill_weight is 0: give --distill-weight > 0, or no teacher")
+    return model, Distiller(initial.teacher.to(device), cfg.distill_temperature)
+
+
+def _calibrate(model, cfg: TrainConfig, sampler: BatchSampler, info: DistInfo, fsdp: bool, say) -> None:
+    """Fit per-unit thresholds to cfg.calibrate_nnz on training batches that every process shares (so the
+    replicas stay identical)."""
+    if fsdp:
+        raise NotImplementedError("calibrate_nnz is not supported with parallel='fsdp' (use 'ddp')")
+    shared = BatchSampler(sampler.tokens, cfg.batch_size, cfg.seq_len, cfg.seed, 0)
+    batches = [shared.batch(cfg.steps, micro)[:, :-1] for micro in range(cfg.eval_batches)]
+    report = calibrate_thresholds(model, batches, cfg.calibrate_nnz)
+    say(f"calibrated thresholds to {cfg.calibrate_nnz:g} units per token: measured "
+        + " ".join(f"{r['mean_nnz']:.1f}" for r in report))
 
 
 def _wrap(model: torch.nn.Module, cfg: TrainConfig, info: DistInfo, device: torch.device) -> torch.nn.Module:

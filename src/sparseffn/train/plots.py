@@ -18,7 +18,8 @@ def _rows(metrics_path: Path) -> tuple[list[dict], list[dict], list[int]]:
 
 
 def plot_metrics(metrics_path: str | Path, folder: str | Path) -> list[Path]:
-    """Write loss.png, sparsity.png and dead.png into `folder`; returns their paths."""
+    """Write loss.png, sparsity.png and dead.png (the last two only for sparse runs) into `folder`;
+    returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,7 +29,7 @@ def plot_metrics(metrics_path: str | Path, folder: str | Path) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in train]
-    layers = len(train[0]["nnz_mean"])
+    layers = len(train[0].get("nnz_mean", []))  # 0 for a dense run
     colors = plt.get_cmap("viridis")
     paths = []
 
@@ -42,7 +43,8 @@ def plot_metrics(metrics_path: str | Path, folder: str | Path) -> list[Path]:
     ax[0].legend()
     ax[0].set_title("loss")
     ax[1].plot(steps, [r["l1"] for r in train], color="tab:purple", label="L1 (mean over layers)")
-    ax[1].set_yscale("log")
+    if any(r["l1"] > 0 for r in train):
+        ax[1].set_yscale("log")
     ax[1].set_xlabel("step")
     twin = ax[1].twinx()
     twin.plot(steps, [r["l1_coeff"] for r in train], color="gray", ls="--", label="λ")
@@ -54,6 +56,8 @@ def plot_metrics(metrics_path: str | Path, folder: str | Path) -> list[Path]:
     paths.append(folder / "loss.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
+    if "nnz_mean" not in train[0]:  # a dense run (TrainConfig.dense): no sparsity to plot
+        return paths
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
     for i in range(layers):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from sparseffn.models.config import L1_SCHEDULES
+
 
 class WarmupCosine:
     """lr multiplier for `torch.optim.lr_scheduler.LambdaLR`: linear warmup from lr/warmup to lr over
@@ -26,8 +28,15 @@ class WarmupCosine:
         return lr / self.lr
 
 
-def l1_coeff_at(step: int, coeff: float, warmup_steps: int) -> float:
-    """λ(step): linear ramp from coeff/warmup_steps at step 0 to `coeff` at step warmup_steps - 1."""
+def l1_coeff_at(step: int, coeff: float, warmup_steps: int, shape: str = "linear") -> float:
+    """λ(step) over a ramp of T = warmup_steps steps, with t = step + 1 (so the ramp reaches `coeff` at
+    step T - 1 and holds it): "linear" λ·t/T; "sine" λ·sin(π/2 · t/T), ProSparse's progressive ramp
+    (above linear throughout, and flat near its end, so λ eases into its final value)."""
+    if shape not in L1_SCHEDULES:
+        raise ValueError(f"L1 schedule shape must be one of {L1_SCHEDULES}, got {shape!r}")
     if warmup_steps <= 0 or step >= warmup_steps:
         return float(coeff)
-    return float(coeff) * (step + 1) / warmup_steps
+    progress = (step + 1) / warmup_steps
+    if shape == "sine":
+        return float(coeff) * math.sin(0.5 * math.pi * progress)
+    return float(coeff) * progress
