@@ -96,7 +96,7 @@ def test_train_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypat
         (["--resume", str(run)], f"cannot resume: no checkpoint under {run / 'checkpoints'}"),
         (["--resume", str(tmp_path / "missing")], f"no training config at {tmp_path / 'missing'} ("),
         (["--resume", str(run), "--config", str(tmp_path / "value.json")], "--config and --resume exclude each other"),
-        (["--config", str(tmp_path / "syntax.json")], f"{tmp_path / 'syntax.json'}: Expecting property name"),
+        (["--config", str(tmp_path / "syntax.json")], f"{tmp_path / 'syntax.json'}: not valid JSON (Expecting property name"),
         (["--config", str(tmp_path / "unknown.json")], f"{tmp_path / 'unknown.json'}: TrainConfig: unknown keys"),
         (["--config", str(tmp_path / "value.json")], "TrainConfig.steps must be a positive int, got 0"),
         (["--out-dir", str(readonly / "run")], f"[Errno 13] Permission denied: '{readonly / 'run'}'"),

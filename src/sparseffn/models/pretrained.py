@@ -18,6 +18,7 @@ import torch
 
 from sparseffn.models.config import SparsityConfig
 from sparseffn.models.hf_config import CONFIG_KEY, LAYERS_KEY, UNLOADABLE_ACT, activation_fields, set_activation_fields
+from sparseffn.models.saved_files import check_model_dir
 from sparseffn.models.sparsify import named_sparse_layers, sparsify_, sync_config
 
 
@@ -63,6 +64,7 @@ def load_pretrained(path: str | os.PathLike, *, device: torch.device | str | Non
             f"path {str(path)!r} is not a directory with a config.json (load_pretrained reads local directories "
             f"written by save_pretrained; nothing is downloaded)"
         )
+    check_model_dir(path)  # a cut or damaged file: one SavedFileError naming it, before transformers reads any
     kwargs = dict(from_pretrained_kwargs)
     dtype = kwargs.get("dtype")
     if dtype is not None and not (dtype == "auto" or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)):

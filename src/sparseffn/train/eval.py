@@ -113,6 +113,9 @@ class EvalTarget:
 
 def resolve_target(path: str | Path) -> EvalTarget:
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (give a training run directory, its model/ folder or "
+                                "one of its checkpoints/step_*.pt files)")
     if path.is_file() and path.suffix == ".pt":
         run = path.parent.parent
         return EvalTarget(None, path, run if (run / "config.json").is_file() else None)
@@ -122,7 +125,7 @@ def resolve_target(path: str | Path) -> EvalTarget:
         run = path.parent
         return EvalTarget(path, None, run if (run / "config.json").is_file() and (run / "model") == path else None)
     raise FileNotFoundError(
-        f"CKPT {path}: expected a training run directory (with model/), a saved model directory "
+        f"{path}: expected a training run directory (with model/), a saved model directory "
         "(config.json + tokenizer.json) or a checkpoint file checkpoints/step_*.pt"
     )
 

