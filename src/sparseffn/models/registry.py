@@ -77,7 +77,7 @@ def _check_overrides(config_class, overrides: dict) -> None:
         if name in overrides:
             value = overrides[name]
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"override {name}={value!r}: {name} must be a positive int")
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def model_config(name: str, *, vocab_size: int | None = None, max_position_embeddings: int | None = None, **overrides):
