@@ -123,3 +123,30 @@ def test_debug_shows_user_errors_and_internal_errors_keep_their_traceback(tmp_pa
     monkeypatch.setattr("sparseffn.train.loop.train", broken)
     with pytest.raises(RuntimeError, match="an internal bug"):
         main(["train", "--out-dir", str(tmp_path / "run"), "--no-progress"])
+
+
+def test_eval_and_generate_errors_name_the_flag_or_path_typed(tmp_path, capsys):
+    """Checked before anything loads: each error names what the user typed, not an internal argument."""
+    import torch
+
+    missing = tmp_path / "no" / "run"
+    gen = ["generate", str(missing), "--prompt", "To be"]
+    cases = [
+        (gen, "generate", f"{missing} does not exist"),
+        (["eval", str(missing)], "eval", f"{missing} does not exist"),
+        (["bench", "calibrate", str(missing)], "bench", f"{missing} does not exist"),
+        ([*gen, "--max-new-tokens", "-3"], "generate", "--max-new-tokens must be >= 1, got -3"),
+        ([*gen, "--max-new-tokens", "0"], "generate", "--max-new-tokens must be >= 1, got 0"),
+        ([*gen, "--temperature", "1", "--top-k", "-1"], "generate", "--top-k must be >= 0 (0: all tokens), got -1"),
+        ([*gen, "--temperature", "1", "--top-p", "0"], "generate", "--top-p must be in (0, 1] (1: all tokens), got 0.0"),
+        (["generate", str(missing), "--prompt", ""], "generate", "--prompt is empty"),
+        (["eval", str(missing), "--seq-len", "0"], "eval", "--seq-len must be >= 1, got 0"),
+        (["eval", str(missing), "--batches", "-1"], "eval", "--batches must be >= 1, got -1"),
+        (["eval", str(missing), "--eval-fraction", "1.5"], "eval", "--eval-fraction must lie in (0, 1), got 1.5"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(([*gen, "--device", "cuda"], "generate", "--device cuda: torch sees no CUDA device"))
+    for argv, command, message in cases:
+        assert main(argv) == 2, argv
+        assert message in _one_line_error(capsys, command), argv
+    assert not missing.parent.exists()
