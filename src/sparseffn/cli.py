@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", default=None, help="start from this config.json instead of the defaults")
     tr.add_argument("--resume", default=None, metavar="RUN_DIR",
                     help="continue the run in RUN_DIR from its newest checkpoint (exactly as if never stopped)")
-    tr.add_argument("--overwrite", action="store_true", help="delete an earlier run's files in --out-dir first")
+    tr.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out-dir (at the new run's first checkpoint; a run that fails "
+                         "before it leaves the earlier one untouched)")
     tr.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     add_config_flags(tr, TrainConfig, defaults=TrainConfig())
     tr.set_defaults(func=_cmd_train)

@@ -11,6 +11,10 @@ bf16 autocast on CUDA (weights and optimizer state stay fp32), fp32 on CPU.
 Outputs under `out_dir`: config.json (the resolved TrainConfig), run.json (device, sizes, versions),
 tokenizer.json, metrics.jsonl (one "train" row per logging step and one "eval" row per evaluation),
 checkpoints/step_*.pt, and at the end model/ (`save_pretrained` + tokenizer files) and plots/*.png.
+A new run first checks everything it reads (data, tokenizer, model overrides, device) without
+writing, then writes into out_dir/.staging until its first checkpoint, which moves it into out_dir
+(replacing an earlier run with `overwrite`): a run that fails before then leaves out_dir as it was
+(rundir.py).
 
 Exact resume: batches are a function of (seed, step, micro, rank) and every other piece of state
 (model, optimizer, scheduler, RNGs, dead-unit counters) is in the checkpoint, so a run killed after
@@ -212,9 +216,11 @@ def train(
     stop_after_step: int | None = None,
 ) -> TrainResult:
     """Train `cfg` (see the module docstring). resume: continue the run in cfg.out_dir from its newest
-    checkpoint. overwrite: delete an earlier run's files in cfg.out_dir first. progress: tqdm bar.
+    checkpoint. overwrite: replace an earlier run in cfg.out_dir, at the new run's first checkpoint (until
+    then the earlier run is untouched). progress: tqdm bar.
     echo: where status lines go (None = nowhere). stop_after_step: stop after this step as if the
-    process had been killed (no final save); for tests and time-boxed jobs.
+    process had been killed (no final save; before the first checkpoint nothing is kept); for tests and
+    time-boxed jobs.
     """
     info = dist_from_env()
     device = resolve_device(cfg.device, info)
