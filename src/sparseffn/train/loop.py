@@ -68,7 +68,7 @@ from sparseffn.train.durable import fsync_file, remove_orphans, write_durably
 from sparseffn.train.eval import EvalResult, autocast_context, evaluate, model_overrides
 from sparseffn.train.metrics import append_row, truncate_metrics
 from sparseffn.train.rundir import abandon, existing_run_files, new_staging, publish, recover
-from sparseffn.train.runlock import hold_run_lock
+from sparseffn.train.runlock import HeldLock, hold_run_lock
 from sparseffn.train.schedule import WarmupCosine, l1_coeff_at
 from sparseffn.train.tracking import ActivationStats, DeadUnits, reinit_dead_gates
 
@@ -236,8 +236,8 @@ def train(
             t0 = time.perf_counter()
             inputs = _read_inputs(cfg, info, tokenizer=None)
             if echo is not None and info.is_main:
-                echo(f"tokenizer: {cfg.tokenizer}" + (f", trained on the training split in "
-                                                      f"{time.perf_counter() - t0:.1f}s" if cfg.tokenizer == "bpe" else ""))
+                trained = ", tokenizer trained on the training split" if cfg.tokenizer == "bpe" else ""
+                echo(f"tokenizer: {cfg.tokenizer}; data read{trained} and tokenized in {time.perf_counter() - t0:.1f}s")
         with hold_run_lock(cfg.out_dir, info, create=not resume, echo=echo) as held:
             return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step, inputs, held)
     finally:
@@ -265,7 +265,7 @@ class _RunDir:
 
 def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, overwrite: bool,
            progress: bool, echo: Callable[[str], None] | None, stop_after_step: int | None,
-           inputs: _Inputs | None, held) -> TrainResult:
+           inputs: _Inputs | None, held: HeldLock) -> TrainResult:
     out = Path(cfg.out_dir)
 
     def say(line: str) -> None:
