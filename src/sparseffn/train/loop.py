@@ -222,6 +222,7 @@ def train(
     process had been killed (no final save; before the first checkpoint nothing is kept); for tests and
     time-boxed jobs.
     """
+    started = time.perf_counter()  # elapsed_s and TrainResult.seconds count reading the data too
     info = dist_from_env()
     device = resolve_device(cfg.device, info)
     if cfg.parallel == "fsdp" and cfg.sparsity.reinit_dead and info.enabled:
@@ -239,7 +240,8 @@ def train(
                 trained = ", tokenizer trained on the training split" if cfg.tokenizer == "bpe" else ""
                 echo(f"tokenizer: {cfg.tokenizer}; data read{trained} and tokenized in {time.perf_counter() - t0:.1f}s")
         with hold_run_lock(cfg.out_dir, info, create=not resume, echo=echo) as held:
-            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step, inputs, held)
+            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step, inputs, held,
+                          started)
     finally:
         if created:
             torch.distributed.destroy_process_group()
@@ -265,7 +267,7 @@ class _RunDir:
 
 def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, overwrite: bool,
            progress: bool, echo: Callable[[str], None] | None, stop_after_step: int | None,
-           inputs: _Inputs | None, held: HeldLock) -> TrainResult:
+           inputs: _Inputs | None, held: HeldLock, started: float) -> TrainResult:
     out = Path(cfg.out_dir)
 
     def say(line: str) -> None:
@@ -275,7 +277,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
     staging = _on_main(info, lambda: _claim_out_dir(cfg, out, resume, overwrite, say))
     run = _RunDir(out, staging)
     try:
-        return _run(cfg, info, device, resume, progress, echo, stop_after_step, inputs, run)
+        return _run(cfg, info, device, resume, progress, echo, stop_after_step, inputs, run, started)
     finally:
         if run.staging is not None and info.is_main:  # failed or stopped before its first checkpoint
             abandon(run.staging)
@@ -284,10 +286,9 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
 
 def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, progress: bool,
          echo: Callable[[str], None] | None, stop_after_step: int | None, inputs: _Inputs | None,
-         run: _RunDir) -> TrainResult:
+         run: _RunDir, started: float) -> TrainResult:
     from tqdm.auto import tqdm
 
-    started = time.perf_counter()
     bar = None
     out = run.out
 
