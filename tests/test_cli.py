@@ -96,7 +96,7 @@ def test_train_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypat
         (["--resume", str(run)], f"cannot resume: no checkpoint under {run / 'checkpoints'}"),
         (["--resume", str(tmp_path / "missing")], f"no training config at {tmp_path / 'missing'} ("),
         (["--resume", str(run), "--config", str(tmp_path / "value.json")], "--config and --resume exclude each other"),
-        (["--config", str(tmp_path / "syntax.json")], f"{tmp_path / 'syntax.json'}: Expecting property name"),
+        (["--config", str(tmp_path / "syntax.json")], f"{tmp_path / 'syntax.json'}: not valid JSON (Expecting property name"),
         (["--config", str(tmp_path / "unknown.json")], f"{tmp_path / 'unknown.json'}: TrainConfig: unknown keys"),
         (["--config", str(tmp_path / "value.json")], "TrainConfig.steps must be a positive int, got 0"),
         (["--out-dir", str(readonly / "run")], f"[Errno 13] Permission denied: '{readonly / 'run'}'"),
@@ -149,3 +149,30 @@ def test_reference_checkpoint_through_the_cli(tmp_path, capsys):
     (out / "tokenizer.json").unlink()
     assert main(["generate", str(out), "--prompt", "x", "--device", "cpu"]) == 2
     assert "without a tokenizer.json" in _one_line_error(capsys, "generate")
+
+
+def test_eval_and_generate_errors_name_the_flag_or_path_typed(tmp_path, capsys):
+    """Checked before anything loads: each error names what the user typed, not an internal argument."""
+    import torch
+
+    missing = tmp_path / "no" / "run"
+    gen = ["generate", str(missing), "--prompt", "To be"]
+    cases = [
+        (gen, "generate", f"{missing} does not exist"),
+        (["eval", str(missing)], "eval", f"{missing} does not exist"),
+        (["bench", "calibrate", str(missing)], "bench", f"{missing} does not exist"),
+        ([*gen, "--max-new-tokens", "-3"], "generate", "--max-new-tokens must be >= 1, got -3"),
+        ([*gen, "--max-new-tokens", "0"], "generate", "--max-new-tokens must be >= 1, got 0"),
+        ([*gen, "--temperature", "1", "--top-k", "-1"], "generate", "--top-k must be >= 0 (0: all tokens), got -1"),
+        ([*gen, "--temperature", "1", "--top-p", "0"], "generate", "--top-p must be in (0, 1] (1: all tokens), got 0.0"),
+        (["generate", str(missing), "--prompt", ""], "generate", "--prompt is empty"),
+        (["eval", str(missing), "--seq-len", "0"], "eval", "--seq-len must be >= 1, got 0"),
+        (["eval", str(missing), "--batches", "-1"], "eval", "--batches must be >= 1, got -1"),
+        (["eval", str(missing), "--eval-fraction", "1.5"], "eval", "--eval-fraction must lie in (0, 1), got 1.5"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(([*gen, "--device", "cuda"], "generate", "--device cuda: torch sees no CUDA device"))
+    for argv, command, message in cases:
+        assert main(argv) == 2, argv
+        assert message in _one_line_error(capsys, command), argv
+    assert not missing.parent.exists()

@@ -75,6 +75,23 @@ def test_readme_quick_start_runs(index, tmp_path, monkeypatch, capsys):
     capsys.readouterr()
 
 
+def test_readme_hugging_face_snippet_saves_the_sparsity_it_trained_with(tmp_path, monkeypatch, capsys):
+    """What is saved is what was used: the λ of the snippet's loss is the l1_coeff in its config.json."""
+    import json
+
+    pytest.importorskip("transformers")
+    code = next(s for s in _quick_start_snippets() if "sparsify_(" in s)
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "readme_snippet"}
+    exec(compile(code, "README.md snippet", "exec"), scope)
+    capsys.readouterr()
+    saved = json.loads((tmp_path / "runs" / "my-sparse" / "config.json").read_text())["sparseffn"]
+    used = scope["sparsity"].l1_coeff
+    assert used == saved["l1_coeff"] == 1.5e-2
+    assert re.search(r"\+ sparsity\.l1_coeff \* sparseffn\.collect_l1\(model\)", code)  # the loss uses it
+    assert "λ = 1.5e-2" in code  # and the comment on save_pretrained says so
+
+
 def test_bench_report_regenerates_the_readme_and_docs_without_a_diff(tmp_path):
     (tmp_path / "docs").mkdir()
     readme, docs = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"

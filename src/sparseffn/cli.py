@@ -120,11 +120,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from sparseffn.train.eval import run_eval
 
+    for flag, value in (("--seq-len", args.seq_len), ("--batches", args.batches), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.eval_fraction is not None and not 0 < args.eval_fraction < 1:
+        raise ValueError(f"--eval-fraction must lie in (0, 1), got {args.eval_fraction}")
     _, lines, _ = run_eval(args.ckpt, data=args.data, eval_fraction=args.eval_fraction, seq_len=args.seq_len,
-                           batches=args.batches, batch_size=args.batch_size, device=args.device,
+                           batches=args.batches, batch_size=args.batch_size, device=_device_flag(args.device).type,
                            out_dir=args.out_dir)
     print("\n".join(lines))
     return 0
+
+
+def _device_flag(name: str):
+    """The torch.device of a --device flag (auto, cpu or cuda), checked."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device (use --device auto or cpu)")
+    return torch.device(name)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -133,19 +149,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from sparseffn.models.generate import CapturedDecoder
     from sparseffn.train.eval import load_for_eval, resolve_target
 
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    # every flag is checked before the model loads, so errors name the flag typed
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.temperature == 0 and (args.top_k != 0 or args.top_p != 1.0):
+        raise ValueError("--top-k and --top-p filter sampled tokens: give --temperature > 0 too")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0: all tokens), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1] (1: all tokens), got {args.top_p}")
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give some text to continue")
+    device = _device_flag(args.device)
     model, tokenizer, _ = load_for_eval(resolve_target(args.run), device)
     if device.type == "cuda":
         model.to(torch.bfloat16)
     ids = torch.tensor([tokenizer.encode(args.prompt)], device=device)
     if ids.shape[1] == 0:
-        raise ValueError("prompt: the tokenizer made no tokens of it; give some text")
-    # a CUDA graph per decode step on a GPU (captured=False or a CPU: every step eagerly, same tokens)
-    eager_steps = 5 if device.type == "cuda" and args.captured else args.max_new_tokens
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
-    if args.temperature == 0 and (args.top_k != 0 or args.top_p != 1.0):
-        raise ValueError("--top-k and --top-p filter sampled tokens: give --temperature > 0 too")
+        raise ValueError("--prompt: the tokenizer made no tokens of it; give some text")
+    # a CUDA graph per decode step on a GPU (--no-captured, or a CPU: every step eagerly, same tokens)
+    eager_steps = 5 if args.captured else args.max_new_tokens
     sampling = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p) \
         if args.temperature > 0 else {}
     torch.manual_seed(args.seed)
@@ -366,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", default=None, help="start from this config.json instead of the defaults")
     tr.add_argument("--resume", default=None, metavar="RUN_DIR",
                     help="continue the run in RUN_DIR from its newest checkpoint (exactly as if never stopped)")
-    tr.add_argument("--overwrite", action="store_true", help="delete an earlier run's files in --out-dir first")
+    tr.add_argument("--overwrite", action="store_true", help="replace an earlier run in --out-dir (at the new run's first checkpoint; a run that fails "
+                         "before it leaves the earlier one untouched)")
     tr.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     tr.add_argument("--preset", choices=("pretrain", "relufy"), default=None,
                     help="start from a preset instead of the defaults: pretrain (the defaults shown) or relufy "
@@ -383,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the run's)")
     ev.add_argument("--batches", type=int, default=None, help="batches of windows (default: the run's eval_batches)")
     ev.add_argument("--batch-size", type=int, default=None, help="windows per batch (default: the run's)")
-    ev.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    ev.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="(default: auto)")
     ev.add_argument("--out-dir", default=None, help="where eval.json and eval_layers.png go (default: RUN/eval)")
     ev.set_defaults(func=_cmd_eval)
 
@@ -392,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "or a model directory with its tokenizer.json (e.g. a SparseLM checkpoint)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
-    gen.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="(default: auto)")
     gen.add_argument("--captured", action=argparse.BooleanOptionalAction, default=True,
                      help="replay each decode step from a CUDA graph on a GPU (default: on)")
     gen.add_argument("--temperature", type=float, default=0.0,

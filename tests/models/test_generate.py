@@ -30,6 +30,25 @@ def test_eager_steps_match_hugging_face_greedy_generate():
     assert torch.equal(decoder.generate(prompt, max_new_tokens=9), want)  # the cache is reset between calls
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: off CUDA every step runs eagerly")
+def test_off_cuda_every_step_runs_eagerly_with_the_same_tokens():
+    """The README's `CapturedDecoder(model, batch_size=1, max_length=...).generate(ids, n)` on a CPU, with
+    far more new tokens than eager_steps: Hugging Face's greedy tokens, greedy and sampled alike equal to
+    a decoder told to run every step eagerly."""
+    model = _model()
+    sparseffn.sparsify_(model, sparseffn.SparsityConfig())
+    prompt = torch.randint(128, (1, 5), generator=torch.Generator().manual_seed(3))
+    want = model.generate(prompt, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(prompt))
+    decoder = CapturedDecoder(model, batch_size=1, max_length=40)  # eager_steps=5 < 24
+    assert torch.equal(decoder.generate(prompt, 24), want)
+    sampled = []
+    for eager_steps in (2, 100):
+        torch.manual_seed(7)
+        sampler = CapturedDecoder(model, batch_size=1, max_length=40, eager_steps=eager_steps, do_sample=True)
+        sampled.append(sampler.generate(prompt, 24))
+    assert sampled[0].shape == (1, 29) and torch.equal(sampled[0], sampled[1])
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_a_deleted_decoder_frees_its_cache_without_the_garbage_collector(compile):
     """No reference cycle through the decoder: its static cache (and on CUDA its graph's pool) goes
@@ -142,8 +161,6 @@ def test_arguments_are_checked():
         decoder.generate(torch.zeros(2, 3, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="must fit max_length"):
         decoder.generate(torch.zeros(1, 10, dtype=torch.long), 7)
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        decoder.generate(torch.zeros(1, 3, dtype=torch.long), 5)  # 4 steps after 1 eager one: capture
     with pytest.raises(ValueError, match="positive int"):
         CapturedDecoder(model, batch_size=0, max_length=16)
     for kwargs, match in ((dict(do_sample=True, temperature=0.0), "temperature must be a positive finite"),

@@ -94,3 +94,24 @@ def test_sharded_checkpoint(tmp_path):
     assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
     loaded = load_pretrained(tmp_path)
     assert torch.equal(_logits(loaded, token_ids()), _logits(model, token_ids()))
+
+
+def test_damaged_files_are_one_error_naming_the_file(tmp_path):
+    """A cut weights file, a cut shard or a cut config.json: SavedFileError naming it, before transformers
+    reads anything (whose own errors would be a SafetensorError traceback without the file)."""
+    from sparseffn.models.saved_files import SavedFileError
+
+    sparsify_(tiny_lm()).save_pretrained(tmp_path / "one")
+    weights = tmp_path / "one" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(SavedFileError, match=rf"^{weights}: truncated \(\d+ bytes, its header describes \d+\)$"):
+        load_pretrained(tmp_path / "one")
+    sparsify_(tiny_lm()).save_pretrained(tmp_path / "shards", max_shard_size="50KB")
+    shard = sorted((tmp_path / "shards").glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(SavedFileError, match=rf"^{shard}: truncated"):
+        load_pretrained(tmp_path / "shards")
+    config = tmp_path / "shards" / "config.json"
+    config.write_text(config.read_text()[:50])
+    with pytest.raises(SavedFileError, match=rf"^{config}: not valid JSON"):
+        load_pretrained(tmp_path / "shards")

@@ -31,7 +31,7 @@ def test_calibrate_bench_bad_input(trained_run, tmp_path):
         run_calibrate_bench(CalibrateBenchConfig(checkpoint=str(trained_run.out_dir), targets=" , "))
     with pytest.raises(ValueError, match="targets: comma-separated"):
         run_calibrate_bench(CalibrateBenchConfig(checkpoint=str(trained_run.out_dir), targets="8,many"))
-    with pytest.raises(FileNotFoundError, match="CKPT"):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'missing'} does not exist"):
         run_calibrate_bench(CalibrateBenchConfig(checkpoint=str(tmp_path / "missing")))
 
 

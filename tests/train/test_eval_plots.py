@@ -53,9 +53,12 @@ def test_eval_cli_on_model_dir(trained_run, tmp_path, capsys):
     assert "perplexity" in out and "| layer | H |" in out and (tmp_path / "eval_layers.png").is_file()
     assert main(["eval", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("sparseffn eval: error: ") and "CKPT" in err and err.count("\n") == 1
-    with pytest.raises(FileNotFoundError, match="CKPT"):
+    assert err.startswith(f"sparseffn eval: error: {tmp_path / 'nothing'} does not exist") and err.count("\n") == 1
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         main(["--debug", "eval", str(tmp_path / "nothing")])
+    (tmp_path / "empty").mkdir()  # exists, but is no run
+    assert main(["eval", str(tmp_path / "empty")]) == 2
+    assert f"{tmp_path / 'empty'}: expected a training run directory" in capsys.readouterr().err
 
 
 def test_plots_from_metrics(trained_run, tmp_path):
@@ -99,6 +102,6 @@ def test_generate_cli_samples_and_checks_its_sampling_flags(trained_run, capsys)
     assert texts[0] == texts[1] and texts[2] == texts[3]
     for flags, match in ((["--temperature", "-1"], "--temperature must be >= 0"),
                          (["--top-k", "5"], "give --temperature > 0 too"),
-                         (["--temperature", "1", "--top-p", "0"], r"top_p must be in \(0, 1\]")):
+                         (["--temperature", "1", "--top-p", "0"], r"--top-p must be in \(0, 1\]")):
         assert main(run + flags) == 2
         assert re.search(match, capsys.readouterr().err), flags

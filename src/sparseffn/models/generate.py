@@ -29,8 +29,8 @@ one of those tokens gets `pad_token_id` afterwards, and generation stops once ev
 the last sequence, as Hugging Face's `generate` returns it. Prompts of different lengths come padded
 on the left with an `attention_mask` (as for Hugging Face's generate); such a batch replays a step of
 its own, captured with the mask over the cache. A decoder picks tokens one way for its lifetime (the
-step is captured with it) and has one batch size and length. Capture needs CUDA; on
-other devices only the eager steps run (eager_steps >= max_new_tokens - 1).
+step is captured with it) and has one batch size and length. Capture needs CUDA: on any other
+device (a CPU) every decode step runs eagerly, the same step with the same tokens, only slower.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def pick_tokens(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor
 
 class CapturedDecoder:
     """Generation with each decode step replayed from one CUDA graph (module docstring). batch_size,
-    max_length: the one shape of its calls. eager_steps: decode steps run eagerly before the capture.
+    max_length: the one shape of its calls. eager_steps: decode steps run eagerly before the capture
+    (off CUDA: all of them).
     record_times: keep each replay's GPU ms in `step_ms`. compile: the step's forward through
     torch.compile. do_sample, temperature, top_k, top_p: how tokens are picked (`Sampling`).
     eos_token_id (an id or a list), pad_token_id (default: the first end token): stopping."""
@@ -177,7 +178,8 @@ class CapturedDecoder:
         out[:, p] = token
         ids.copy_(token[:, None])
         position.fill_(p)
-        eager = min(self.eager_steps, new - 1)
+        # off CUDA there is no graph to capture: every step runs eagerly (the same step, the same tokens)
+        eager = min(self.eager_steps if self.device.type == "cuda" else new - 1, new - 1)
         remaining = new - 1 - eager
         done = 1  # tokens generated so far
         for i in range(eager):
@@ -268,9 +270,7 @@ class CapturedDecoder:
     def _capture(self) -> torch.cuda.CUDAGraph:
         """The decode step recorded into a CUDA graph (recording runs nothing); every tensor it touches
         is the decoder's own (cache, ids, position, out), so later generate calls replay it too."""
-        if self.device.type != "cuda":
-            raise ValueError(f"capturing the decode step needs a CUDA device, the model is on {self.device} "
-                             "(eager_steps >= max_new_tokens runs every step eagerly)")
+        assert self.device.type == "cuda", "off CUDA every step runs eagerly (_generate)"
         graph = torch.cuda.CUDAGraph()
         # torch's one capture stream for every decoder: cuBLAS keeps a workspace per stream for good,
         # so a fresh stream per decoder would hold one more 32 MiB workspace each

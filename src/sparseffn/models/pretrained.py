@@ -28,6 +28,7 @@ from sparseffn.models.hf_config import (CONFIG_KEY, LAYERS_KEY, STRUCTURE_KEY, U
 from sparseffn.models.layouts import kind_of
 from sparseffn.models.reference import (INDEX_FILE, WEIGHTS_FILE, check_tensors, expected_tensors, import_config,
                                         is_reference, weight_files)
+from sparseffn.models.saved_files import check_model_dir
 from sparseffn.models.sparsify import named_sparse_layers, replace_mlps_, sparsify_, sync_config
 
 
@@ -154,6 +155,8 @@ def load_pretrained(path: str | os.PathLike, *, device: torch.device | str | Non
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     kwargs = dict(from_pretrained_kwargs)
     source, kwargs["local_files_only"] = _resolve(path, kwargs.get("local_files_only"))
+    if Path(source).is_dir():
+        check_model_dir(Path(source))  # a cut or damaged file: one SavedFileError naming it, before any is read
     dtype = kwargs.get("dtype")
     if dtype is not None and not (dtype == "auto" or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)):
         raise TypeError(f"dtype must be a floating-point torch.dtype, 'auto' or None, got {dtype!r}")

@@ -63,11 +63,21 @@ def _check_positive_int(value: object, name: str) -> int:
     return int(value)
 
 
+# config fields that are sizes: an override of one must be a positive int (0 or -1 layers build no model)
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 def _check_overrides(config_class, overrides: dict) -> None:
     known = {f.name for f in dataclasses.fields(config_class)} | {"rope_theta"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown {config_class.__name__} field(s) in overrides: {unknown}")
+    for name in SIZE_FIELDS:
+        if name in overrides:
+            value = overrides[name]
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def model_config(name: str, *, vocab_size: int | None = None, max_position_embeddings: int | None = None, **overrides):

@@ -16,7 +16,6 @@ from the newest down and returns the first that verifies and loads, with what it
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import random
@@ -25,14 +24,14 @@ from pathlib import Path
 
 import torch
 
+from sparseffn.models.saved_files import SavedFileError, file_sha256, read_json_object
 from sparseffn.train.durable import write_durably
 
 NAME = re.compile(r"^step_(\d+)\.pt$")
 MANIFEST_SUFFIX = ".json"
-_READ_CHUNK = 1 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SavedFileError):
     """A checkpoint that cannot be used (truncated, corrupted, unverifiable), or none usable to resume from."""
 
 
@@ -78,7 +77,7 @@ def verify_checkpoint(path: str | Path) -> None:
     if not manifest.is_file():
         raise CheckpointError(f"{path}: no manifest {manifest.name} beside it to verify it against")
     try:
-        record = json.loads(manifest.read_text())
+        record = read_json_object(manifest)
         expected_size, expected_digest = int(record["bytes"]), str(record["sha256"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path}: its manifest {manifest.name} is unreadable ({err})") from err
@@ -86,12 +85,9 @@ def verify_checkpoint(path: str | Path) -> None:
     if size != expected_size:
         cut = "truncated" if size < expected_size else "longer than written"
         raise CheckpointError(f"{path}: {cut} ({size} bytes, its manifest records {expected_size})")
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            digest.update(chunk)
-    if digest.hexdigest() != expected_digest:
-        raise CheckpointError(f"{path}: corrupted (sha256 {digest.hexdigest()[:16]}… differs from the "
+    digest = file_sha256(path)
+    if digest != expected_digest:
+        raise CheckpointError(f"{path}: corrupted (sha256 {digest[:16]}… differs from the "
                               f"{expected_digest[:16]}… its manifest records)")
 
 

@@ -19,6 +19,8 @@ from typing import Any
 from sparseffn.models import MODEL_NAMES, SparsityConfig
 from sparseffn.models.config import ACTIVATIONS, L1_SCHEDULES
 from sparseffn.models.config import MODES as SPARSE_MODES
+from sparseffn.models.saved_files import read_json_object
+from sparseffn.train.durable import write_durably
 
 # The training recipe `sparseffn train` starts from: λ = 1.5e-2 ramped linearly over the first 300
 # steps took `20m` (1500 steps of 4096 tokens) to 99.02% zeros at +0.99% held-out CE against λ = 0
@@ -158,9 +160,11 @@ class TrainConfig:
         return cls(**kwargs)
 
     def save(self, path: str | Path) -> Path:
+        """Write the config as JSON, durably (temp file, fsync, rename)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        data = (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+        write_durably(path, lambda f: f.write(data))
         return path
 
     @classmethod
@@ -170,9 +174,10 @@ class TrainConfig:
             path = path / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no training config at {path}")
+        data = read_json_object(path)  # cut short, corrupted, not an object: SavedFileError naming the file
         try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except ValueError as err:  # JSON syntax, unknown keys, bad values: name the file
+            return cls.from_dict(data)
+        except ValueError as err:  # unknown keys, bad values: name the file
             raise ValueError(f"{path}: {err}") from err
         except TypeError as err:
             raise TypeError(f"{path}: {err}") from err

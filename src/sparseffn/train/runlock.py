@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -49,6 +50,14 @@ class RunLock:
         except BaseException:
             os.close(fd)
             raise
+        try:  # the file may have been removed (by a run that made the folder and failed) since it was opened
+            current = os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            current = False
+        if not current:
+            os.close(fd)
+            raise RunInUseError(f"{self.path.parent} was being removed by another process as this one locked it: "
+                                "try again")
         previous = _describe(_read(fd))
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
@@ -57,13 +66,17 @@ class RunLock:
         self._fd = fd
         return previous
 
-    def release(self) -> None:
-        """Empty the file (no owner) and drop the lock."""
+    def release(self, remove: bool = False) -> None:
+        """Empty the file (no owner) and drop the lock; remove: delete the file first, while still
+        holding it (`acquire` refuses a lock on a file that is no longer at its path)."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         try:
-            os.ftruncate(fd, 0)
+            if remove:
+                self.path.unlink()
+            else:
+                os.ftruncate(fd, 0)
         finally:
             os.close(fd)  # closing the only descriptor drops the flock
 
@@ -83,19 +96,29 @@ def _describe(content: bytes) -> str | None:
         return f"an owner the lock file does not name clearly ({content[:80]!r})"
 
 
+@dataclass
+class HeldLock:
+    """What `hold_run_lock` yields: created, whether it made the folder; remove_folder, set by the
+    body, removes the lock file and the folder (if then empty) on release, while the lock is held."""
+
+    created: bool = False
+    remove_folder: bool = False
+
+
 @contextmanager
 def hold_run_lock(folder: str | Path, info: DistInfo, *, create: bool,
-                  echo: Callable[[str], None] | None) -> Iterator[None]:
+                  echo: Callable[[str], None] | None) -> Iterator[HeldLock]:
     """Hold `folder`'s run lock for the body (rank 0 takes it; its errors reach every rank).
 
     create: make the folder if missing (a new run); otherwise a missing folder is an error (resume).
     echo: where rank 0 reports taking over a dead owner's lock (None = nowhere)."""
     folder = Path(folder)
-    lock, error = None, None
+    lock, error, held = None, None, HeldLock()
     if info.is_main:
         try:
             if not create and not folder.is_dir():
                 raise FileNotFoundError(f"cannot resume: {folder} does not exist")
+            held.created = not folder.exists()
             folder.mkdir(parents=True, exist_ok=True)
             lock = RunLock(folder)
             stale = lock.acquire()
@@ -107,7 +130,10 @@ def hold_run_lock(folder: str | Path, info: DistInfo, *, create: bool,
     if error is not None:
         raise error
     try:
-        yield
+        yield held
     finally:
         if lock is not None:
-            lock.release()
+            remove = held.remove_folder and held.created
+            lock.release(remove=remove)
+            if remove and not any(folder.iterdir()):
+                folder.rmdir()
