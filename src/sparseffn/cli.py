@@ -338,14 +338,14 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_report(args: argparse.Namespace) -> int:
-    """Every generated table of the README and docs/benchmarks.md whose CSV exists, with its PNG."""
+    """Every generated table of the README and the docs pages whose CSV exists, with its PNG."""
     from pathlib import Path
 
-    from sparseffn.bench.report import regenerate
+    from sparseffn.bench.report import pages_with_blocks, regenerate
 
     readme = Path(args.readme)
-    docs = Path(args.docs) if args.docs is not None else readme.parent / "docs" / "benchmarks.md"
-    files = [readme] + ([docs] if args.docs is not None or docs.is_file() else [])
+    docs = [Path(d) for d in args.docs] if args.docs else pages_with_blocks(readme.parent / "docs")
+    files = [readme] + docs
     used = regenerate(args.results_dir, files, plots=args.plots)
     print(f"updated {', '.join(map(str, files))}{' and the PNGs' if args.plots else ''} from {', '.join(used)}")
     return 0
@@ -505,13 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     add_config_flags(quality, TrainConfig, defaults=RELUFY_CONFIG)
     quality.set_defaults(func=_cmd_bench_quality)
-    report = bench.add_parser("report", help="regenerate the tables of the README and docs/benchmarks.md, and the "
+    report = bench.add_parser("report", help="regenerate the tables of the README and the docs pages, and the "
                                              "PNGs, from the benchmark CSVs")
     report.add_argument("--results-dir", default="benchmarks/results",
                         help="the results root (device folders below it) or one device folder")
     report.add_argument("--readme", default="README.md")
-    report.add_argument("--docs", default=None, help="the benchmark page (default: docs/benchmarks.md beside the "
-                                                     "README, when it exists)")
+    report.add_argument("--docs", action="append", default=None,
+                        help="a docs page with generated tables, repeatable (default: every docs/*.md beside the "
+                             "README holding a <!-- bench:NAME --> block)")
     report.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="redraw the PNGs")
     report.set_defaults(func=_cmd_bench_report)
     return parser

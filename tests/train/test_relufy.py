@@ -168,8 +168,8 @@ def test_bench_quality_init_from_writes_csv_and_plot(dense_run, tmp_path, capsys
     assert main(common + ["--l1-coeff", "1e-2"]) == 0
     assert main(common + ["--l1-coeff", "3e-2", "--distill-weight", "0.5", "--name", "strong_kd"]) == 0
     rows = list(csv.DictReader((out / "relufy.csv").open()))
-    assert {r["run"] for r in rows} == {"l1_0.01_sine", "strong_kd"}
-    for name in ("l1_0.01_sine", "strong_kd"):
+    assert {r["run"] for r in rows} == {"l1_0.01_sine_kd1", "strong_kd"}
+    for name in ("l1_0.01_sine_kd1", "strong_kd"):
         mine = [r for r in rows if r["run"] == name]
         assert [(r["stage"], int(r["step"])) for r in mine] == [
             ("dense", 0), ("relufied", 0), ("fine-tuning", 3), ("fine-tuning", 6)]

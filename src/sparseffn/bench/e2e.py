@@ -282,7 +282,7 @@ def _forward_rows(cfg, model, mlps, sample, common, energy, device, log) -> list
                 activity = _activity(mlps, captured)
             del captured
             results[provider] = (statistics.median(times), peak, None if e0 is None else (e1 - e0) / cfg.reps,
-                                 mlp_ms, _mode_used(mlps[0], ids, device))
+                                 mlp_ms, _modes_taken(mlps))
         err = float((logits["sparse"] - logits["dense"]).norm() / logits["dense"].norm())
         rows += _rows(common, "forward", batch, cfg.seq_len, results, err, activity)
         log(_summary("forward", batch, cfg.seq_len, results, common["non_mlp"]) + f"; MLP activity: mean "
@@ -308,7 +308,7 @@ def _train_rows(cfg, model, mlps, sample, common, energy, device, log, collect_l
             times = _time(step, device, cfg.warmup, cfg.reps)
             e1 = energy.read()
             results[provider] = (statistics.median(times), peak, None if e0 is None else (e1 - e0) / cfg.reps,
-                                 float("nan"), _mode_used(mlps[0], ids, device, training=True))
+                                 float("nan"), _modes_taken(mlps))
             del step  # and with it the optimizer's state, before the next provider's peak is measured
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -332,18 +332,14 @@ def _train_step(model, ids, l1_coeff: float, collect_l1) -> Callable[[], None]:
     return step
 
 
-def _mode_used(mlp, ids, device, training: bool = False) -> str:
-    """The path the first MLP takes for a batch of this size (choose_mode's decision and reason)."""
-    from sparseffn.ops.sparse_mlp import choose_mode
-
-    if mlp.mode == "dense":
-        return "dense"
-    d = mlp.up_proj.weight.shape[1]
-    # a stand-in with the batch's shape, dtype and device (choose_mode looks at nothing else), no allocation
-    x = torch.empty(1, d, device=device, dtype=mlp.up_proj.weight.dtype).expand(ids.numel(), d)
-    decision = choose_mode(x, mlp.up_proj.weight, mode=mlp.mode, expected_nnz=mlp.expected_nnz,
-                           needs_grad=training, return_l1=True)
-    return decision.mode
+def _modes_taken(mlps) -> str:
+    """The paths the MLPs took in their last call (what each layer recorded in `last_decision`): one mode
+    when all agree, else e.g. "sparse 7/10, dense 3/10"."""
+    modes = [m.last_decision.mode if m.mode != "dense" and m.last_decision is not None else "dense" for m in mlps]
+    counts = {mode: modes.count(mode) for mode in dict.fromkeys(modes)}
+    if len(counts) == 1:
+        return modes[0]
+    return ", ".join(f"{mode} {n}/{len(modes)}" for mode, n in counts.items())
 
 
 def _rows(common, phase, batch, seq_len, results, err, activity) -> list[dict]:

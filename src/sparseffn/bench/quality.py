@@ -201,7 +201,7 @@ def write_relufy_csv(rows: list[dict], path: Path) -> Path:
 
 
 def _setting(r: dict) -> str:
-    text = f"λ={float(r['l1_coeff']):g} {r['l1_schedule']}/{r['l1_warmup_steps']}"
+    text = f"λ={float(r['l1_coeff']):g} {r['l1_schedule']}/{r['l1_warmup_steps']} lr {float(r['lr']):g}"
     if float(r["distill_weight"] or 0) > 0:
         text += f" KD {float(r['distill_weight']):g}@T{float(r['distill_temperature']):g}"
     if float(r["threshold"] or 0) > 0:
@@ -212,8 +212,14 @@ def _setting(r: dict) -> str:
 
 
 def relufy_table(rows: list[dict]) -> str:
-    """One line per run: the dense original, then where its last evaluation stands."""
-    lines = ["| run | setting | dense CE | fine-tuning tokens (% of pretraining) | held-out CE | CE gap | zeros "
+    """One line per run: the dense original, then where its last evaluation stands; a caption first."""
+    first = rows[0]
+    pretraining = f"{int(first['pretraining_tokens']):,} pretraining tokens" if first["pretraining_tokens"] != "" \
+        else "pretraining tokens unknown"
+    caption = (f"git {first['git_sha'] or 'unknown'}; the dense original's MLPs had "
+               f"{first['relufied_from'] or 'their own activation'}; {pretraining}; held-out CE of the last "
+               "evaluation; zeros and mean active units per token over every layer.")
+    lines = [caption, "", "| run | setting | dense CE | fine-tuning tokens (% of pretraining) | held-out CE | CE gap | zeros "
              "| mean nnz / token (of H) |", "|---|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["run"] for r in rows):
         last = [r for r in rows if r["run"] == name][-1]

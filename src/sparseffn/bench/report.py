@@ -1,8 +1,8 @@
 """Benchmark CSVs -> markdown tables and PNG plots. Tables are generated, never typed.
 
 `regenerate` (what `sparseffn bench report` runs) rewrites every `<!-- bench:NAME -->` block of the
-README and of docs/benchmarks.md from the CSVs under benchmarks/results/: one block per CSV
-(`BLOCKS`) in the docs, and the README's `headline` block, a few rows drawn from several CSVs
+README and of the docs pages (docs/benchmarks.md; docs/sparsify.md for the ReLUfication runs) from the
+CSVs under benchmarks/results/: one block per CSV (`_blocks`) in the docs, and the README's `headline` block, a few rows drawn from several CSVs
 (`HEADLINE_ROWS`).
 """
 
@@ -357,7 +357,14 @@ def _blocks() -> dict[str, Block]:
         "e2e": Block("e2e.csv", e2e_table, plot_e2e),
         "quality": Block("quality.csv", quality.quality_table, quality.plot_quality),
         "calibrate": Block("calibrate.csv", calibrate.calibrate_table, calibrate.plot_calibrate, device="cpu"),
+        "relufy_20m": Block("relufy_20m.csv", quality.relufy_table, quality.plot_relufy),
+        "relufy_100m": Block("relufy_100m.csv", quality.relufy_table, quality.plot_relufy),
     }
+
+
+def pages_with_blocks(docs_dir: str | Path) -> list[Path]:
+    """The docs pages (docs_dir/*.md) holding at least one generated block, sorted."""
+    return sorted(p for p in Path(docs_dir).glob("*.md") if "<!-- bench:" in p.read_text())
 
 
 def find_csv(results_dir: Path, name: str, device: str = "h200") -> Path | None:
