@@ -5,7 +5,7 @@
         RMSNorm (Llama's: fp32 statistics, x·rstd rounded to x's dtype, times norm_weight, rounded),
         q/k/v projections (+ optional biases), RoPE of q and k at positions[b] (Hugging Face rotary
         layout), k and v written into k_cache / v_cache [B, Hkv, S_max, d] at [b, :, positions[b]].
-    decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None) -> [B, Hq·d]
+    decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *, counters=None) -> [B, Hq·d]
         softmax(q k^T · scaling) v over slots valid_from[b] .. positions[b] inclusive, fp32 softmax
         and accumulation, q's dtype, laid out as o_proj reads it.
     decode_out_proj(attn, wo, bo, residual, *, out=None) -> [B, D]
@@ -15,8 +15,11 @@ hidden [B, D] bf16 / fp16 (B = 1 .. 64); norm_weight [D]; wq [Hq·d, D], wk / wv
 in hidden's dtype with unit stride along their last dim; biases [N] or None; cos_table / sin_table
 [S_max', d] (any float dtype, rows indexed by position); positions, valid_from [B] int32 / int64 on
 the device. Nothing reads a tensor's values on the host, so every call can be captured in a CUDA graph
-and replayed with new positions. The math is ops/decode_reference.py's; the kernels'
-layouts are in kernels/decode_attention.py.
+and replayed with new positions. The math is ops/decode_reference.py's; the kernels' layouts are in
+kernels/decode_attn_proj.py (the projections) and kernels/decode_attention.py. Each function is one
+Triton launch (on CUDA, or on CPU under TRITON_INTERPRET=1), registered as a custom op
+(`sparseffn::decode_qkv_rope`, which mutates the caches, `::decode_attention`, `::decode_out_proj`)
+with a fake implementation for torch.compile; inference only (no autograd).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import numbers
 import torch
 
 from sparseffn.kernels._runtime import DTYPES, check_capability, interpreting
+from sparseffn.kernels.decode_attention import launch_decode_attention
+from sparseffn.kernels.decode_attn_proj import launch_decode_out_proj, launch_decode_qkv_rope
+from sparseffn.ops.dispatch import eager_call
 
 MAX_BATCH = 64
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -89,51 +95,43 @@ def _check_eps(eps: object) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------
-# bodies
+# custom ops (what torch.compile and other tracers see; eager calls launch directly)
 
 
-def _qkv_rope_body(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions,
-                   k_cache, v_cache) -> torch.Tensor:
-    dtype = hidden.dtype
-    x = hidden.float()
-    n = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    n = (norm_weight.float() * n.float()).to(dtype).float()
-    d = cos_table.shape[-1]
-    pos = positions.long()
-    cos = cos_table.float()[pos][:, None, :]
-    sin = sin_table.float()[pos][:, None, :]
-    outs = []
-    for w, bias, rotate in ((wq, bq, True), (wk, bk, True), (wv, bv, False)):
-        y = n @ w.float().t()
-        if bias is not None:
-            y = y + bias.float()
-        y = y.to(dtype).float().view(y.shape[0], -1, d)
-        if rotate:
-            half = d // 2
-            y = y * cos + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * sin
-        outs.append(y.to(dtype))
-    q, k, v = outs
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    k_cache[rows, :, pos] = k
-    v_cache[rows, :, pos] = v
-    return q
+@torch.library.custom_op("sparseffn::decode_qkv_rope", mutates_args=("k_cache", "v_cache"))
+def _qkv_rope_op(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, wq: torch.Tensor, wk: torch.Tensor,
+                 wv: torch.Tensor, bq: torch.Tensor | None, bk: torch.Tensor | None, bv: torch.Tensor | None,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+    return launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table,
+                                  positions, k_cache, v_cache)
 
 
-def _attention_body(q, k_cache, v_cache, positions, scaling, valid_from) -> torch.Tensor:
-    from sparseffn.ops.decode_reference import decode_attention_reference
+@_qkv_rope_op.register_fake
+def _(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, k_cache, v_cache):
+    d = cos_table.shape[1]
+    return hidden.new_empty((hidden.shape[0], wq.shape[0] // d, d))
 
-    return decode_attention_reference(q, k_cache, v_cache, positions, scaling, valid_from).to(q.dtype)
+
+@torch.library.custom_op("sparseffn::decode_attention", mutates_args=("counters",))
+def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                  scaling: float, valid_from: torch.Tensor | None, counters: torch.Tensor | None) -> torch.Tensor:
+    return launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from, counters)
 
 
-def _out_proj_body(attn, wo, bo, residual, out) -> torch.Tensor:
-    y = attn.float() @ wo.float().t()
-    if bo is not None:
-        y = y + bo.float()
-    result = (residual.float() + y.to(attn.dtype).float()).to(attn.dtype)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+@_attention_op.register_fake
+def _(q, k_cache, v_cache, positions, scaling, valid_from, counters):
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
+@torch.library.custom_op("sparseffn::decode_out_proj", mutates_args=())
+def _out_proj_op(attn: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    return launch_decode_out_proj(attn, wo, bo, residual)
+
+
+@_out_proj_op.register_fake
+def _(attn, wo, bo, residual):
+    return attn.new_empty((attn.shape[0], wo.shape[0]))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -167,14 +165,20 @@ def decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table,
             _check(bias, name, (w.shape[0],), dtype, device)
     _check_positions(positions, "positions", b, device)
     _check_caches(k_cache, v_cache, b, wk.shape[0] // d, d, dtype, device)
-    return _qkv_rope_body(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions,
-                          k_cache, v_cache)
+    args = (hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, k_cache, v_cache)
+    if eager_call(hidden, norm_weight, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, k_cache, v_cache):
+        return launch_decode_qkv_rope(*args)
+    return _qkv_rope_op(*args)
 
 
-def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None) -> torch.Tensor:
+def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *, counters=None) -> torch.Tensor:
     """[B, Hq·d] in q's dtype: each query head q [B, Hq, d] attends to its key/value head's cache slots
     valid_from[b] .. positions[b] (module docstring). Rows with valid_from[b] > positions[b] have
-    nothing to attend to and come out NaN."""
+    nothing to attend to and come out NaN.
+
+    counters: None, or an int32 tensor of at least B·Hkv zeros that the split-KV combine counts
+    arrivals in and leaves zero; keeping one across calls (every layer of a step may share it, as
+    they run one after another) saves a fill launch per call."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [B, Hq, d], got {getattr(q, 'shape', type(q).__name__)}")
     if q.dtype not in DTYPES:
@@ -193,7 +197,14 @@ def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None) -
     _check_positions(positions, "positions", b, q.device)
     if valid_from is not None:
         _check_positions(valid_from, "valid_from", b, q.device)
-    return _attention_body(q, k_cache, v_cache, positions, float(scaling), valid_from)
+    if counters is not None:
+        _check(counters, "counters", (None,), torch.int32, q.device)
+        if counters.shape[0] < b * hkv:
+            raise ValueError(f"counters must hold at least B·Hkv = {b * hkv} int32 zeros, got {counters.shape[0]}")
+    args = (q, k_cache, v_cache, positions, float(scaling), valid_from, counters)
+    if eager_call(q, k_cache, v_cache, positions, valid_from, counters):
+        return launch_decode_attention(*args)
+    return _attention_op(*args)
 
 
 def decode_out_proj(attn, wo, bo, residual, *, out=None) -> torch.Tensor:
@@ -207,4 +218,10 @@ def decode_out_proj(attn, wo, bo, residual, *, out=None) -> torch.Tensor:
     _check(residual, "residual", (b, dim), attn.dtype, attn.device)
     if out is not None:
         _check(out, "out", (b, dim), attn.dtype, attn.device)
-    return _out_proj_body(attn, wo, bo, residual, out)
+        if out.untyped_storage().data_ptr() == attn.untyped_storage().data_ptr():
+            raise ValueError("out must not share memory with attn (every program reads all of attn's row)")
+    if eager_call(attn, wo, bo, residual, out):
+        return launch_decode_out_proj(attn, wo, bo, residual, out)
+    if out is None:
+        return _out_proj_op(attn, wo, bo, residual)
+    return out.copy_(_out_proj_op(attn, wo, bo, residual))
