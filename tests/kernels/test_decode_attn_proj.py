@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sparseffn.kernels.configs.decode_attention import ProjectionConfig
+from sparseffn.kernels.decode_attn_proj import launch_decode_qkv_rope
 from sparseffn.ops.decode_attention import decode_out_proj, decode_qkv_rope
 from sparseffn.ops.decode_reference import decode_out_proj_reference, decode_qkv_rope_reference, rotate_half_rope
 
@@ -128,6 +130,17 @@ def test_qkv_rope_fp16_random_tables_int32_positions_head_dim_32():
     p = qkv_problem(3, 64, 2, 1, 32, 16, bias=True, dtype=torch.float16, seed=7, random_tables=True)
     p["positions"] = p["positions"].int()
     check_qkv(p, run_qkv(p))
+
+
+@pytest.mark.parametrize("b, block_n", [(1, 2), (3, 16)])
+def test_qkv_rope_several_steps_over_d(b, block_n):
+    """D = 80 in steps of 32 (the last one partial): rstd from a first pass over x."""
+    p = qkv_problem(b, 80, 2, 1, 16, 12, bias=True, seed=11)
+    p["k_cache_before"], p["v_cache_before"] = p["k_cache"].clone(), p["v_cache"].clone()
+    q = launch_decode_qkv_rope(*(p[n] for n in ("hidden", "norm_weight", "eps", "wq", "wk", "wv", "bq", "bk", "bv",
+                                                "cos_table", "sin_table", "positions", "k_cache", "v_cache")),
+                               config=ProjectionConfig(block_n=block_n, block_k=32))
+    check_qkv(p, q)
 
 
 def test_kv_write_is_exactly_the_kernels_q():

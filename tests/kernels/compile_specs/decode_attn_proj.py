@@ -13,7 +13,8 @@ from sparseffn.kernels.decode_mlp import PADDED_TOKENS
 def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants the launchers use on a GPU of
     capability `arch`: bf16 / fp16, every padded token count with its default config, head dims 64
-    and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit rotary tables."""
+    and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit rotary tables, D in one
+    step or several."""
     specs = []
 
     def add(fn, signature, constexprs, config):
@@ -35,8 +36,9 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 for name in ("stride_xm", "stride_wq", "stride_wk", "stride_wv", "stride_cos", "stride_sin",
                              "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh", "stride_vs"):
                     sig[name] = "i32"
+                one_step = (mp <= 2) == (head_dim == 64)  # D = 2048 fits a step at 1-2 tokens; both forms compiled
                 cx = {"HEAD_DIM": head_dim, "HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "DOT_IN_FP32": False}
+                      "BLOCK_K": cfg.block_k, "ONE_STEP": one_step, "DOT_IN_FP32": False}
                 for name in ("bq_ptr", "bk_ptr", "bv_ptr"):
                     if bias:
                         sig[name] = f"*{ty}"
