@@ -154,9 +154,9 @@ def test_cuda_graph_replays_with_new_positions(b):
     and inputs equals the eager step on the same caches, bit for bit."""
     p = layer(b, 2048, 32, 32, 64, 1024, seed=7)
     counters = torch.zeros(b * 32, dtype=torch.int32, device=DEVICE)
-    eager = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in p.items()}
-    step(p, counters)  # compile and warm up outside the capture
+    step(p, counters)  # compile and warm up outside the capture (it writes the caches: clone after it)
     torch.cuda.synchronize()
+    eager = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in p.items()}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = step(p, counters)
