@@ -171,3 +171,19 @@ def test_cuda_graph_replays_with_new_positions(b):
         assert torch.equal(y, expected)
         assert torch.equal(p["k_cache"], eager["k_cache"]) and torch.equal(p["v_cache"], eager["v_cache"])
     assert torch.equal(counters, torch.zeros_like(counters))
+
+
+@gpu
+def test_compiled_variants_stay_put_when_positions_and_cache_length_change():
+    from sparseffn.kernels.decode_attention import _launch as attention_launch
+    from sparseffn.kernels.decode_attn_proj import _out_launch, _qkv_launch
+
+    def run(s_max, seed):
+        p = layer(1, 256, 4, 2, 64, s_max, seed=seed)
+        step(p, torch.zeros(2, dtype=torch.int32, device=DEVICE))
+
+    run(1024, 0)
+    sizes = [len(launch.cache) for launch in (_qkv_launch, attention_launch, _out_launch)]
+    run(2048, 1)  # other strides and positions, the same splits
+    run(1024, 2)
+    assert [len(launch.cache) for launch in (_qkv_launch, attention_launch, _out_launch)] == sizes
