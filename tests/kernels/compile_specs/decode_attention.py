@@ -12,13 +12,14 @@ from sparseffn.kernels.decode_attention import _decode_attention_kernel, group_r
 def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants `launch_decode_attention`
     uses with its default config: bf16 / fp16, head dims 64 and 128, no GQA (one query row) and
-    GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions)."""
+    GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions),
+    1, 2 and 16 splits (the combine's width)."""
     cfg = AttentionConfig()
     specs = []
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
-        for head_dim, group, pos_ty, with_from in ((64, 1, "i64", False), (64, 4, "i64", True),
-                                                   (128, 1, "i32", True), (128, 32, "i32", False)):
+        for head_dim, group, pos_ty, with_from, splits_pad in ((64, 1, "i64", False, 16), (64, 4, "i64", True, 2),
+                                                               (128, 1, "i32", True, 1), (128, 32, "i32", False, 16)):
             sig = {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "pos_ptr": f"*{pos_ty}",
                    "from_ptr": f"*{pos_ty}" if with_from else "constexpr", "o_ptr": f"*{ty}", "part_ptr": "*fp32",
                    "stat_ptr": "*fp32", "count_ptr": "*i32", "HQ": "i32", "HKV": "i32", "SPLITS": "i32",
@@ -26,7 +27,8 @@ def compile_specs(with_options: bool = False):
             for name in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh",
                          "stride_vs"):
                 sig[name] = "i32"
-            cx = {"HEAD_DIM": head_dim, "GROUP": group, "G_PAD": group_rows(group), "BLOCK_S": cfg.block_s,
+            cx = {"HEAD_DIM": head_dim, "GROUP": group, "G_PAD": group_rows(group), "SPLITS_PAD": splits_pad,
+                  "BLOCK_S": cfg.block_s,
                   "BLOCK_D": head_dim, "DOT_IN_FP32": False}
             if not with_from:
                 cx["from_ptr"] = None
