@@ -148,9 +148,8 @@ def sweep(b, dev, meta):
     for block_s in (32, 64, 128):
         for splits in (None, 2, 4, 8, 16, 32):
             cfg = AttentionConfig(block_s=block_s, splits=splits)
-            fn = lambda: launch_decode_attention(p["q"], p["k_cache"], p["v_cache"], p["positions"], HEAD**-0.5,  # noqa: E731
-                                                 None, p["counters"], config=cfg)
-            t = timed(fn, dev, rep_ms=15)
+            t = timed(lambda: launch_decode_attention(p["q"], p["k_cache"], p["v_cache"], p["positions"],
+                                                      HEAD**-0.5, None, p["counters"], config=cfg), dev, rep_ms=15)
             rows.append(dict(meta, batch=b, op="attention", config=str(cfg), us=round(t.median_ms * 1e3, 2)))
     return rows
 

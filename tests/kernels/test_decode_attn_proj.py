@@ -23,6 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 EPS = 1e-5
+QKV_ARGS = ("hidden", "norm_weight", "eps", "wq", "wk", "wv", "bq", "bk", "bv", "cos_table", "sin_table", "positions",
+            "k_cache", "v_cache")
 
 
 def rope_tables(s: int, d: int, *, theta: float = 1e4, factor: float = 1.0, random: bool = False, seed: int = 0):
@@ -64,7 +66,8 @@ def hf_qkv(p):
     d = p["cos_table"].shape[1]
     cos = p["cos_table"][p["positions"]].to(x.dtype)[:, None, :]
     sin = p["sin_table"][p["positions"]].to(x.dtype)[:, None, :]
-    q, k, v = (F.linear(n, p[w], p[bias]).view(x.shape[0], -1, d) for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    q, k, v = (F.linear(n, p[w], p[bias]).view(x.shape[0], -1, d)
+               for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
     return rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin), v
 
 
@@ -95,8 +98,7 @@ def _abs_terms(p):
 def check_qkv(p, q):
     """q and the cache rows written at positions against the reference; every other cache slot unchanged."""
     before_k, before_v = p["k_cache_before"], p["v_cache_before"]
-    refs = decode_qkv_rope_reference(*(p[n] for n in ("hidden", "norm_weight", "eps", "wq", "wk", "wv", "bq", "bk", "bv",
-                                                     "cos_table", "sin_table", "positions")))
+    refs = decode_qkv_rope_reference(*(p[n] for n in QKV_ARGS[:-2]))
     hf = hf_qkv(p)
     rows = torch.arange(q.shape[0], device=q.device)
     pos = p["positions"]
@@ -115,8 +117,7 @@ def check_qkv(p, q):
 
 def run_qkv(p):
     p["k_cache_before"], p["v_cache_before"] = p["k_cache"].clone(), p["v_cache"].clone()
-    return decode_qkv_rope(*(p[n] for n in ("hidden", "norm_weight", "eps", "wq", "wk", "wv", "bq", "bk", "bv",
-                                            "cos_table", "sin_table", "positions", "k_cache", "v_cache")))
+    return decode_qkv_rope(*(p[n] for n in QKV_ARGS))
 
 
 @pytest.mark.parametrize("b", [1, 2, 3])
@@ -137,9 +138,7 @@ def test_qkv_rope_several_steps_over_d(b, block_n):
     """D = 80 in steps of 32 (the last one partial): rstd from a first pass over x."""
     p = qkv_problem(b, 80, 2, 1, 16, 12, bias=True, seed=11)
     p["k_cache_before"], p["v_cache_before"] = p["k_cache"].clone(), p["v_cache"].clone()
-    q = launch_decode_qkv_rope(*(p[n] for n in ("hidden", "norm_weight", "eps", "wq", "wk", "wv", "bq", "bk", "bv",
-                                                "cos_table", "sin_table", "positions", "k_cache", "v_cache")),
-                               config=ProjectionConfig(block_n=block_n, block_k=32))
+    q = launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=ProjectionConfig(block_n=block_n, block_k=32))
     check_qkv(p, q)
 
 

@@ -11,14 +11,12 @@ import torch
 from sparseffn.ops.decode_attention import decode_attention, decode_out_proj, decode_qkv_rope
 from sparseffn.ops.decode_reference import (decode_attention_reference, decode_out_proj_reference,
                                             decode_qkv_rope_reference)
-from tests.kernels.test_decode_attn_proj import rope_tables
+from tests.kernels.test_decode_attn_proj import QKV_ARGS, rope_tables
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
-QKV_ARGS = ("hidden", "norm_weight", "eps", "wq", "wk", "wv", "bq", "bk", "bv", "cos_table", "sin_table", "positions",
-            "k_cache", "v_cache")
 
 
 def layer(b, dim, hq, hkv, d, s_max, *, bias=False, dtype=torch.bfloat16, seed=0):
