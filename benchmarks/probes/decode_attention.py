@@ -15,6 +15,7 @@ Writes OUT_DIR/decode_attention.csv and OUT_DIR/decode_attention_sweep.csv; prin
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from sparseffn.ops.decode_attention import decode_attention, decode_out_proj, de
 D, HQ, HKV, HEAD, S_MAX, POSITION = 2048, 32, 32, 64, 4096, 600
 BATCHES = (1, 4, 16)
 HBM_TB_S = 3.5  # the bandwidth the targets are stated at (H200 stream reads)
+SWEEP_SECONDS = 60
 FIELDS = ("gpu", "torch", "triton", "git_sha", "batch", "op", "provider", "us", "p20_us", "p80_us", "bytes", "gb_s",
           "roofline_us", "rel_err")
 
@@ -89,10 +91,10 @@ def torch_attention(p, length=None):
     return o.reshape(o.shape[0], -1)
 
 
-def timed(fn, dev, rep_ms):
+def timed(fn, dev, rep_ms, rounds=3):
+    """The best of `rounds` medians of fn replayed from a CUDA graph."""
     graphed = cuda_graphed(fn, dev)
-    t = min((time_fn(graphed, dev, rep_ms=rep_ms) for _ in range(3)), key=lambda t: t.median_ms)
-    return t
+    return min((time_fn(graphed, dev, rep_ms=rep_ms) for _ in range(rounds)), key=lambda t: t.median_ms)
 
 
 def measure(b, dev, meta):
@@ -128,29 +130,34 @@ def measure(b, dev, meta):
     return rows
 
 
-def sweep(b, dev, meta):
-    """Launch configs of the three kernels at batch b (µs, graph-replayed, L2 flushed)."""
+def sweep(b, dev, meta, deadline):
+    """Launch configs of the three kernels at batch b (µs, graph-replayed, L2 flushed), until the
+    perf_counter `deadline`."""
     p = problem(b, dev)
     rows = []
     mp = m_pad(b)
     default = projection_config(mp, torch.cuda.get_device_capability(dev))
     if mp <= 2:
         projs = [ProjectionConfig(2, 2048), ProjectionConfig(4, 2048), ProjectionConfig(2, 1024),
-                 ProjectionConfig(2, 2048, num_warps=8), ProjectionConfig(4, 1024, num_warps=8)]
+                 ProjectionConfig(4, 2048, num_warps=8)]
     else:
         projs = [dataclasses.replace(default, block_n=n, block_k=k, num_stages=s)
-                 for n, k, s in ((16, 256, 4), (32, 256, 3), (16, 128, 4), (32, 128, 4), (64, 128, 3), (16, 512, 2))]
+                 for n, k, s in ((16, 256, 4), (32, 256, 3), (16, 128, 4), (32, 128, 4))]
+    attentions = [AttentionConfig(block_s=bs, splits=sp) for bs, sp in
+                  ((64, None), (32, None), (128, None), (64, 4), (64, 8), (64, 32), (32, 8), (32, 32))]
     for cfg in projs:
+        if time.perf_counter() > deadline:
+            return rows
         for op, fn in (("qkv_rope", lambda: launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=cfg)),
                        ("out_proj", lambda: launch_decode_out_proj(p["attn"], p["wo"], None, p["hidden"], config=cfg))):
-            t = timed(fn, dev, rep_ms=15)
+            t = timed(fn, dev, rep_ms=10, rounds=2)
             rows.append(dict(meta, batch=b, op=op, config=str(cfg), us=round(t.median_ms * 1e3, 2)))
-    for block_s in (32, 64, 128):
-        for splits in (None, 2, 4, 8, 16, 32):
-            cfg = AttentionConfig(block_s=block_s, splits=splits)
-            t = timed(lambda: launch_decode_attention(p["q"], p["k_cache"], p["v_cache"], p["positions"],
-                                                      HEAD**-0.5, None, p["counters"], config=cfg), dev, rep_ms=15)
-            rows.append(dict(meta, batch=b, op="attention", config=str(cfg), us=round(t.median_ms * 1e3, 2)))
+    for cfg in attentions:
+        if time.perf_counter() > deadline:
+            break
+        t = timed(lambda: launch_decode_attention(p["q"], p["k_cache"], p["v_cache"], p["positions"], HEAD**-0.5,
+                                                  None, p["counters"], config=cfg), dev, rep_ms=10, rounds=2)
+        rows.append(dict(meta, batch=b, op="attention", config=str(cfg), us=round(t.median_ms * 1e3, 2)))
     return rows
 
 
@@ -165,15 +172,18 @@ def main(argv):
         rows += measure(b, dev, meta)
         write_csv(rows, out / "decode_attention.csv", FIELDS)
     if "--no-sweep" not in argv:
+        deadline = time.perf_counter() + SWEEP_SECONDS
         sweep_rows = []
         for b in BATCHES:
-            sweep_rows += sweep(b, dev, meta)
+            sweep_rows += sweep(b, dev, meta, deadline)
             write_csv(sweep_rows, out / "decode_attention_sweep.csv", (*meta, "batch", "op", "config", "us"))
-        print("fastest configs (us):")
+        print(f"fastest launch configs (us; sweep cut at {SWEEP_SECONDS} s, decode_attention_sweep.csv has all):")
         for b in BATCHES:
             for op in ("qkv_rope", "attention", "out_proj"):
-                best = min((r for r in sweep_rows if r["batch"] == b and r["op"] == op), key=lambda r: r["us"])
-                print(f"  B={b:<3} {op:<10} {best['us']:>8.2f}  {best['config']}")
+                tried = [r for r in sweep_rows if r["batch"] == b and r["op"] == op]
+                if tried:
+                    best = min(tried, key=lambda r: r["us"])
+                    print(f"  B={b:<3} {op:<10} {best['us']:>8.2f}  {best['config']}")
     print(f"{'batch':>5} {'op':<10} {'provider':<20} {'us':>8} {'GB/s':>7} {'roofline us':>11} {'rel_err':>8}")
     for r in rows:
         print(f"{r['batch']:>5} {r['op']:<10} {r['provider']:<20} {r['us']:>8.2f} {r['gb_s']:>7.0f} "
