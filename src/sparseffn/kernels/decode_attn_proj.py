@@ -85,7 +85,7 @@ def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, ep
         acc = _normed_product(acc, w, xv, g, rstd, dtype, M_PAD, DOT_IN_FP32)
     else:
         sq = tl.zeros((M_PAD,), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
+        for k0 in tl.range(0, D, BLOCK_K, loop_unroll_factor=4):  # unrolled: the x loads are in flight together
             k = k0 + offs_k
             xf = tl.load(x_rows + k[None, :], mask=row_in[:, None] & (k < D)[None, :], other=0.0).to(tl.float32)
             sq += tl.sum(xf * xf, axis=1)
