@@ -99,7 +99,7 @@ def test_sparse_kernels_are_warmed_before_the_first_step_at_the_runs_shapes(smal
     monkeypatch.setattr(loop, "collect_l1", lambda model: loop_steps_seen.append(1) or real_collect(model))
     monkeypatch.setattr(loop, "warm_sparse_kernels", spy)
     cfg = tiny_config(small_corpus, tmp_path / "run", steps=2, eval_interval=0, checkpoint_interval=0, eval_batches=3,
-                      batch_size=2)
+                      batch_size=2, device="cpu")
     result = train(cfg, progress=False, echo=None)
     # 2 layers; 2 x 32 tokens per step; 6 evaluation windows of 32 tokens in calls of 2; fp32 on CPU; no step yet
     assert calls == [(2, 64, [64, 64, 64], None, 0, [])]
@@ -116,7 +116,7 @@ def test_fused_norms_follow_the_flag_and_default_to_cuda_only(small_corpus, tmp_
     from sparseffn.nn.fused import FusedRMSNorm
 
     cfg = tiny_config(small_corpus, tmp_path / "run", steps=1, eval_interval=0, checkpoint_interval=0,
-                      fuse_non_mlp=flag)
+                      fuse_non_mlp=flag, device="cpu")
     model = train(cfg, progress=False, echo=None).model
     assert any(isinstance(m, FusedRMSNorm) for m in model.modules()) is fused
 
