@@ -128,3 +128,29 @@ def test_training_on_cuda_fuses_norms_by_default(small_corpus, tmp_path):
     cfg = tiny_config(small_corpus, tmp_path / "run", steps=1, eval_interval=0, checkpoint_interval=0, device="cuda")
     model = train(cfg, progress=False, echo=None).model
     assert any(isinstance(m, FusedRMSNorm) for m in model.modules())
+
+
+def test_compile_non_mlp_compiles_norms_and_attention_only_and_trains_the_same(small_corpus, tmp_path, monkeypatch):
+    """--compile-non-mlp: nn.Module.compile on every norm and attention (here through Dynamo with the
+    aot_eager backend: Inductor's C++ build takes minutes on a CPU), the MLPs eager; same losses as eager,
+    same state dict keys."""
+    compiled = []
+    real = torch.nn.Module.compile
+
+    def spy(self, *args, **kwargs):
+        compiled.append(type(self).__name__)
+        return real(self, *args, backend="aot_eager", **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", spy)
+    cfg = tiny_config(small_corpus, tmp_path / "eager", steps=2, eval_interval=0, checkpoint_interval=0, device="cpu")
+    eager = train(cfg, progress=False, echo=None)
+    assert compiled == []
+    result = train(cfg.replace(out_dir=str(tmp_path / "compiled"), compile_non_mlp=True), progress=False, echo=None)
+    # 2 layers: attention and two norms each, and the final norm
+    assert sorted(compiled) == sorted(["LlamaAttention"] * 2 + ["LlamaRMSNorm"] * 5)
+    assert result.model.model.layers[0].self_attn._compiled_call_impl is not None
+    assert result.model.model.layers[0].mlp._compiled_call_impl is None
+    assert list(result.model.state_dict()) == list(eager.model.state_dict())
+    a, b = _rows(eager), _rows(result)
+    assert [r["ce"] for r in b if r["kind"] == "train"] == pytest.approx([r["ce"] for r in a if r["kind"] == "train"],
+                                                                         rel=1e-5)

@@ -72,6 +72,7 @@ class TrainRunBenchConfig:
     table_window: int = 50  # steps per row of the printed table (the CSV keeps every logging window)
     fuse_non_mlp: bool | None = None  # None: the training default (fused norms/RoPE on CUDA)
     warm_kernels: bool = True
+    compile_non_mlp: bool = False  # torch.compile of every norm and attention module (both modes)
     seed: int = 0
     out_dir: str = "benchmarks/results"
     git_sha: str = ""
@@ -139,7 +140,7 @@ def _train_config(cfg: TrainRunBenchConfig, mode: str, device: torch.device, out
         batch_size=cfg.batch_size, steps=cfg.steps, lr=cfg.lr, log_interval=cfg.log_interval,
         eval_interval=cfg.eval_interval, eval_batches=cfg.eval_batches, checkpoint_interval=0, keep_checkpoints=1,
         seed=cfg.seed, device=device.type, out_dir=str(out), fuse_non_mlp=cfg.fuse_non_mlp,
-        warm_kernels=cfg.warm_kernels,
+        warm_kernels=cfg.warm_kernels, compile_non_mlp=cfg.compile_non_mlp,
         sparsity=SparsityConfig(l1_coeff=l1, l1_warmup_steps=cfg.l1_warmup_steps, mode=sparse_mode),
     )
 

@@ -72,6 +72,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     fuse_non_mlp: bool | None = None  # models.fuse_non_mlp_: fused RMSNorm / RoPE kernels; None = on CUDA
     warm_kernels: bool = True  # compile the sparse kernels auto-mode layers may switch to before the first step
+    compile_non_mlp: bool = False  # torch.compile each norm and attention module (models.compile_non_mlp_)
     seed: int = 0
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bf16 autocast on cuda, fp32 on cpu; or "float32" / "bfloat16"
@@ -119,7 +120,7 @@ class TrainConfig:
                                  f"{self.init_from}: drop them")
         if not isinstance(self.sparsity, SparsityConfig):
             raise TypeError(f"TrainConfig.sparsity must be a SparsityConfig, got {type(self.sparsity).__name__}")
-        for name in ("dense", "warm_kernels", "activation_checkpointing"):
+        for name in ("dense", "warm_kernels", "compile_non_mlp", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.fuse_non_mlp is not None and not isinstance(self.fuse_non_mlp, bool):
@@ -225,6 +226,8 @@ FIELD_HELP = {
     "activation_checkpointing": "recompute activations in backward (less memory)",
     "fuse_non_mlp": "fused Triton kernels for RMSNorm and RoPE (same function; dense 2B on an H200: prefill 1.4x, "
                     "training step 1.35x); not given: on when training on CUDA",
+    "compile_non_mlp": "torch.compile each norm and attention module in place (the MLPs stay eager; compiles for "
+                       "tens of seconds at the first step)",
     "warm_kernels": "before the first step, compile the sparse kernels that auto-mode layers may switch to, at the "
                     "run's shapes (else the step of the switch pays the compilation)",
     "seed": "seed of the weights and of the batch order",

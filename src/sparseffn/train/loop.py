@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from sparseffn.models import (calibrate_thresholds, collect_l1, fuse_non_mlp_, model_config, sparse_layers,
                               sparse_mlps)
-from sparseffn.models.fuse import fusion_plan
+from sparseffn.models.fuse import compile_non_mlp_, fusion_plan
 from sparseffn.nn.warm import warm_sparse_kernels
 from sparseffn.train.checkpoint import newest_usable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from sparseffn.train.config import TrainConfig
@@ -86,7 +86,7 @@ if TYPE_CHECKING:
     from sparseffn.train.relufy import InitialModel
 
 # Fields a resumed run may change without breaking exactness of the steps already taken.
-RESUMABLE_CHANGES = frozenset({"steps", "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
+RESUMABLE_CHANGES = frozenset({"steps", "eval_interval", "eval_batches", "log_interval", "checkpoint_interval", "warm_kernels",
                                "keep_checkpoints", "device", "out_dir"})
 
 
@@ -358,6 +358,8 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
     mlps = sparse_mlps(model)
     hidden = [int(m.intermediate_size) for m in mlps]
     _fuse(model, cfg, device, say)
+    if cfg.compile_non_mlp:  # in place (nn.Module.compile): state dict and checkpoints are unchanged
+        say(f"torch.compile: {len(compile_non_mlp_(model))} norm and attention modules (the MLPs stay eager)")
     if cfg.activation_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name is deprecated
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
