@@ -356,8 +356,8 @@ def summary_lines(rows: list[dict], share: float = 0.9) -> list[str]:
                       f"at step {step})")
         slow = s["slowest_steps"]
         auto_wall, dense_wall = float(summaries["auto"]["wall_s"]), float(summaries["dense"]["wall_s"])
-        text = (f"auto / dense tokens/s: {s['dense_phase']:.2f}x in the dense phase ({s['dense_windows']} windows, "
-                f"every layer dense), {sparse}; {s['after_warmup']:.2f}x after the first window; slowest window "
+        text = (f"auto / dense tokens/s: {s['dense_phase']:.2f}x in the dense phase ({s['dense_windows']} "
+                f"window{'s' if s['dense_windows'] != 1 else ''}, every layer dense), {sparse}; {s['after_warmup']:.2f}x after the first window; slowest window "
                 f"{s['slowest']:.2f}x" + (f" (steps {slow[0]}–{slow[1]})" if slow else "")
                 + f"; whole-run wall time, warm-up included, {dense_wall / auto_wall:.2f}x.")
         lines += ["", text]
