@@ -11,8 +11,8 @@ every kind of call given (training calls of `train_tokens` tokens: forward and b
 training kernels; inference calls of each of `eval_tokens`), it asks the decision rules whether the
 layer could take the sparse path there at all (`choose_mode` at an expected activity of one unit per
 token, the most favourable case; a dense-mode layer never can), and where it could, runs that path
-once on the layer's own weights (detached copies in the run dtype, same layout) and a random x drawn
-from its own generator. The launches are those of a real call of that shape (the kernels' variants
+once on random tensors of the layer's shapes and layouts in the run dtype, drawn from a generator of
+its own. The launches are those of a real call of that shape (the kernels' variants
 depend on shapes, dtypes and layouts, not on the values), so a later switch compiles nothing. The
 layers' state (activity, decisions, gradients) and the global RNG are untouched.
 """
@@ -27,7 +27,6 @@ import torch
 from sparseffn.nn.projections import is_plain
 from sparseffn.nn.sparse_mlp import SparseMLP
 from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp
-from sparseffn.ops.twell_mlp import stored_transposed
 
 
 @dataclass(frozen=True)
@@ -70,18 +69,17 @@ def warm_sparse_kernels(mlps: Sequence[SparseMLP], *, train_tokens: int | None =
         if mlp.mode == "dense" or weights is None:  # dense by request, or a path the kernels never take
             continue
         run_dtype = dtype or weights[1].dtype
-        theta = mlp.threshold if mlp.has_threshold else None
-        layout = tuple(None if w is None else (tuple(w.shape), w.stride(), w.device) for w in weights)
+        gated, threshold = weights[0] is not None, mlp.has_threshold
+        shape = (mlp.hidden_size, mlp.intermediate_size, gated, threshold, mlp.down_transposed, weights[1].device)
         for kind, tokens in calls:
-            key = (kind, tokens, layout, run_dtype, theta is not None, mlp.mode)
+            key = (kind, tokens, run_dtype, mlp.mode, *shape)
             if key in seen:
                 continue
             seen.add(key)
-            call = WarmedCall(kind, tokens, mlp.hidden_size, mlp.intermediate_size, weights[0] is not None,
-                              theta is not None, run_dtype)
-            if _could_switch(mlp, weights[1], tokens, kind == "training", run_dtype):
-                _run_once(weights, theta, tokens, kind == "training", run_dtype, seed)
-                warmed.append(call)
+            if _could_switch(mlp, weights[1].device, tokens, kind == "training", run_dtype):
+                _run_once(*shape, tokens, kind == "training", run_dtype, seed)
+                warmed.append(WarmedCall(kind, tokens, mlp.hidden_size, mlp.intermediate_size, gated, threshold,
+                                         run_dtype))
     return warmed
 
 
@@ -94,21 +92,29 @@ def _plain_weights(mlp: SparseMLP) -> list[torch.Tensor | None] | None:
     return [None if lin is None else lin.weight for lin in linears]
 
 
-def _could_switch(mlp: SparseMLP, up_weight: torch.Tensor, tokens: int, training: bool, dtype: torch.dtype) -> bool:
+def _could_switch(mlp: SparseMLP, device: torch.device, tokens: int, training: bool, dtype: torch.dtype) -> bool:
     """Whether the decision rules would send such a call of this layer to the sparse kernels at its most
     favourable activity (one active unit per token)."""
-    probe = torch.empty((), dtype=dtype, device=up_weight.device).expand(tokens, mlp.hidden_size)  # no memory
-    decision = choose_mode(probe, up_weight, mode=mlp.mode, expected_nnz=1.0, needs_grad=training,
-                           return_l1=training, down_t_ready=True)
+    probe = torch.empty((), dtype=dtype, device=device).expand(tokens, mlp.hidden_size)  # no memory
+    up = torch.empty((), dtype=dtype, device=device).expand(mlp.intermediate_size, mlp.hidden_size)
+    decision = choose_mode(probe, up, mode=mlp.mode, expected_nnz=1.0, needs_grad=training, return_l1=training,
+                           down_t_ready=True)
     return decision.mode == "sparse"
 
 
-def _run_once(weights, theta, tokens: int, training: bool, dtype: torch.dtype, seed: int) -> None:
-    gate, up, down = (None if w is None else w.detach().to(dtype) for w in weights)
-    if stored_transposed(down) != stored_transposed(weights[2]):  # keep the layout the layer's calls have
-        down = down.t().contiguous().t() if stored_transposed(weights[2]) else down.contiguous()
-    gen = torch.Generator(device=up.device).manual_seed(seed)
-    x = torch.randn(tokens, up.shape[1], dtype=dtype, device=up.device, generator=gen)
+def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: bool, device: torch.device,
+              tokens: int, training: bool, dtype: torch.dtype, seed: int) -> None:
+    """The call on random tensors of the layer's shapes and layouts (fresh ones: a layer's own weights may be
+    shards, e.g. under FSDP, while its calls see whole weights)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=dtype, device=device, generator=gen) * shape[-1] ** -0.5
+
+    x = torch.randn(tokens, d, dtype=dtype, device=device, generator=gen)
+    gate, up = (draw(h, d) if gated else None), draw(h, d)
+    down = draw(h, d).t() if down_transposed else draw(d, h)  # [D, H], stored as the layer stores it
+    theta = torch.full((h,), 0.01, device=device) if threshold else None
     if not training:
         with torch.no_grad():
             sparse_mlp(x, gate, up, down, theta, mode="sparse")
