@@ -122,10 +122,12 @@ def test_fused_norms_follow_the_flag_and_default_to_cuda_only(small_corpus, tmp_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_training_on_cuda_fuses_norms_by_default(small_corpus, tmp_path):
+def test_training_on_cuda_fuses_norms_by_default(tmp_path):
     from sparseffn.nn.fused import FusedRMSNorm
 
-    cfg = tiny_config(small_corpus, tmp_path / "run", steps=1, eval_interval=0, checkpoint_interval=0, device="cuda")
+    text = tmp_path / "text.txt"  # no installed corpus needed on the GPU machine
+    text.write_text(" ".join(f"word{i % 97} and more words {i}" for i in range(3000)))
+    cfg = tiny_config(text, tmp_path / "run", steps=1, eval_interval=0, checkpoint_interval=0, device="cuda")
     model = train(cfg, progress=False, echo=None).model
     assert any(isinstance(m, FusedRMSNorm) for m in model.modules())
 
