@@ -176,3 +176,18 @@ def test_eval_and_generate_errors_name_the_flag_or_path_typed(tmp_path, capsys):
         assert main(argv) == 2, argv
         assert message in _one_line_error(capsys, command), argv
     assert not missing.parent.exists()
+
+
+def test_bench_train_run_flags_and_errors(capsys):
+    """Optional fields get flags (`--l1-coeff` not given: the size's paper-regime λ; `none` spelled out),
+    and a size without a default λ is a one-line error, exit 2."""
+    from sparseffn.cli import build_parser, main
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "train-run", "--l1-coeff", "3e-4", "--no-fuse-non-mlp", "--no-processes"])
+    assert (args.l1_coeff, args.fuse_non_mlp, args.processes) == (3e-4, False, False)
+    args = parser.parse_args(["bench", "train-run", "--l1-coeff", "none"])
+    assert (args.l1_coeff, args.fuse_non_mlp, args.model) == (None, None, "0.5b")
+    assert main(["bench", "train-run", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--l1-coeff: no paper-regime λ is set for --model 'tiny'" in err[0]

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import platform
 import sys
+import typing
 from importlib import metadata
 
 
@@ -47,11 +48,20 @@ def env_report() -> list[str]:
 
 
 def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
-        if isinstance(field.default, bool):
+        if field.default is None:  # an optional field: its type from the annotation, None spelled `none`
+            base = next(t for t in typing.get_args(hints[field.name]) if t is not type(None))
+            if base is bool:
+                parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                                    help="(default: not given)")
+            else:
+                parser.add_argument(flag, dest=field.name, default=None, help="(default: none)",
+                                    type=lambda text, base=base: None if text.lower() == "none" else base(text))
+        elif isinstance(field.default, bool):
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default,
                                 help=f"(default: {field.default})")
         else:
@@ -294,7 +304,10 @@ def _cmd_bench_decode_model(args: argparse.Namespace) -> int:
 def _cmd_bench_train_run(args: argparse.Namespace) -> int:
     from sparseffn.bench.train_run import TrainRunBenchConfig, plot_train_run, run_train_run_bench, train_run_table
 
-    return _run_bench(args, TrainRunBenchConfig, run_train_run_bench, train_run_table, plot_train_run, "train_run")
+    def table(rows: list[dict]) -> str:
+        return train_run_table(rows, args.table_window, args.sparse_share)
+
+    return _run_bench(args, TrainRunBenchConfig, run_train_run_bench, table, plot_train_run, "train_run")
 
 
 def _cmd_bench_calibrate(args: argparse.Namespace) -> int:
@@ -485,8 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "generate and a CUDA-graph decode step (CSV + PNG under --out-dir)")
     _add_dataclass_flags(dm, DecodeModelBenchConfig)
     dm.set_defaults(func=_cmd_bench_decode_model)
-    run = bench.add_parser("train-run", help="a training run from initialization, dense vs auto mode: speed, "
-                                             "sparsity and paths per step (CSV + PNG under --out-dir)")
+    run = bench.add_parser("train-run", help="training runs from initialization at the paper's sparsity, auto vs "
+                                             "dense mode vs λ = 0, each in its own process: tokens/s, activity, "
+                                             "layers sparse and held-out CE per window (CSV + PNG under --out-dir)")
     _add_dataclass_flags(run, TrainRunBenchConfig)
     run.set_defaults(func=_cmd_bench_train_run)
     cal = bench.add_parser("calibrate", help="post-training thresholds on a trained run: held-out CE and sparsity "

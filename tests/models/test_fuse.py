@@ -333,3 +333,12 @@ def test_families_fuse_what_matches_llama_and_report_the_rest(family, calls):
     planned_norms = sum(1 for _, c, a in plan if a == "fuse" and c.endswith("Norm"))
     planned_attn = sum(1 for _, c, a in plan if a == "fuse" and c.endswith("Attention"))
     assert calls == {"rms_norm": planned_norms, "apply_rope": planned_attn}
+
+
+def test_compile_non_mlp_refuses_a_model_without_norms_or_attention():
+    from sparseffn.models import compile_non_mlp_
+
+    with pytest.raises(ValueError, match="no norm or attention module to compile"):
+        compile_non_mlp_(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        compile_non_mlp_("model")

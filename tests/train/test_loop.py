@@ -79,3 +79,80 @@ def test_fused_non_mlp_trains_the_same(small_corpus, tmp_path, monkeypatch):
                 assert rb[key] == pytest.approx(ra[key], rel=1e-5), key
     model = load_pretrained(tmp_path / "fused" / "model")
     assert not any(type(m).__name__ == "FusedRMSNorm" for m in model.modules())
+
+
+def test_sparse_kernels_are_warmed_before_the_first_step_at_the_runs_shapes(small_corpus, tmp_path, monkeypatch):
+    """The loop hands nn.warm_sparse_kernels the run's layers, a training call of batch_size x seq_len
+    tokens, the evaluation's calls and the autocast dtype, once, before the first step; what was warmed
+    and how long it took go into metrics.jsonl; --no-warm-kernels skips it."""
+    import sparseffn.train.loop as loop
+    from sparseffn.nn.warm import WarmedCall
+
+    calls = []
+
+    def spy(mlps, *, train_tokens, eval_tokens, dtype, seed):
+        calls.append((len(mlps), train_tokens, list(eval_tokens), dtype, seed, loop_steps_seen[:]))
+        return [WarmedCall("training", train_tokens, 128, 352, True, False, torch.bfloat16)]
+
+    loop_steps_seen = []
+    real_collect = loop.collect_l1
+    monkeypatch.setattr(loop, "collect_l1", lambda model: loop_steps_seen.append(1) or real_collect(model))
+    monkeypatch.setattr(loop, "warm_sparse_kernels", spy)
+    cfg = tiny_config(small_corpus, tmp_path / "run", steps=2, eval_interval=0, checkpoint_interval=0, eval_batches=3,
+                      batch_size=2, device="cpu")
+    result = train(cfg, progress=False, echo=None)
+    # 2 layers; 2 x 32 tokens per step; 6 evaluation windows of 32 tokens in calls of 2; fp32 on CPU; no step yet
+    assert calls == [(2, 64, [64, 64, 64], None, 0, [])]
+    warm = [r for r in read_metrics(result.metrics_path) if r["kind"] == "warm"]
+    assert len(warm) == 1 and warm[0]["step"] == 0 and warm[0]["calls"] == ["training 64 tokens D=128 H=352 bfloat16"]
+    calls.clear()
+    train(cfg.replace(out_dir=str(tmp_path / "off"), warm_kernels=False), progress=False, echo=None)
+    assert calls == []
+
+
+@pytest.mark.parametrize("flag, fused", [(None, False), (True, True), (False, False)])
+def test_fused_norms_follow_the_flag_and_default_to_cuda_only(small_corpus, tmp_path, flag, fused):
+    """fuse_non_mlp None (the default) fuses when training on CUDA (here: CPU, so not); True / False force it."""
+    from sparseffn.nn.fused import FusedRMSNorm
+
+    cfg = tiny_config(small_corpus, tmp_path / "run", steps=1, eval_interval=0, checkpoint_interval=0,
+                      fuse_non_mlp=flag, device="cpu")
+    model = train(cfg, progress=False, echo=None).model
+    assert any(isinstance(m, FusedRMSNorm) for m in model.modules()) is fused
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_on_cuda_fuses_norms_by_default(tmp_path):
+    from sparseffn.nn.fused import FusedRMSNorm
+
+    text = tmp_path / "text.txt"  # no installed corpus needed on the GPU machine
+    text.write_text(" ".join(f"word{i % 97} and more words {i}" for i in range(3000)))
+    cfg = tiny_config(text, tmp_path / "run", steps=1, eval_interval=0, checkpoint_interval=0, device="cuda")
+    model = train(cfg, progress=False, echo=None).model
+    assert any(isinstance(m, FusedRMSNorm) for m in model.modules())
+
+
+def test_compile_non_mlp_compiles_norms_and_attention_only_and_trains_the_same(small_corpus, tmp_path, monkeypatch):
+    """--compile-non-mlp: nn.Module.compile on every norm and attention (here through Dynamo with the
+    aot_eager backend: Inductor's C++ build takes minutes on a CPU), the MLPs eager; same losses as eager,
+    same state dict keys."""
+    compiled = []
+    real = torch.nn.Module.compile
+
+    def spy(self, *args, **kwargs):
+        compiled.append(type(self).__name__)
+        return real(self, *args, backend="aot_eager", **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", spy)
+    cfg = tiny_config(small_corpus, tmp_path / "eager", steps=2, eval_interval=0, checkpoint_interval=0, device="cpu")
+    eager = train(cfg, progress=False, echo=None)
+    assert compiled == []
+    result = train(cfg.replace(out_dir=str(tmp_path / "compiled"), compile_non_mlp=True), progress=False, echo=None)
+    # 2 layers: attention and two norms each, and the final norm
+    assert sorted(compiled) == sorted(["LlamaAttention"] * 2 + ["LlamaRMSNorm"] * 5)
+    assert result.model.model.layers[0].self_attn._compiled_call_impl is not None
+    assert result.model.model.layers[0].mlp._compiled_call_impl is None
+    assert list(result.model.state_dict()) == list(eager.model.state_dict())
+    a, b = _rows(eager), _rows(result)
+    assert [r["ce"] for r in b if r["kind"] == "train"] == pytest.approx([r["ce"] for r in a if r["kind"] == "train"],
+                                                                         rel=1e-5)

@@ -345,7 +345,7 @@ def _blocks() -> dict[str, Block]:
     return {
         "decode": Block("decode_mlp.csv", decode_table, plot_decode),
         "decode_model": Block("decode_model.csv", decode_model_table, plot_decode_model),
-        "train_run": Block("train_run.csv", train_run_table, plot_train_run),
+        "train_run": Block("train_run.csv", lambda rows: train_run_table(rows, width=100), plot_train_run),
         "train_density": Block("mlp_train_density.csv", train_table),
         "layout": Block("layout.csv", layout_table),
         "multi_gpu": Block("multi_gpu.csv", multi_gpu_table, device="h200x2"),
@@ -526,22 +526,29 @@ def _generation_row(results_dir: Path) -> tuple[str, str] | None:
 
 
 def _train_run_row(results_dir: Path) -> tuple[str, str] | None:
-    from sparseffn.bench.train_run import phase_speeds
+    from sparseffn.bench.train_run import summarize
 
     path = find_csv(results_dir, "train_run.csv")
     rows = read_rows(path) if path else []
     summary = {r["mode"]: r for r in rows if r["kind"] == "summary"}
     if not {"dense", "auto"} <= set(summary):
         return None
-    dense_phase, sparse_phase = phase_speeds(rows)
-    first = next(r["mode"] for r in rows if r["kind"] == "summary")
-    wall = (f"wall time {float(summary['auto']['wall_s']):.0f} s vs dense {float(summary['dense']['wall_s']):.0f} s "
-            f"(the {first} run came first in the process and carries its warm-up)")
+    s = summarize(rows)
+    auto = summary["auto"]
+    if s["sparse_windows"]:
+        nnz = s["sparse_nnz"]
+        sparse = (f"{s['sparse_phase']:.2f}x in the sparse phase** (steps {s['sparse_from']}–end, "
+                  f"{nnz[0]:.1f} → {nnz[1]:.1f} active units per token)")
+    else:
+        sparse = "no sparse phase**"
+    own = auto.get("process") == "own"
+    wall = (f"whole run {float(summary['dense']['wall_s']) / float(auto['wall_s']):.2f}x in wall time "
+            + ("(each mode in its own process)" if own else "(both modes in one process)")
+            + f"; slowest window {s['slowest']:.2f}x")
     what = _linked("Training run from initialization (auto mode)", "training-run-from-initialization-auto-mode")
-    return (f"| {what} | `{summary['auto']['model']}`, L1 recipe to ≥ 99% "
-            f"zeros, auto vs dense mode, same seed | **{dense_phase:.2f}x while the layers are dense, "
-            f"{sparse_phase:.2f}x once they run sparse** (tokens/s) | {wall} |",
-            f"{path.name} {summary['auto']['git_sha']}")
+    return (f"| {what} | `{auto['model']}`, λ {float(auto['l1_coeff']):g}, auto vs dense mode, same seed "
+            f"| **{s['dense_phase']:.2f}x in the dense phase, {sparse} (tokens/s) | {wall} |",
+            f"{path.name} {auto['git_sha']}")
 
 
 # The README's headline rows, in order; each returns (table line, "csv sha") or None without its CSV.

@@ -5,7 +5,7 @@ transformers is imported inside the functions that need it, so importing this pa
 
 from sparseffn.models.calibrate import calibrate_thresholds, measure_activity
 from sparseffn.models.config import SparsityConfig
-from sparseffn.models.fuse import fuse_non_mlp_, unfuse_non_mlp_
+from sparseffn.models.fuse import compile_non_mlp_, fuse_non_mlp_, unfuse_non_mlp_
 from sparseffn.models.pretrained import checkpoint_format, load_pretrained
 from sparseffn.models.relufy import relufied_from, relufy_
 from sparseffn.models.registry import MODEL_NAMES, build_model, model_config, parameter_count
@@ -31,6 +31,7 @@ __all__ = [
     "calibrate_thresholds",
     "checkpoint_format",
     "collect_l1",
+    "compile_non_mlp_",
     "dispatch_report",
     "fuse_non_mlp_",
     "load_pretrained",

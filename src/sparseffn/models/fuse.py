@@ -177,3 +177,19 @@ def unfuse_non_mlp_(model: nn.Module) -> nn.Module:
         if has_fused_rope(module):
             unfuse_attention_rope_(module)
     return model
+
+
+def compile_non_mlp_(model: nn.Module, **options) -> list[str]:
+    """torch.compile, in place, every norm and attention module of `model` (those `fusion_plan` lists, fused
+    or not) through `nn.Module.compile(**options)`, which keeps the module tree, the state dict keys and
+    save_pretrained as they were. MLPs stay eager: a sparse layer's activity bookkeeping, which auto mode
+    decides on, runs only outside compiled code (nn/dispatch.py). Returns the names compiled; ValueError
+    when there is no norm or attention to compile."""
+    _check_model(model)
+    modules = dict(model.named_modules())
+    names = [name for name, _, _ in fusion_plan(model)]
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no norm or attention module to compile")
+    for name in names:
+        modules[name].compile(**options)
+    return names

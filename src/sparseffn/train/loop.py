@@ -47,6 +47,8 @@ import torch.nn.functional as F
 
 from sparseffn.models import (calibrate_thresholds, collect_l1, fuse_non_mlp_, model_config, sparse_layers,
                               sparse_mlps)
+from sparseffn.models.fuse import compile_non_mlp_, fusion_plan
+from sparseffn.nn.warm import warm_sparse_kernels
 from sparseffn.train.checkpoint import newest_usable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from sparseffn.train.config import TrainConfig
 from sparseffn.train.data import (
@@ -84,7 +86,7 @@ if TYPE_CHECKING:
     from sparseffn.train.relufy import InitialModel
 
 # Fields a resumed run may change without breaking exactness of the steps already taken.
-RESUMABLE_CHANGES = frozenset({"steps", "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
+RESUMABLE_CHANGES = frozenset({"steps", "eval_interval", "eval_batches", "log_interval", "checkpoint_interval", "warm_kernels",
                                "keep_checkpoints", "device", "out_dir"})
 
 
@@ -355,8 +357,9 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
                          "dense model directory, or InitialModel with a teacher, train/relufy.py)")
     mlps = sparse_mlps(model)
     hidden = [int(m.intermediate_size) for m in mlps]
-    if cfg.fuse_non_mlp:  # instance-level swap: state dict, config and checkpoints are unchanged
-        fuse_non_mlp_(model)
+    _fuse(model, cfg, device, say)
+    if cfg.compile_non_mlp:  # in place (nn.Module.compile): state dict and checkpoints are unchanged
+        say(f"torch.compile: {len(compile_non_mlp_(model))} norm and attention modules (the MLPs stay eager)")
     if cfg.activation_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name is deprecated
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -416,6 +419,8 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
 
     # ---- loop
     amp = resolve_amp(cfg.dtype, device)
+    if cfg.warm_kernels and mlps:
+        _warm(mlps, cfg, info, amp, windows, metrics_path, start, say)
     reduce = make_reduce(info)
     track_every_step = cfg.sparsity.reinit_dead
     std = float(getattr(model.config, "initializer_range", 0.02))
@@ -509,6 +514,7 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
             elif reinit is not None and info.is_main:
                 append_row(metrics_path, {"kind": "reinit", "step": done, "reinit": reinit})
 
+            aside = time.perf_counter()  # evaluation, calibration and checkpoints stay out of the tokens/s windows
             if done == cfg.steps and cfg.calibrate_nnz is not None:
                 _calibrate(model, cfg, sampler, info, fsdp, say)
             if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.steps:
@@ -527,6 +533,7 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
                 run.publish(info)  # the first checkpoint: the new run replaces the old one (if any)
                 barrier(info)
                 metrics_path = out / "metrics.jsonl"
+            window_start += time.perf_counter() - aside
             bar.update(1)
             if stop_after_step is not None and done >= stop_after_step and done < cfg.steps:
                 stopped = True
@@ -545,6 +552,37 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
             say(f"saved the model to {model_dir} ({time.perf_counter() - started:.0f}s in all)")
     return TrainResult(out, metrics_path, completed_steps, not stopped, model_dir, final_eval, last_row,
                        time.perf_counter() - started, model, tokenizer, windows)
+
+
+def _fuse(model: torch.nn.Module, cfg: TrainConfig, device: torch.device, say: Callable[[str], None]) -> None:
+    """Fused RMSNorm / RoPE kernels (models.fuse_non_mlp_): as cfg.fuse_non_mlp says, or by default when
+    training on CUDA, where a model with nothing to fuse keeps Hugging Face's code and says so. An
+    instance-level swap: the state dict, config and checkpoints are unchanged."""
+    if cfg.fuse_non_mlp is False or (cfg.fuse_non_mlp is None and device.type != "cuda"):
+        return
+    if cfg.fuse_non_mlp is None and not any(action == "fuse" for _, _, action in fusion_plan(model)):
+        say(f"note: no RMSNorm or attention of {type(model).__name__} computes Llama's: training with "
+            "Hugging Face's norms and RoPE (fusion_plan(model) says why)")
+        return
+    fuse_non_mlp_(model)
+
+
+def _warm(mlps: list, cfg: TrainConfig, info: DistInfo, amp: torch.dtype | None, windows: torch.Tensor,
+          metrics_path: Path, step: int, say: Callable[[str], None]) -> None:
+    """Compile and load the sparse kernels the layers may switch to (nn/warm.py) before the first step,
+    at this run's shapes: a training call of batch_size x seq_len tokens and the evaluation's calls."""
+    t0 = time.perf_counter()
+    rows = windows.shape[0] // info.world_size  # the evaluation windows of this process
+    eval_tokens = [min(cfg.batch_size, rows - s) * (windows.shape[1] - 1) for s in range(0, rows, cfg.batch_size)]
+    warmed = warm_sparse_kernels(mlps, train_tokens=cfg.batch_size * cfg.seq_len, eval_tokens=eval_tokens,
+                                 dtype=amp, seed=cfg.seed)
+    if not warmed:
+        return
+    seconds = time.perf_counter() - t0
+    say(f"warmed the sparse kernels the layers may switch to in {seconds:.1f}s: " + "; ".join(map(str, warmed)))
+    if info.is_main:
+        append_row(metrics_path, {"kind": "warm", "step": step, "seconds": round(seconds, 2),
+                                  "calls": [str(c) for c in warmed]})
 
 
 def _initial(initial, cfg: TrainConfig, tokenizer: TextTokenizer, device: torch.device):

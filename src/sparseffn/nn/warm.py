@@ -1,0 +1,125 @@
+"""`warm_sparse_kernels`: compile and load the sparse kernels a model's layers may switch to, before
+they switch.
+
+Why. Triton compiles a kernel variant the first time it is launched with a new argument key (dtypes,
+constexprs, alignment: kernels/launch.py). A layer in auto mode runs dense until its activity falls
+under the break-even, then takes the sparse kernels: without warming, the step where the first
+layers switch pays the compilation (about 18 s at `2b` on an H200, a window at a third of dense speed).
+
+What. For every distinct layer shape (D, H, gated, threshold or not, weight layout, run dtype) and
+every kind of call given (training calls of `train_tokens` tokens: forward and backward of the
+training kernels; inference calls of each of `eval_tokens`), it asks the decision rules whether the
+layer could take the sparse path there at all (`choose_mode` at an expected activity of one unit per
+token, the most favourable case; a dense-mode layer never can), and where it could, runs that path
+once on random tensors of the layer's shapes and layouts in the run dtype, drawn from a generator of
+its own. The launches are those of a real call of that shape (the kernels' variants
+depend on shapes, dtypes and layouts, not on the values), so a later switch compiles nothing. The
+layers' state (activity, decisions, gradients) and the global RNG are untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from sparseffn.nn.projections import is_plain
+from sparseffn.nn.sparse_mlp import SparseMLP
+from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp
+
+
+@dataclass(frozen=True)
+class WarmedCall:
+    """One kind of call whose kernels were run: training (forward + backward) or inference."""
+
+    kind: str  # "training" or "inference"
+    tokens: int
+    d: int
+    h: int
+    gated: bool
+    threshold: bool
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return (f"{self.kind} {self.tokens} tokens D={self.d} H={self.h}{'' if self.gated else ' non-gated'}"
+                f"{' θ' if self.threshold else ''} {str(self.dtype).removeprefix('torch.')}")
+
+
+def warm_sparse_kernels(mlps: Sequence[SparseMLP], *, train_tokens: int | None = None,
+                        eval_tokens: Sequence[int] = (), dtype: torch.dtype | None = None,
+                        seed: int = 0) -> list[WarmedCall]:
+    """Run, once per distinct layer shape and kind of call, the sparse path the layers could switch to
+    (module docstring). train_tokens: tokens of one training call (None: no training calls);
+    eval_tokens: tokens of the inference calls; dtype: the autocast dtype the layers run under (None:
+    their weights' dtype). Returns what was run, in order."""
+    if train_tokens is not None and (isinstance(train_tokens, bool) or not isinstance(train_tokens, int)
+                                     or train_tokens < 1):
+        raise ValueError(f"train_tokens must be None or a positive int, got {train_tokens!r}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in eval_tokens):
+        raise ValueError(f"eval_tokens must be positive ints, got {list(eval_tokens)!r}")
+    calls = ([("training", train_tokens)] if train_tokens is not None else []) + [
+        ("inference", t) for t in dict.fromkeys(eval_tokens)]
+    warmed: list[WarmedCall] = []
+    seen: set[tuple] = set()
+    for mlp in mlps:
+        if not isinstance(mlp, SparseMLP):
+            raise TypeError(f"mlps must hold SparseMLP modules, got {type(mlp).__name__}")
+        weights = _plain_weights(mlp)
+        if mlp.mode == "dense" or weights is None:  # dense by request, or a path the kernels never take
+            continue
+        run_dtype = dtype or weights[1].dtype
+        gated, threshold = weights[0] is not None, mlp.has_threshold
+        shape = (mlp.hidden_size, mlp.intermediate_size, gated, threshold, mlp.down_transposed, weights[1].device)
+        for kind, tokens in calls:
+            key = (kind, tokens, run_dtype, mlp.mode, *shape)
+            if key in seen:
+                continue
+            seen.add(key)
+            if _could_switch(mlp, weights[1].device, tokens, kind == "training", run_dtype):
+                _run_once(*shape, tokens, kind == "training", run_dtype, seed)
+                warmed.append(WarmedCall(kind, tokens, mlp.hidden_size, mlp.intermediate_size, gated, threshold,
+                                         run_dtype))
+    return warmed
+
+
+def _plain_weights(mlp: SparseMLP) -> list[torch.Tensor | None] | None:
+    """[gate, up, down] weights of a layer whose forward reaches the op with them, else None (biases,
+    adapters or hooks: the layer runs its modules densely)."""
+    linears = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if not all(is_plain(lin) for lin in linears) or any(lin is not None and lin.bias is not None for lin in linears):
+        return None
+    return [None if lin is None else lin.weight for lin in linears]
+
+
+def _could_switch(mlp: SparseMLP, device: torch.device, tokens: int, training: bool, dtype: torch.dtype) -> bool:
+    """Whether the decision rules would send such a call of this layer to the sparse kernels at its most
+    favourable activity (one active unit per token)."""
+    probe = torch.empty((), dtype=dtype, device=device).expand(tokens, mlp.hidden_size)  # no memory
+    up = torch.empty((), dtype=dtype, device=device).expand(mlp.intermediate_size, mlp.hidden_size)
+    decision = choose_mode(probe, up, mode=mlp.mode, expected_nnz=1.0, needs_grad=training, return_l1=training,
+                           down_t_ready=True)
+    return decision.mode == "sparse"
+
+
+def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: bool, device: torch.device,
+              tokens: int, training: bool, dtype: torch.dtype, seed: int) -> None:
+    """The call on random tensors of the layer's shapes and layouts (fresh ones: a layer's own weights may be
+    shards, e.g. under FSDP, while its calls see whole weights)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=dtype, device=device, generator=gen) * shape[-1] ** -0.5
+
+    x = torch.randn(tokens, d, dtype=dtype, device=device, generator=gen)
+    gate, up = (draw(h, d) if gated else None), draw(h, d)
+    down = draw(h, d).t() if down_transposed else draw(d, h)  # [D, H], stored as the layer stores it
+    theta = torch.full((h,), 0.01, device=device) if threshold else None
+    if not training:
+        with torch.no_grad():
+            sparse_mlp(x, gate, up, down, theta, mode="sparse")
+        return
+    leaves = [t.requires_grad_() for t in (x, gate, up, down) if t is not None]
+    with torch.enable_grad():
+        y, l1 = sparse_mlp(x, gate, up, down, theta, mode="sparse", return_l1=True)
+        torch.autograd.grad((y, l1), leaves, (torch.ones_like(y), torch.ones_like(l1)))

@@ -1,0 +1,103 @@
+"""`warm_sparse_kernels`: every kernel launch key of a real call of the layer's shape (training forward and
+backward, inference) is launched by the warm-up first, so a later switch compiles nothing; layers that
+can never take the sparse path warm nothing. A spy on `Launcher.launch` records the launch keys (the
+kernel and Triton's specialization of its arguments: kernels/launch.py), which decide compilation."""
+
+import os
+
+import pytest
+import torch
+
+from sparseffn.kernels import launch
+from sparseffn.nn.sparse_mlp import SparseMLP
+from sparseffn.nn.warm import WarmedCall, warm_sparse_kernels
+
+needs_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or the Triton interpreter")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+D, H, TOKENS = 32, 80, 80  # inference above the decode kernels (<= 64 tokens): TwELL
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The launch keys, in order: (kernel name, argument keys, constexprs and options)."""
+    seen: list[tuple] = []
+    real = launch.Launcher.launch
+
+    def spy(self, grid, args, meta):
+        seen.append((self.kernel.__name__, tuple(launch._arg_key(a) for a in args), tuple(sorted(meta.items()))))
+        return real(self, grid, args, meta)
+
+    monkeypatch.setattr(launch.Launcher, "launch", spy)
+    return seen
+
+
+def _mlp(mode="sparse", gated=True, seed=0):
+    torch.manual_seed(seed)
+    return SparseMLP(D, H, gated=gated, mode=mode, device=DEVICE, dtype=torch.bfloat16)
+
+
+def _real_calls(mlp):
+    x = torch.randn(2, TOKENS // 2, D, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    mlp.train()
+    y = mlp(x)
+    (y.float().sum() + mlp.last_l1).backward()
+    mlp.eval()
+    with torch.no_grad():
+        mlp(x.detach())
+
+
+@needs_kernels
+@pytest.mark.parametrize("gated", [True, False])
+def test_warm_launches_every_kernel_a_real_call_launches(launches, gated):
+    mlp = _mlp(gated=gated)
+    if gated:
+        mlp.set_threshold_(0.01)  # the threshold is a constexpr of the kernels: warmed with the layer's
+    warmed = warm_sparse_kernels([mlp], train_tokens=TOKENS, eval_tokens=[TOKENS])
+    assert warmed == [WarmedCall("training", TOKENS, D, H, gated, gated, torch.bfloat16),
+                      WarmedCall("inference", TOKENS, D, H, gated, gated, torch.bfloat16)]
+    warm_keys = set(launches)
+    names = {key[0] for key in warm_keys}
+    # forward, backward (per-unit weight gradients) and inference kernels all ran
+    assert {"_gate_twell_kernel", "_twell_train_forward_kernel", "_twell_train_backward_kernel",
+            "_twell_up_down_kernel"} <= names
+    assert all(p.grad is None for p in mlp.parameters())  # the layer's own gradients are untouched
+    assert mlp.activity.calls == 0 and mlp.activity.nnz is None  # the layer's bookkeeping is untouched
+    launches.clear()
+    _real_calls(mlp)
+    assert launches and set(launches) <= warm_keys, set(launches) - warm_keys
+
+
+@needs_kernels
+def test_warm_once_per_shape_and_not_for_dense_layers(launches):
+    same = [_mlp(seed=0), _mlp(seed=1)]  # one shape: warmed once
+    dense = _mlp(mode="dense")
+    warmed = warm_sparse_kernels([*same, dense], train_tokens=TOKENS)
+    assert warmed == [WarmedCall("training", TOKENS, D, H, True, False, torch.bfloat16)]
+    count = len(launches)
+    assert warm_sparse_kernels([dense], train_tokens=TOKENS, eval_tokens=[TOKENS]) == [] and len(launches) == count
+
+
+def test_auto_layers_on_cpu_warm_nothing(launches):
+    """Auto mode never takes the kernels on CPU (ops/decide.py), so nothing compiles for it."""
+    mlp = SparseMLP(D, H, mode="auto", dtype=torch.bfloat16)
+    assert warm_sparse_kernels([mlp], train_tokens=TOKENS, eval_tokens=[TOKENS]) == [] and not launches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_layers_on_the_h200_warm_at_the_training_shape(launches):
+    mlp = SparseMLP(2048, 5632, mode="auto", device="cuda", dtype=torch.bfloat16)
+    warmed = warm_sparse_kernels([mlp], train_tokens=16384, eval_tokens=[16384], dtype=torch.bfloat16)
+    assert [c.kind for c in warmed] == (["training", "inference"] if torch.cuda.get_device_capability() == (9, 0)
+                                        else [])
+
+
+def test_bad_arguments():
+    mlp = SparseMLP(D, H)
+    with pytest.raises(ValueError, match="train_tokens"):
+        warm_sparse_kernels([mlp], train_tokens=0)
+    with pytest.raises(ValueError, match="eval_tokens"):
+        warm_sparse_kernels([mlp], eval_tokens=[-1])
+    with pytest.raises(TypeError, match="SparseMLP"):
+        warm_sparse_kernels([torch.nn.Linear(2, 2)], train_tokens=4)
