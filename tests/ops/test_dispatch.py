@@ -68,7 +68,7 @@ def test_training_eager_route_equals_the_op(gated):
         if route == "eager":
             y, l1 = train_mlp.sparse_mlp_train(*params, None, tile=64, slots=8)
         else:
-            y, l1, *_ = train_mlp.sparse_mlp_train_fwd(*params, None, 64, 8, False)
+            y, l1, *_ = train_mlp.sparse_mlp_train_fwd(*params, None, 64, 8, train_mlp.gemm_capacity(37), False)
         leaves = [p for p in params if p is not None]
         grads = torch.autograd.grad([y, l1], leaves, [dy, torch.tensor(2.0, device=DEVICE)])
         results.append((y, l1, *grads))
