@@ -186,14 +186,16 @@ def test_deterministic_mode_is_bitwise_repeatable():
     torch.utils.deterministic.fill_uninitialized_memory = True
     params = _params(mlp)
     try:
-        runs = [_step(_sparse, params, True, r, None) for _ in range(2)]
+        # the Triton dense backup alone, then with 2 of the overflow rows as GEMMs
+        runs = [_step(fn, params, True, r, None) for fn in (_sparse, _sparse, _with_gemm_rows(2), _with_gemm_rows(2))]
     finally:
         torch.use_deterministic_algorithms(was)
         torch.utils.deterministic.fill_uninitialized_memory = fill
     _assert_matches_reference(mlp, params, r, None, runs[0])  # dense torch's cuBLAS GEMMs outside the mode
-    runs = [grads for _, _, grads in runs]
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    _assert_matches_reference(mlp, params, r, None, runs[2])
+    for first, second in (runs[:2], runs[2:]):
+        for a, b in zip(first[2], second[2]):
+            assert torch.equal(a, b)
 
 
 @needs_kernels

@@ -5,11 +5,12 @@ computed densely (docs/design.md, "Dense backup"). The persistent Triton kernels
 kernels/dense_rows_mlp*.py give each tile of 16 rows a whole pass over the weights, so a few dozen
 rows occupy a few dozen SMs for milliseconds (3.6 ms of forward + backward for 81 rows at D = 2048,
 H = 5632 on the H200: the cliff of the training MLP between 29 and 55 active units per token).
-Here the first C entries (at most `gemm_capacity(M)`) of the overflow list run as cuBLAS GEMMs over a gather of
-C rows: no host synchronisation, shapes fixed by M (CUDA graphs, torch.compile). Entries past C go
-to the Triton kernels (`row_list_split`'s tail), so no row is dropped. The GEMMs cost the same with
-or without overflow rows (~0.2 ms of GPU time and ~25 torch launches per step at M = 16384), so the
-caller turns them on only where rows are expected to overflow (ops/decide.py, `overflow_gemm_rows`).
+Here the first C entries of the overflow list (at most `gemm_capacity(M)`) run as cuBLAS GEMMs
+over a gather of C rows: no host synchronisation, shapes fixed by M (CUDA graphs, torch.compile).
+Entries past C go to the Triton kernels (`row_list_split`'s tail), so no row is dropped. The GEMMs
+cost the same with or without overflow rows (~0.3 ms of GPU time and ~60 torch launches per step
+at M = 16384), so the caller takes them only where rows are expected to overflow (ops/decide.py,
+`overflow_gemm_rows`).
 
 Gather: entry i < count takes row ids[i]; an entry past count takes `spare`, a row that is not in the
 list (one exists whenever count < C <= M), with its x (and dy) rows zeroed: its weight-gradient

@@ -48,8 +48,7 @@ from sparseffn.kernels.row_split import new_row_list
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.unit_grads import SlotCoefficients, launch_slots_by_unit, launch_unit_weight_grads
 from sparseffn.ops.dispatch import eager_call
-from sparseffn.ops.overflow_rows import (gemm_capacity, overflow_rows_backward, overflow_rows_forward,
-                                         row_list_split, spare_row)
+from sparseffn.ops.overflow_rows import overflow_rows_backward, overflow_rows_forward, row_list_split, spare_row
 from sparseffn.ops.twell_mlp import stored_transposed, transposed_down
 
 
@@ -277,14 +276,12 @@ def sparse_mlp_train(
     *,
     tile: int = 256,
     slots: int = 32,
-    gemm_rows: int | None = None,
+    gemm_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [M, D], l1) through the training kernels; x [M, D] bf16/fp16 on the kernels' device.
     gemm_rows: how many overflow rows at most run as GEMMs, the rest through the Triton dense-rows
-    kernels (ops/overflow_rows.py); None: `gemm_capacity(M)`; 0 when no row is expected to overflow
-    (the GEMMs cost the same whether or not one does)."""
-    if gemm_rows is None:
-        gemm_rows = gemm_capacity(x.shape[0])
+    kernels (ops/overflow_rows.py): `gemm_capacity(M)` where rows are expected to overflow, 0 where
+    none is (the GEMMs cost the same whether or not one does; ops/decide.py, `overflow_gemm_rows`)."""
     # with torch.use_deterministic_algorithms(True) every output and gradient has the same bits on every run
     deterministic = torch.are_deterministic_algorithms_enabled()
     args = (x, gate_weight, up_weight, down_weight, threshold, tile, slots, gemm_rows, deterministic)
