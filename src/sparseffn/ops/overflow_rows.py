@@ -13,8 +13,9 @@ at M = 16384), so the caller takes them only where rows are expected to overflow
 `overflow_gemm_rows`).
 
 Gather: entry i < count takes row ids[i]; an entry past count takes `spare`, a row that is not in the
-list (one exists whenever count < C <= M), with its x (and dy) rows zeroed: its weight-gradient
-terms are exact zeros, and its outputs are not written (`_write_rows` writes the row's own value).
+list (one exists whenever count < C <= M). Its outputs are not written (`_write_rows` writes the
+row's own value back), and the backward zeroes its gathered x and dy rows, so its weight-gradient
+terms are exact zeros.
 
 Precision: g, u and e = dy Wd accumulate in fp32 from the 16-bit inputs and stay fp32 through the
 relu, the product and dh (the relu decisions are the kernels'); the operands of the second GEMMs
