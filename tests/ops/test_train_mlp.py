@@ -134,18 +134,24 @@ def test_overflow_rows_split_between_gemms_and_kernels(dtype, gemm_rows):
 @pytest.mark.parametrize("gated", [True, False])
 def test_overflow_gemms_leave_ordinary_rows_bitwise_alone(gated):
     """The GEMMs' padding entries (count < gemm_rows) read and write back rows of the ordinary path:
-    y and dx of every row that does not overflow have the same bits with or without the GEMMs."""
+    y and dx of every row that does not overflow have the same bits with or without the GEMMs
+    (deterministic mode: the long rows' sums do not follow the programs' timing on a GPU)."""
     mlp = synthetic_mlp(37, 72, 200, 10, device=DEVICE, seed=6, gated=gated, heavy_fraction=0.1)
     gate = mlp.gate_weight if gated else None
     flags = sparse_mlp_train_fwd(mlp.x, gate, mlp.up_weight, mlp.down_weight, None, 64, 8, 0, False)[6]
     assert 0 < int(flags.sum()) < 32
     dy = torch.randn_like(mlp.x)
     outs = []
-    for gemm_rows in (0, 32):
-        x = mlp.x.detach().clone().requires_grad_()
-        y, l1 = _with_gemm_rows(gemm_rows)(x, gate, mlp.up_weight, mlp.down_weight, None)
-        (dx,) = torch.autograd.grad([y, l1], [x], [dy, torch.tensor(2.0, device=DEVICE)])
-        outs.append((y[~flags], dx[~flags], y[flags]))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for gemm_rows in (0, 32):
+            x = mlp.x.detach().clone().requires_grad_()
+            y, l1 = _with_gemm_rows(gemm_rows)(x, gate, mlp.up_weight, mlp.down_weight, None)
+            (dx,) = torch.autograd.grad([y, l1], [x], [dy, torch.tensor(2.0, device=DEVICE)])
+            outs.append((y[~flags], dx[~flags], y[flags]))
+    finally:
+        torch.use_deterministic_algorithms(was)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert not torch.equal(outs[0][2], torch.zeros_like(outs[0][2]))
 
@@ -275,10 +281,11 @@ def test_torch_compile_fullgraph_training_step():
 
 @needs_cuda
 @pytest.mark.parametrize("rank_kernel", [True, False], ids=["rank-kernel", "torch-argsort"])
-def test_training_step_replays_in_a_cuda_graph(monkeypatch, rank_kernel):
+@pytest.mark.parametrize("expected_nnz", [None, 12.0])
+def test_training_step_replays_in_a_cuda_graph(monkeypatch, rank_kernel, expected_nnz):
     """A captured step (no host synchronisation, no host copies) replays to the eager step's
     gradients, with the unit order from the rank kernel and from torch's argsort (H above
-    _RANK_MAX_UNITS)."""
+    _RANK_MAX_UNITS), and with the overflow rows as GEMMs (an estimate over the fill threshold)."""
     import sparseffn.kernels.unit_grads as unit_grads
 
     if not rank_kernel:
@@ -288,7 +295,7 @@ def test_training_step_replays_in_a_cuda_graph(monkeypatch, rank_kernel):
     dy = torch.randn_like(mlp.x)
 
     def step():
-        y, l1 = sparseffn.sparse_mlp(*params, mode="sparse", return_l1=True)
+        y, l1 = sparseffn.sparse_mlp(*params, mode="sparse", return_l1=True, expected_nnz=expected_nnz)
         return torch.autograd.grad([y, l1], params, [dy, torch.ones_like(l1)])
 
     eager = step()
