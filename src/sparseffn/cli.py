@@ -484,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_flags(mlp, MLPBenchConfig)
     mlp.add_argument("--train", action="store_true",
                      help="forward + backward with the L1 penalty, with peak memory (defaults: tokens 4096,16384,65536; "
-                          "providers dense,dense_compiled,sparse and, on CUDA, dense_graph,sparse_graph)")
+                          "providers dense,dense_compiled,sparse,auto and, on CUDA, dense_graph,sparse_graph)")
     mlp.set_defaults(func=_cmd_bench_mlp)
     e2e = bench.add_parser("e2e", help="whole model, dense vs sparse MLPs: prefill and training throughput, memory, "
                                        "energy (CSV + PNG under --out-dir)")

@@ -8,7 +8,8 @@ import torch
 
 from sparseffn.kernels._runtime import COMPILE_TARGETS
 from sparseffn.ops.decide import (AUTO_MIN_TOKENS, AUTO_MIN_TOKENS_TRAIN, DECODE_MAX_TOKENS, HYSTERESIS, CallFacts,
-                                  ModeDecision, decide, density_limit)
+                                  ModeDecision, decide, density_limit, overflow_gemm_rows)
+from sparseffn.ops.overflow_rows import gemm_capacity
 
 H200 = CallFacts(device_type="cuda", capability=(9, 0), dtype=torch.bfloat16, d=2048, h=5632, tokens=16384,
                  training=False, down_t_ready=True, traced=True)
@@ -79,6 +80,23 @@ def test_density_limits_and_hysteresis():
     assert decide(facts(tokens=64), expected_nnz=110).mode == "dense"  # 0.80x
     assert decide(facts(tokens=64), expected_nnz=29).mode == "dense"  # 1.02x: at the break-even
     assert decide(facts(tokens=1), expected_nnz=110).mode == "sparse"
+
+
+@pytest.mark.parametrize("nnz, path", [(15, "sparse"), (29, "sparse"), (55, "sparse"), (80, "dense"),
+                                       (110, "dense"), (160, "dense")])
+def test_training_at_the_measured_points(nnz, path):
+    """bench mlp --train at D=2048/H=5632, 16384 tokens (H200): faster than dense up to ~55 active units
+    per token (1.15x at 55 with the overflow GEMMs), slower from 80 on (0.73x at 110 without overflow rows)."""
+    assert decide(facts(training=True), expected_nnz=nnz).mode == path
+
+
+def test_overflow_gemm_rows_follow_the_expected_activity():
+    # the synthetic tail overflows 32 slots of 256 from ~30 units per token (none at 29, 81 rows at 55)
+    assert overflow_gemm_rows(16384, 5632, 29, 256, 32) == 0
+    assert overflow_gemm_rows(16384, 5632, 55, 256, 32) == gemm_capacity(16384) == 128
+    assert overflow_gemm_rows(16384, 5632, None, 256, 32) == 0  # no estimate: the low-activity path
+    assert overflow_gemm_rows(16384, 5632, 29, 256, 64) == 0 < overflow_gemm_rows(16384, 5632, 29, 256, 16)
+    assert [gemm_capacity(m) for m in (0, 1, 37, 4096, 65536)] == [0, 1, 37, 64, 512]
 
 
 def test_requests_and_blockers():

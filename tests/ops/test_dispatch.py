@@ -66,9 +66,9 @@ def test_training_eager_route_equals_the_op(gated):
     for route in ("eager", "op"):
         params = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
         if route == "eager":
-            y, l1 = train_mlp.sparse_mlp_train(*params, None, tile=64, slots=8)
+            y, l1 = train_mlp.sparse_mlp_train(*params, None, tile=64, slots=8, gemm_rows=64)
         else:
-            y, l1, *_ = train_mlp.sparse_mlp_train_fwd(*params, None, 64, 8, False)
+            y, l1, *_ = train_mlp.sparse_mlp_train_fwd(*params, None, 64, 8, 64, False)
         leaves = [p for p in params if p is not None]
         grads = torch.autograd.grad([y, l1], leaves, [dy, torch.tensor(2.0, device=DEVICE)])
         results.append((y, l1, *grads))

@@ -16,7 +16,7 @@ from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.bench.timing import cuda_graphed
 from sparseffn.ops.reference import mlp_activation_reference
 from sparseffn.ops.sparse_mlp import choose_mode
-from sparseffn.ops.train_mlp import sparse_mlp_train_bwd, sparse_mlp_train_fwd
+from sparseffn.ops.train_mlp import sparse_mlp_train, sparse_mlp_train_bwd, sparse_mlp_train_fwd
 from sparseffn.ops.twell_mlp import dense_mlp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,7 +71,7 @@ def _check(mlp, threshold=None, expect_overflow=None):
     if expect_overflow is not None:
         _, _, _, _, counts, _, flags = sparse_mlp_train_fwd(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight,
                                                             None if threshold is None else _theta(threshold, mlp),
-                                                            64, 8, False)
+                                                            64, 8, 64, False)
         assert bool(flags.any()) == expect_overflow
     return grads
 
@@ -106,6 +106,54 @@ def test_gradients_match_reference_with_overflow_rows(dtype, gated):
     # H=200 is not a tile multiple, D=72 not a block multiple; heavy rows overflow slots=8.
     mlp = synthetic_mlp(37, 72, 200, 10, dtype=dtype, device=DEVICE, seed=4, gated=gated, heavy_fraction=0.1)
     _check(mlp, expect_overflow=True)
+
+
+def _with_gemm_rows(gemm_rows, tile=64, slots=8):
+    """The training op with `gemm_rows` overflow rows as GEMMs (threshold: None or a float)."""
+    def fn(x, gate, up, down, threshold):
+        theta = None if threshold is None else torch.full((up.shape[0],), float(threshold), device=x.device)
+        return sparse_mlp_train(x, gate, up, down, theta, tile=tile, slots=slots, gemm_rows=gemm_rows)
+    return fn
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gemm_rows", [0, 2, 64])
+def test_overflow_rows_split_between_gemms_and_kernels(dtype, gemm_rows):
+    """The first gemm_rows overflow rows run as GEMMs (ops/overflow_rows.py), the rest through the
+    Triton dense backup: every split matches the reference (0: the kernels alone; 64: the GEMMs alone)."""
+    mlp = synthetic_mlp(37, 72, 200, 10, dtype=dtype, device=DEVICE, seed=4, heavy_fraction=0.1)
+    flags = sparse_mlp_train_fwd(mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, None, 64, 8, 0, False)[6]
+    assert int(flags.sum()) > 2  # so the split at 2 leaves rows to the kernels
+    params = _params(mlp)
+    r = torch.randn(mlp.x.shape, dtype=torch.float64, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+    _assert_matches_reference(mlp, params, r, 0.1, _step(_with_gemm_rows(gemm_rows), params, True, r, 0.1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("gated", [True, False])
+def test_overflow_gemms_leave_ordinary_rows_bitwise_alone(gated):
+    """The GEMMs' padding entries (count < gemm_rows) read and write back rows of the ordinary path:
+    y and dx of every row that does not overflow have the same bits with or without the GEMMs
+    (deterministic mode: the long rows' sums do not follow the programs' timing on a GPU)."""
+    mlp = synthetic_mlp(37, 72, 200, 10, device=DEVICE, seed=6, gated=gated, heavy_fraction=0.1)
+    gate = mlp.gate_weight if gated else None
+    flags = sparse_mlp_train_fwd(mlp.x, gate, mlp.up_weight, mlp.down_weight, None, 64, 8, 0, False)[6]
+    assert 0 < int(flags.sum()) < 32
+    dy = torch.randn_like(mlp.x)
+    outs = []
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for gemm_rows in (0, 32):
+            x = mlp.x.detach().clone().requires_grad_()
+            y, l1 = _with_gemm_rows(gemm_rows)(x, gate, mlp.up_weight, mlp.down_weight, None)
+            (dx,) = torch.autograd.grad([y, l1], [x], [dy, torch.tensor(2.0, device=DEVICE)])
+            outs.append((y[~flags], dx[~flags], y[flags]))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][2], torch.zeros_like(outs[0][2]))
 
 
 @needs_kernels
@@ -144,14 +192,16 @@ def test_deterministic_mode_is_bitwise_repeatable():
     torch.utils.deterministic.fill_uninitialized_memory = True
     params = _params(mlp)
     try:
-        runs = [_step(_sparse, params, True, r, None) for _ in range(2)]
+        # the Triton dense backup alone, then with 2 of the overflow rows as GEMMs
+        runs = [_step(fn, params, True, r, None) for fn in (_sparse, _sparse, _with_gemm_rows(2), _with_gemm_rows(2))]
     finally:
         torch.use_deterministic_algorithms(was)
         torch.utils.deterministic.fill_uninitialized_memory = fill
     _assert_matches_reference(mlp, params, r, None, runs[0])  # dense torch's cuBLAS GEMMs outside the mode
-    runs = [grads for _, _, grads in runs]
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    _assert_matches_reference(mlp, params, r, None, runs[2])
+    for first, second in (runs[:2], runs[2:]):
+        for a, b in zip(first[2], second[2]):
+            assert torch.equal(a, b)
 
 
 @needs_kernels
@@ -188,11 +238,11 @@ def test_activation_checkpointing_recomputes_the_same_path():
 @needs_kernels
 def test_custom_ops_pass_opcheck():
     mlp = synthetic_mlp(8, 64, 128, 6, device=DEVICE, seed=12)
-    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, None, 64, 8, False)
+    args = (mlp.x, mlp.gate_weight, mlp.up_weight, mlp.down_weight, None, 64, 8, 4, False)
     torch.library.opcheck(sparse_mlp_train_fwd, args, test_utils=("test_schema", "test_faketensor"))
     out = sparse_mlp_train_fwd(*args)
     bwd_args = (torch.randn_like(mlp.x), torch.ones(1, device=DEVICE), mlp.x, mlp.gate_weight, mlp.up_weight,
-                mlp.down_weight, None, out[2], out[3], out[4], out[5], out[6], 64, 8, False)
+                mlp.down_weight, None, out[2], out[3], out[4], out[5], out[6], 64, 8, 4, False)
     torch.library.opcheck(sparse_mlp_train_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -231,10 +281,11 @@ def test_torch_compile_fullgraph_training_step():
 
 @needs_cuda
 @pytest.mark.parametrize("rank_kernel", [True, False], ids=["rank-kernel", "torch-argsort"])
-def test_training_step_replays_in_a_cuda_graph(monkeypatch, rank_kernel):
+@pytest.mark.parametrize("expected_nnz", [None, 12.0])
+def test_training_step_replays_in_a_cuda_graph(monkeypatch, rank_kernel, expected_nnz):
     """A captured step (no host synchronisation, no host copies) replays to the eager step's
     gradients, with the unit order from the rank kernel and from torch's argsort (H above
-    _RANK_MAX_UNITS)."""
+    _RANK_MAX_UNITS), and with the overflow rows as GEMMs (an estimate over the fill threshold)."""
     import sparseffn.kernels.unit_grads as unit_grads
 
     if not rank_kernel:
@@ -244,7 +295,7 @@ def test_training_step_replays_in_a_cuda_graph(monkeypatch, rank_kernel):
     dy = torch.randn_like(mlp.x)
 
     def step():
-        y, l1 = sparseffn.sparse_mlp(*params, mode="sparse", return_l1=True)
+        y, l1 = sparseffn.sparse_mlp(*params, mode="sparse", return_l1=True, expected_nnz=expected_nnz)
         return torch.autograd.grad([y, l1], params, [dy, torch.ones_like(l1)])
 
     eager = step()
@@ -284,6 +335,10 @@ def test_realistic_size_on_gpu():
     _check(mlp)
     mlp = synthetic_mlp(2048, 2048, 5632, 110, device="cuda", seed=15)
     _check(mlp, expect_overflow=True)
+    # ~10 overflow rows: 4 as GEMMs, the rest through the Triton backup
+    params = _params(mlp)
+    r = torch.randn(mlp.x.shape, dtype=torch.float64, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+    _assert_matches_reference(mlp, params, r, None, _step(_with_gemm_rows(4, 256, 32), params, True, r, None))
 
 
 @needs_kernels

@@ -7,6 +7,8 @@ of the block on them in the same process:
     dense            three F.linear with the ReLU gate and the L1 penalty, torch autograd
     dense_compiled   torch.compile of the same function
     sparse           sparseffn.sparse_mlp(mode="sparse", return_l1=True): TwELL training kernels
+    auto             sparseffn.sparse_mlp(mode="auto", return_l1=True): the path auto mode takes
+                     (both given the case's measured mean active units per token, as a layer's activity)
     dense_graph,     the dense / sparse step captured once in a CUDA graph and replayed (CUDA only):
     sparse_graph     its GPU time without the host's launch work, which bounds small token counts
 
@@ -39,7 +41,7 @@ from sparseffn.ops.twell_mlp import dense_mlp
 # the training step's graphed providers (inference's auto_graph has no training counterpart: auto mode
 # trains densely below 16384 tokens, captured or not)
 GRAPH_PROVIDERS = ("dense_graph", "sparse_graph")
-TRAIN_PROVIDERS = ("dense", "dense_compiled", "sparse", *GRAPH_PROVIDERS)
+TRAIN_PROVIDERS = ("dense", "dense_compiled", "sparse", "auto", *GRAPH_PROVIDERS)
 L1_COEFF = 1.0  # weight of l1 in the step's loss; its gradient goes through the same kernels at any value
 
 CSV_FIELDS = (
@@ -70,7 +72,9 @@ def _reference(params: list[torch.Tensor], gated: bool, dy: torch.Tensor, coeff:
 
 
 def _steps(params: list[torch.Tensor], gated: bool, dy: torch.Tensor, cfg: TrainBenchConfig,
-           compiled_dense: Callable) -> dict[str, Callable]:
+           compiled_dense: Callable, mean_nnz: float) -> dict[str, Callable]:
+    """The providers' steps. sparse and auto get the case's measured mean active units per token, as a
+    layer passes its measured activity: auto decides from it, and both choose their overflow-row path."""
     coeff = torch.tensor(L1_COEFF, dtype=torch.float32, device=dy.device)
 
     def split(ps):
@@ -87,7 +91,9 @@ def _steps(params: list[torch.Tensor], gated: bool, dy: torch.Tensor, cfg: Train
         "dense": make(lambda x, g, u, d: dense_mlp(x, g, u, d, None, return_l1=True)),
         "dense_compiled": make(lambda x, g, u, d: compiled_dense(x, g, u, d, None, return_l1=True)),
         "sparse": make(lambda x, g, u, d: sparse_mlp(x, g, u, d, mode="sparse", return_l1=True, tile=cfg.tile,
-                                                     slots=cfg.slots)),
+                                                     slots=cfg.slots, expected_nnz=mean_nnz)),
+        "auto": make(lambda x, g, u, d: sparse_mlp(x, g, u, d, mode="auto", return_l1=True, tile=cfg.tile,
+                                                   slots=cfg.slots, expected_nnz=mean_nnz)),
     }
 
 
@@ -154,7 +160,7 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
         "overflow_rows": int((counts > cfg.slots).any(1).sum()),
     }
     ref_l1, ref_grads = _reference(params, gated, dy, L1_COEFF)
-    steps = _steps(params, gated, dy, cfg, compiled_dense)
+    steps = _steps(params, gated, dy, cfg, compiled_dense, float(nnz.mean()))
     for name in GRAPH_PROVIDERS:
         if name in wanted:  # checked below like the others: the replay's l1 and gradients
             steps[name] = cuda_graphed(steps[name.removesuffix("_graph")], device)
@@ -185,6 +191,8 @@ def _bench_case(cfg, mlp, wanted, meta, device, log, compiled_dense) -> list[dic
         timing, peak, _, grad_err = results["sparse"]
         line += f", sparse {timing.median_ms:.3f} ms ({base_ms / timing.median_ms:.2f}x), {peak:.0f} MiB " \
                 f"({peak / base_peak:.2f}x), grad err {grad_err:.1e} vs dense {dense_err:.1e}"
+    if "auto" in results:
+        line += f", auto {results['auto'][0].median_ms:.3f} ms ({base_ms / results['auto'][0].median_ms:.2f}x)"
     if "sparse_graph" in results and "dense_graph" in results:
         graph_ms, dense_graph_ms = results["sparse_graph"][0].median_ms, results["dense_graph"][0].median_ms
         line += f"; graphed sparse {graph_ms:.3f} ms ({dense_graph_ms / graph_ms:.2f}x graph / graph)"

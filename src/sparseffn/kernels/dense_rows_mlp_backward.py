@@ -548,11 +548,13 @@ def launch_dense_rows_backward(
     grad_up_acc: torch.Tensor,
     grad_down_t_acc: torch.Tensor,
     config: DenseRowsBackwardConfig | None = None,
+    row_list: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`dense_rows_mlp_backward` on arguments that meet its contract, unchecked: for the training op,
     whose token-major backward launch checked x, dy and the weights and which allocates the flags,
     dx and the accumulators (on slow hosts the checks cost more host time than these launches,
-    which usually find no flagged row)."""
+    which usually find no flagged row). row_list (ids int32, count int32 [1], ascending ids below
+    count) replaces the rows of row_flags when given."""
     m, d = x.shape
     h = up_weight.shape[0]
     cuda = x.is_cuda
@@ -563,7 +565,7 @@ def launch_dense_rows_backward(
     if threshold is not None:
         threshold = threshold.contiguous()
     # ascending ids: the weight gradients add the rows in row order (deterministic)
-    ids, count = compact_rows(row_flags)
+    ids, count = row_list if row_list is not None else compact_rows(row_flags)
 
     if d > 1 and x.stride(1) != 1:
         x = x.contiguous()  # the kernels read rows with unit stride (a copy, no sync)

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparseffn.kernels._runtime import MIN_CAPABILITY, VALIDATED_CAPABILITIES
+from sparseffn.kernels._runtime import MIN_CAPABILITY, VALIDATED_CAPABILITIES, cdiv
+from sparseffn.ops.overflow_rows import gemm_capacity
 
 MODES = ("auto", "sparse", "dense")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -42,8 +43,18 @@ AUTO_MIN_D = 2048
 # D=2048/H=5632, ~83 at D=4096/H=14336).
 PREFILL_MAX_NNZ = (64.0, 0.01)
 # The training step at D=2048/H=5632, M=16384 (mlp_train_density.csv): 2.05x at 29 active units per
-# token, 0.73x at 55.
-TRAIN_MAX_NNZ = (40.0, 0.007)
+# token; without a heavy tail (no overflow rows) 1.28x at 55, 0.73x at 110, 0.53x at 160
+# (~0.063 ms per unit per token against dense's 5.6 ms: break-even ~70, less the overflow GEMMs).
+TRAIN_MAX_NNZ = (56.0, 0.01)
+# Overflow rows of the training kernels (a TwELL tile over `slots` active units) run densely, up to
+# gemm_capacity(M) of them as GEMMs (ops/overflow_rows.py), which cost the same with or without an
+# overflow row (~0.3 ms and ~60 launches a step at M = 16384), against ~3.6 ms for the 81 rows of the
+# synthetic tail at 55 units per token through the Triton backup alone. That tail (0.5% of the
+# tokens at 12x the mean) overflows 32 slots of 256 from ~30 units per token (none at 29, 81 rows at
+# 55): the GEMMs run where the expected count passes this fraction of the TwELL capacity (29.3 of
+# 704 slots at H = 5632). Without an estimate (mode="sparse" with no expected_nnz) they do not run:
+# the first GEMM version cost 2.81 -> 4.91 ms at 29, eagerly (host launch work).
+OVERFLOW_GEMM_MIN_FILL = 1 / 24
 # Decode calls pay while the union of the tokens' active units stays under a fraction of H: (up to this
 # many tokens, fraction). The union is estimated as if units fired independently, H (1 - (1 - n/H)^T)
 # for T tokens of n active units each; correlated units make it smaller. decode_mlp.csv (c6ee0f0,
@@ -178,3 +189,13 @@ def _auto(facts: CallFacts, expected_nnz: float | None, previous: str | None,
                              f"break-even of {kind}" + (" (hysteresis)" if previous == "dense" else ""))
     estimate = "" if expected_nnz is None else f", expected {expected_nnz:g} active units per token"
     return "sparse", f"{kind}: {facts.tokens} tokens{estimate}"
+
+
+def overflow_gemm_rows(tokens: int, h: int, expected_nnz: float | None, tile: int, slots: int) -> int:
+    """How many overflow rows of a training call run as GEMMs (the rest through the Triton dense
+    backup): `gemm_capacity(tokens)` where the expected activity is high enough for rows to overflow
+    (over OVERFLOW_GEMM_MIN_FILL of the TwELL capacity), else none (also without an estimate).
+    Either way the result is exact."""
+    if expected_nnz is None or expected_nnz <= OVERFLOW_GEMM_MIN_FILL * slots * cdiv(h, tile):
+        return 0
+    return gemm_capacity(tokens)

@@ -29,7 +29,8 @@ import torch
 from sparseffn.kernels._runtime import capability
 from sparseffn.kernels.decode_mlp import decode_mlp, launch_decode_mlp
 from sparseffn.ops.checks import check_sparse_mlp_args
-from sparseffn.ops.decide import DECODE_MAX_TOKENS, MODES, CallFacts, ModeDecision, call_kind, decide
+from sparseffn.ops.decide import (DECODE_MAX_TOKENS, MODES, CallFacts, ModeDecision, call_kind, decide,
+                                  overflow_gemm_rows)
 from sparseffn.ops.dispatch import eager_call
 from sparseffn.ops.train_mlp import sparse_mlp_train
 from sparseffn.ops.twell_mlp import (SparseMLPWeights, dense_mlp, dense_mlp_inference, stored_transposed,
@@ -196,7 +197,8 @@ def sparse_mlp(
     reused (it holds down^T; without it and without a transposed down weight the sparse path copies
     down^T on every call, and auto mode does not take the decode kernels). expected_nnz: the
     caller's estimate of active units per token, used by auto mode, with `previous` (the path this
-    kind of call took last time) for its hysteresis. tile/slots: TwELL capacity.
+    kind of call took last time) for its hysteresis, and by training calls in either mode to run
+    their overflow rows as GEMMs or not (`decide.overflow_gemm_rows`). tile/slots: TwELL capacity.
     Under `torch.use_deterministic_algorithms(True)` outputs and gradients have the same bits on
     every run (by default the rows of over 128 active units past the 256th in one call may not:
     kernels/row_split.py, "Bits").
@@ -236,11 +238,13 @@ def sparse_mlp_with_decision(
     down_t_ready = prepared is not None or stored_transposed(down_weight)
     decision = choose_mode(x, up_weight, mode=mode, expected_nnz=expected_nnz, needs_grad=needs_grad,
                            return_l1=return_l1, down_t_ready=down_t_ready, previous=previous, activity=activity)
+    estimate = activity.nnz if expected_nnz is None and activity is not None else expected_nnz
     return _run(decision.mode == "sparse", x, gate_weight, up_weight, down_weight, threshold, needs_grad, return_l1,
-                prepared, tile, slots), decision
+                prepared, tile, slots, estimate), decision
 
 
-def _run(sparse, x, gate_weight, up_weight, down_weight, threshold, needs_grad, return_l1, prepared, tile, slots):
+def _run(sparse, x, gate_weight, up_weight, down_weight, threshold, needs_grad, return_l1, prepared, tile, slots,
+         expected_nnz):
     """The decided path (checked arguments)."""
     if x.numel() == 0 or up_weight.numel() == 0:  # M, D or H = 0: nothing for the kernels; the dense math is exact
         return dense_mlp(x, gate_weight, up_weight, down_weight, threshold, return_l1=return_l1)
@@ -251,7 +255,9 @@ def _run(sparse, x, gate_weight, up_weight, down_weight, threshold, needs_grad, 
     x2d = x.reshape(-1, x.shape[-1])
     theta = threshold_vector(threshold, up_weight.shape[0], x.device)
     if needs_grad or return_l1:
-        y, l1 = sparse_mlp_train(x2d.contiguous(), gate_weight, up_weight, down_weight, theta, tile=tile, slots=slots)
+        gemm_rows = overflow_gemm_rows(x2d.shape[0], up_weight.shape[0], expected_nnz, tile, slots)
+        y, l1 = sparse_mlp_train(x2d.contiguous(), gate_weight, up_weight, down_weight, theta, tile=tile, slots=slots,
+                                 gemm_rows=gemm_rows)
         return (y.view(x.shape), l1) if return_l1 else y.view(x.shape)
     down_t = prepared.down_t if prepared is not None else transposed_down(down_weight)
     eager = eager_call(x2d, gate_weight, up_weight, down_weight, theta)

@@ -16,13 +16,15 @@ Forward (no host synchronisation):
     2. kernels/twell_train.py      ordinary rows: u on p's support (kept per slot, fp32), y, Σ|h|;
                                    rows with a tile over capacity are flagged (row_flags, on device)
                                    and long rows split over programs (kernels/row_split.py)
-    3. kernels/dense_rows_mlp.py   flagged rows: y and Σ|h| densely, exact
+    3. ops/overflow_rows.py        flagged rows: y and Σ|h| densely, exact: up to gemm_rows of them
+                                   as compact GEMMs, any past those through kernels/dense_rows_mlp.py
 Saved for backward: the TwELL of p, u per slot, row flags — no dense [M, H] tensor. Backward:
     4. kernels/twell_train.py      ordinary rows: dh on the support (+ L1 term), du, dg per slot, dx
     5. kernels/unit_grads.py       the slots grouped by unit (CSR, on device, with their coefficients
                                    moved into entry order), then per unit dWg[j], dWu[j], dWd^T[j]
                                    gathered from x and dy rows (fp32)
-    6. kernels/dense_rows_mlp_backward.py   flagged rows: dx, and their weight-gradient terms added
+    6. ops/overflow_rows.py        flagged rows: dx, and their weight-gradient terms added (GEMMs, then
+                                   kernels/dense_rows_mlp_backward.py for any past gemm_rows)
 Weight gradients accumulate in fp32 and are rounded to the weights' dtype once (kernels/convert.py).
 
 Both halves are `torch.library` custom ops (`sparseffn::sparse_mlp_train_fwd` / `_bwd`) with fake
@@ -39,13 +41,14 @@ import torch
 
 from sparseffn.kernels._runtime import cdiv
 from sparseffn.kernels.convert import convert
-from sparseffn.kernels.dense_rows_mlp import cuda_supported, launch_dense_rows
+from sparseffn.kernels.dense_rows_mlp import compact_rows, cuda_supported, launch_dense_rows
 from sparseffn.kernels.dense_rows_mlp_backward import launch_dense_rows_backward
 from sparseffn.kernels.gate_twell import gate_twell
 from sparseffn.kernels.row_split import new_row_list
 from sparseffn.kernels.twell_train import twell_train_backward, twell_train_forward
 from sparseffn.kernels.unit_grads import SlotCoefficients, launch_slots_by_unit, launch_unit_weight_grads
 from sparseffn.ops.dispatch import eager_call
+from sparseffn.ops.overflow_rows import overflow_rows_backward, overflow_rows_forward, row_list_split, spare_row
 from sparseffn.ops.twell_mlp import stored_transposed, transposed_down
 
 
@@ -69,11 +72,13 @@ def _train_forward(
     threshold: torch.Tensor | None,
     tile: int,
     slots: int,
+    gemm_rows: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [M, D], l1 fp32 [], values, columns, counts, u_slots fp32, row_flags bool [M]) for x [M, D].
 
-    u_slots is [M, n_tiles, slots] when gated, [0] otherwise. threshold: fp32 [H] or None.
+    u_slots is [M, n_tiles, slots] when gated, [0] otherwise. threshold: fp32 [H] or None. gemm_rows:
+    how many overflow rows (at most, if that many overflow) run as GEMMs (ops/overflow_rows.py).
     """
     m, d = x.shape
     gated = gate_weight is not None
@@ -90,8 +95,15 @@ def _train_forward(
     twell_train_forward(x, values, columns, counts, up_weight, down_t, tile=tile, gated=gated, out=y,
                         u_out=u_slots if gated else None, row_l1_out=row_l1, overflow_out=row_flags,
                         overflow_list=overflow, deterministic=deterministic)
-    # x, the weights and θ were checked by the two launches above; y, row_l1 and the list are ours
-    launch_dense_rows(x, None, gate_weight, up_weight, down_t, threshold, y, row_l1=row_l1, row_list=overflow)
+    # x, the weights and θ were checked by the two launches above; y, row_l1 and the list are ours.
+    # Deterministic: the ascending list, so which rows the GEMMs take does not follow the programs' timing.
+    taken = min(gemm_rows, m) if d else 0
+    tail = compact_rows(row_flags) if taken and deterministic else overflow
+    if taken:
+        rows, valid, tail = row_list_split(*tail, taken, spare_row(row_flags))
+        overflow_rows_forward(x, gate_weight, up_weight, down_t, threshold, rows, valid, y=y, row_l1=row_l1)
+    if taken < m:
+        launch_dense_rows(x, None, gate_weight, up_weight, down_t, threshold, y, row_l1=row_l1, row_list=tail)
     l1 = row_l1.sum() / m if m else row_l1.sum()  # 0 over no tokens
     return y, l1, values, columns, counts, u_slots, row_flags
 
@@ -101,7 +113,7 @@ sparse_mlp_train_fwd = torch.library.custom_op("sparseffn::sparse_mlp_train_fwd"
 
 
 @sparse_mlp_train_fwd.register_fake
-def _(x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic):
+def _(x, gate_weight, up_weight, down_weight, threshold, tile, slots, gemm_rows, deterministic):
     m, d = x.shape
     n_tiles = cdiv(up_weight.shape[0], tile)
     u_rows = m if gate_weight is not None else 0
@@ -131,6 +143,7 @@ def _train_backward(
     row_flags: torch.Tensor,
     tile: int,
     slots: int,
+    gemm_rows: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d gate_weight (empty [0] when non-gated), d up_weight, d down_weight).
@@ -163,8 +176,18 @@ def _train_backward(
     launch_unit_weight_grads(x, dy, by_unit, gated=gated, grad_gate_out=grad_gate, grad_up_out=grad_up,
                              grad_down_t_out=grad_down_t)
     del by_unit
-    launch_dense_rows_backward(x, dy, row_flags, gate_weight, up_weight, down_t, threshold, l1_grad, dx_out=dx,
-                               grad_gate_acc=grad_gate, grad_up_acc=grad_up, grad_down_t_acc=grad_down_t)
+    # the overflow rows in ascending order (the weight gradients add them in row order): the first
+    # gemm_rows as GEMMs, the rest through the Triton kernels
+    taken = min(gemm_rows, m) if d else 0
+    tail = compact_rows(row_flags)
+    if taken:
+        rows, valid, tail = row_list_split(*tail, taken, spare_row(row_flags))
+        overflow_rows_backward(x, dy, gate_weight, up_weight, down_t, threshold, l1_grad, rows, valid, dx=dx,
+                               grad_gate=grad_gate, grad_up=grad_up, grad_down_t=grad_down_t)
+    if taken < m:
+        launch_dense_rows_backward(x, dy, row_flags, gate_weight, up_weight, down_t, threshold, l1_grad, dx_out=dx,
+                                   grad_gate_acc=grad_gate, grad_up_acc=grad_up, grad_down_t_acc=grad_down_t,
+                                   row_list=tail)
     # Round each fp32 accumulator and free it before the next is rounded: the peak holds three fp32
     # accumulators and one rounded gradient, not all six.
     del down_t
@@ -184,7 +207,7 @@ sparse_mlp_train_bwd = torch.library.custom_op("sparseffn::sparse_mlp_train_bwd"
 
 @sparse_mlp_train_bwd.register_fake
 def _(dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots, row_flags,
-      tile, slots, deterministic):
+      tile, slots, gemm_rows, deterministic):
     d_gate = torch.empty_like(gate_weight) if gate_weight is not None else x.new_empty(0)
     return torch.empty_like(x), d_gate, torch.empty_like(up_weight), torch.empty_like(down_weight)
 
@@ -192,9 +215,9 @@ def _(dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, co
 def _save(ctx, inputs, packed) -> None:
     """What backward needs: the inputs and the packed forward state (values, columns, counts, u_slots,
     row_flags), no dense [M, H] tensor. An unused y or l1 arrives in backward as None, not as zeros."""
-    x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic = inputs
+    x, gate_weight, up_weight, down_weight, threshold, tile, slots, gemm_rows, deterministic = inputs
     ctx.save_for_backward(x, gate_weight, up_weight, down_weight, threshold, *packed)
-    ctx.tile, ctx.slots, ctx.deterministic = tile, slots, deterministic
+    ctx.tile, ctx.slots, ctx.gemm_rows, ctx.deterministic = tile, slots, gemm_rows, deterministic
     ctx.set_materialize_grads(False)
 
 
@@ -210,7 +233,7 @@ def _gradients(ctx, dy, dl1, backward):
         dy = torch.zeros_like(x)
     dx, d_gate, d_up, d_down = backward(
         dy, l1_grad, x, gate_weight, up_weight, down_weight, threshold, values, columns, counts, u_slots, row_flags,
-        ctx.tile, ctx.slots, ctx.deterministic,
+        ctx.tile, ctx.slots, ctx.gemm_rows, ctx.deterministic,
     )
     return dx, (d_gate if gate_weight is not None else None), d_up, d_down
 
@@ -223,7 +246,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, dl1, *_):
-    return *_gradients(ctx, dy, dl1, sparse_mlp_train_bwd), None, None, None, None
+    return *_gradients(ctx, dy, dl1, sparse_mlp_train_bwd), None, None, None, None, None
 
 
 sparse_mlp_train_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -233,14 +256,15 @@ class _EagerTrain(torch.autograd.Function):
     """The same forward and backward as the custom ops, without their dispatch (eager calls only)."""
 
     @staticmethod
-    def forward(ctx, x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic):
-        y, l1, *packed = _train_forward(x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic)
-        _save(ctx, (x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic), packed)
+    def forward(ctx, x, gate_weight, up_weight, down_weight, threshold, tile, slots, gemm_rows, deterministic):
+        inputs = (x, gate_weight, up_weight, down_weight, threshold, tile, slots, gemm_rows, deterministic)
+        y, l1, *packed = _train_forward(*inputs)
+        _save(ctx, inputs, packed)
         return y, l1
 
     @staticmethod
     def backward(ctx, dy, dl1):
-        return *_gradients(ctx, dy, dl1, _train_backward), None, None, None, None
+        return *_gradients(ctx, dy, dl1, _train_backward), None, None, None, None, None
 
 
 def sparse_mlp_train(
@@ -252,11 +276,16 @@ def sparse_mlp_train(
     *,
     tile: int = 256,
     slots: int = 32,
+    gemm_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [M, D], l1) through the training kernels; x [M, D] bf16/fp16 on the kernels' device."""
+    """(y [M, D], l1) through the training kernels; x [M, D] bf16/fp16 on the kernels' device.
+    gemm_rows: how many overflow rows at most run as GEMMs, the rest through the Triton dense-rows
+    kernels (ops/overflow_rows.py): `gemm_capacity(M)` where rows are expected to overflow, 0 where
+    none is (the GEMMs cost the same whether or not one does; ops/decide.py, `overflow_gemm_rows`)."""
     # with torch.use_deterministic_algorithms(True) every output and gradient has the same bits on every run
     deterministic = torch.are_deterministic_algorithms_enabled()
+    args = (x, gate_weight, up_weight, down_weight, threshold, tile, slots, gemm_rows, deterministic)
     if eager_call(x, gate_weight, up_weight, down_weight, threshold):
-        return _EagerTrain.apply(x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic)
-    y, l1, *_ = sparse_mlp_train_fwd(x, gate_weight, up_weight, down_weight, threshold, tile, slots, deterministic)
+        return _EagerTrain.apply(*args)
+    y, l1, *_ = sparse_mlp_train_fwd(*args)
     return y, l1
