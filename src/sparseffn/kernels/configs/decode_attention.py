@@ -1,0 +1,59 @@
+"""Launch configs of the decode attention kernels (kernels/decode_attn_proj.py, kernels/decode_attention.py)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from sparseffn.kernels._runtime import HOPPER, check_config_fields, shared_memory_limit
+
+
+@dataclass(frozen=True)
+class ProjectionConfig:
+    """A decode projection's launch: block_n output units per program (the q/k/v kernel takes them as
+    block_n / 2 rotary pairs), block_k columns of D per step, num_warps, num_stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        check_config_fields(self, positive=("block_n", "block_k", "num_warps", "num_stages"),
+                            powers_of_two=("block_n", "block_k", "num_warps"),
+                            at_least=((("block_n",), 2, "rotary pairs"), (("block_k",), 16, "tl.dot")))
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Split-KV attention: block_s cache slots per step, splits of each sequence's valid slots per
+    (sequence, key/value head) (None: enough programs to fill the GPU, at most max_splits)."""
+
+    block_s: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    splits: int | None = None
+    max_splits: int = 16
+
+    def __post_init__(self) -> None:
+        check_config_fields(self, positive=("block_s", "num_warps", "num_stages", "max_splits"),
+                            powers_of_two=("block_s", "num_warps"), at_least=((("block_s",), 16, "tl.dot"),))
+        if self.splits is not None and (isinstance(self.splits, bool) or not isinstance(self.splits, int)
+                                        or self.splits < 1):
+            raise ValueError(f"AttentionConfig.splits must be None or a positive int, got {self.splits!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER) -> ProjectionConfig:
+    """One or two tokens: two units per program and whole-row steps (decode_linear's CUDA-core
+    shape: many small programs keep rows in flight, the loop is not pipelined). 16 to 64 padded
+    tokens: tl.dot tiles of 64 units (32 from sm_100 on, where Triton 3.6's TMEM layout pass fails
+    on 64-unit tiles), pipelined within the target's shared memory."""
+    if m_padded <= 2:
+        return ProjectionConfig(block_n=2, block_k=2048)
+    block_n = 32 if arch >= (10, 0) else 64
+    block_k = 256 if m_padded == 16 else 128
+    stage = (block_n + m_padded) * block_k * 2  # 16-bit tiles of one pipeline stage
+    stages = max(1, min(4, (shared_memory_limit(arch) - 8 * 1024) // stage))
+    return ProjectionConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
+

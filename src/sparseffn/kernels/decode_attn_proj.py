@@ -1,0 +1,278 @@
+"""The projections around decode attention, each one launch that reads its weights once per call.
+
+    K_qkv _decode_qkv_rope_kernel, grid (cdiv(Hq·d/2, P) + 2·cdiv(Hkv·d/2, P),), P = BLOCK_N / 2:
+        program p owns P rotary pairs (i, i + d/2) of one of q, k, v (q's blocks first, then k's, v's);
+        pair g is head g // (d/2), dim i = g % (d/2), weight rows head·d + i and head·d + i + d/2.
+        n[m] = round(round(x[m] · rstd[m]) · norm_weight) (Llama's RMSNorm; each program recomputes
+        rstd from x, which is L2-resident), y = n · w^T (+ bias) in fp32, rounded (as nn.Linear),
+        q and k rotated at positions[m] in fp32 and rounded once; q -> q_out [M, Hq·d], k and v ->
+        k_cache / v_cache [m, head, positions[m], :].
+    K_o   _decode_out_proj_kernel, grid (cdiv(N, BLOCK_N),): y = residual + round(attn · wo^T (+ bo)),
+        rounded (as o_proj then the residual add in Hugging Face's layer), products by
+        decode_mlp._rows_dot.
+
+Why. At decode (M <= 64 tokens, one per sequence) a projection is a read of its matrix: time is the
+weight bytes over the bandwidth plus one launch, so each step's norm, bias, RoPE, cache write and
+residual add ride along in the projection's launch instead of costing their own. Both kernels read
+each weight byte once per call: all M tokens are in every program.
+
+Layouts. x [M, D], attn [M, K], residual / y [M, N]: unit stride along the last dim, any row stride;
+weights [N, D] unit stride along D, any row stride; cos / sin tables [S, d] any float dtype, unit
+stride along d; positions [M] int32 / int64; caches [B, H, S_max, d] unit stride along d. M_PAD is
+decode_mlp.m_pad(M): 1 and 2 use CUDA-core products (each weight tile loaded once, multiplied by the
+tokens), 16 / 32 / 64 tl.dot on zero-padded tokens with the units as the MMA's M dimension (as in
+_rows_dot). The norm cannot reuse _rows_dot: Llama rounds x·rstd and its product with the norm weight
+before the projection, so the x tile is transformed between its load and the product.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseffn.kernels._runtime import capability, cdiv, interpreting, mma
+from sparseffn.kernels.configs.decode_attention import ProjectionConfig, projection_config
+from sparseffn.kernels.decode_mlp import _rows_dot, m_pad
+from sparseffn.kernels.launch import Launcher
+
+__all__ = ["launch_decode_out_proj", "launch_decode_qkv_rope"]
+
+
+@triton.jit
+def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, rstd, units, unit_in, rows, row_in, D, stride_xm, stride_w,
+                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """[M_PAD, BLOCK_N] fp32: n[rows] · w[units]^T over all of D, n the RMS-normed x (module docstring);
+    rstd [M_PAD] fp32."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
+    dtype = x_ptr.dtype.element_ty
+    if M_PAD < 16:
+        acc3 = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)  # products, summed once
+    else:
+        acc_t = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + offs_k
+        k_in = k < D
+        w = tl.load(w_rows + k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
+        g = tl.load(norm_ptr + k, mask=k_in, other=0.0).to(tl.float32)  # [BLOCK_K]
+        n = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
+        n = (n.to(tl.float32) * g[None, :]).to(dtype)  # [M_PAD, BLOCK_K] the norm's output
+        if M_PAD < 16:
+            acc3 += w.to(tl.float32)[None, :, :] * n.to(tl.float32)[:, None, :]
+        else:
+            acc_t = mma(w, tl.trans(n), acc_t, DOT_IN_FP32)
+    if M_PAD < 16:
+        acc = tl.sum(acc3, axis=2)
+    else:
+        acc = tl.trans(acc_t)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _decode_qkv_rope_kernel(
+    x_ptr,  # [M, D]
+    norm_ptr,  # [D]
+    wq_ptr,  # [Hq·d, D]
+    wk_ptr,  # [Hkv·d, D]
+    wv_ptr,  # [Hkv·d, D]
+    bq_ptr,  # [Hq·d] or None
+    bk_ptr,
+    bv_ptr,
+    cos_ptr,  # [S, d]
+    sin_ptr,  # [S, d]
+    pos_ptr,  # [M] int32 / int64
+    q_ptr,  # [M, Hq·d] out
+    k_cache_ptr,  # [B, Hkv, S_max, d] written at [m, :, pos[m]]
+    v_cache_ptr,
+    M,
+    D,
+    HQ,
+    HKV,
+    eps,
+    stride_xm,
+    stride_wq,
+    stride_wk,
+    stride_wv,
+    stride_cos,
+    stride_sin,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    pid = tl.program_id(0)
+    blocks_q = tl.cdiv(HQ * HALF, PAIRS)
+    blocks_kv = tl.cdiv(HKV * HALF, PAIRS)
+    # which matrix: 0 q, 1 k, 2 v
+    region = 0
+    block = pid
+    w_ptr = wq_ptr
+    b_ptr = bq_ptr
+    stride_w = stride_wq
+    n_pairs = HQ * HALF
+    if pid >= blocks_q + blocks_kv:
+        region = 2
+        block = pid - blocks_q - blocks_kv
+        w_ptr = wv_ptr
+        b_ptr = bv_ptr
+        stride_w = stride_wv
+        n_pairs = HKV * HALF
+    elif pid >= blocks_q:
+        region = 1
+        block = pid - blocks_q
+        w_ptr = wk_ptr
+        b_ptr = bk_ptr
+        stride_w = stride_wk
+        n_pairs = HKV * HALF
+
+    rows = tl.arange(0, M_PAD)  # [M_PAD] tokens
+    row_in = rows < M
+    # the rows' RMS statistics (x is read again, from L2, by the product below)
+    sq = tl.zeros((M_PAD,), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + k[None, :],
+                     mask=row_in[:, None] & (k < D)[None, :], other=0.0).to(tl.float32)  # [M_PAD, BLOCK_K]
+        sq += tl.sum(xv * xv, axis=1)
+    rstd = tl.math.div_rn(tl.full((M_PAD,), 1.0, tl.float32), tl.sqrt_rn(sq / D + eps))  # [M_PAD]
+
+    # units interleaved as (pair, half): unit 2p is pair p's dim i, unit 2p + 1 its dim i + d/2
+    j = tl.arange(0, BLOCK_N)
+    pair = block * PAIRS + j // 2  # [BLOCK_N]
+    unit_in = pair < n_pairs
+    units = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF  # [BLOCK_N] weight rows
+    acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, rstd, units, unit_in, rows, row_in, D, stride_xm, stride_w,
+                           M_PAD, BLOCK_N, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
+    out_dtype = q_ptr.dtype.element_ty
+    acc = acc.to(out_dtype).to(tl.float32)  # rounded as the projection's output
+    lo, hi = tl.split(tl.reshape(acc, (M_PAD, PAIRS, 2)))  # [M_PAD, PAIRS] dims i and i + d/2
+
+    p = block * PAIRS + tl.arange(0, PAIRS)  # [PAIRS]
+    p_in = p < n_pairs
+    head = (p // HALF).to(tl.int64)
+    i = p % HALF
+    pos = tl.load(pos_ptr + rows, mask=row_in, other=0).to(tl.int64)  # [M_PAD]
+    mask = row_in[:, None] & p_in[None, :]
+    if region < 2:  # RoPE, rotate_half layout: (lo, hi) -> (lo c_i - hi s_i, hi c_{i+d/2} + lo s_{i+d/2})
+        cos_row = cos_ptr + pos[:, None] * stride_cos + i[None, :]  # [M_PAD, PAIRS]
+        sin_row = sin_ptr + pos[:, None] * stride_sin + i[None, :]
+        c1 = tl.load(cos_row, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_row + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_row, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_row + HALF, mask=mask, other=0.0).to(tl.float32)
+        lo, hi = lo * c1 - hi * s1, hi * c2 + lo * s2
+    if region == 0:
+        dst = q_ptr
+        row_off = rows.to(tl.int64)[:, None] * (HQ * HEAD_DIM)  # [M_PAD, 1]
+        col = head * HEAD_DIM + i  # [PAIRS]
+    elif region == 1:
+        dst = k_cache_ptr
+        row_off = rows.to(tl.int64)[:, None] * stride_kb + pos[:, None] * stride_ks
+        col = head * stride_kh + i
+    else:
+        dst = v_cache_ptr
+        row_off = rows.to(tl.int64)[:, None] * stride_vb + pos[:, None] * stride_vs
+        col = head * stride_vh + i
+    ptrs = dst + row_off + col[None, :]  # [M_PAD, PAIRS]
+    tl.store(ptrs, lo.to(out_dtype), mask=mask)
+    tl.store(ptrs + HALF, hi.to(out_dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _decode_out_proj_kernel(
+    a_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] or None
+    r_ptr,  # [M, N] residual
+    y_ptr,  # [M, N] out (may be the residual)
+    M,
+    N,
+    K,
+    stride_am,
+    stride_w,
+    stride_rm,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    units = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    unit_in = units < N
+    rows = tl.arange(0, M_PAD)
+    row_in = rows < M
+    acc = _rows_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w,
+                    M_PAD, BLOCK_N, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
+    dtype = y_ptr.dtype.element_ty
+    mask = row_in[:, None] & unit_in[None, :]
+    r = tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + units[None, :], mask=mask, other=0.0)
+    y = r.to(tl.float32) + acc.to(dtype).to(tl.float32)  # [M_PAD, BLOCK_N]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + units[None, :], y.to(dtype), mask=mask)
+
+
+_qkv_launch = Launcher(_decode_qkv_rope_kernel)
+_out_launch = Launcher(_decode_out_proj_kernel)
+
+
+def _config(m: int, device: torch.device, config: ProjectionConfig | None) -> tuple[int, ProjectionConfig]:
+    mp = m_pad(m)
+    config = config or projection_config(mp, capability(device))
+    if mp >= 16 and config.block_n < 16:
+        raise ValueError(f"config.block_n must be >= 16 for {m} tokens (tl.dot), got {config.block_n}")
+    return mp, config
+
+
+def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions,
+                           k_cache, v_cache, *, config: ProjectionConfig | None = None) -> torch.Tensor:
+    """q [M, Hq, d] (and k, v written into the caches) on arguments that meet ops.decode_qkv_rope's
+    contract, unchecked."""
+    m, d_model = hidden.shape
+    head_dim = cos_table.shape[1]
+    hq, hkv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
+    q = torch.empty((m, hq, head_dim), dtype=hidden.dtype, device=hidden.device)
+    mp, config = _config(m, hidden.device, config)
+    pairs = config.block_n // 2
+    half = head_dim // 2
+    grid = (cdiv(hq * half, pairs) + 2 * cdiv(hkv * half, pairs),)
+    has_bias = bq is not None or bk is not None or bv is not None
+    if has_bias:  # all three or none in the kernel: a missing one adds zeros
+        bq, bk, bv = (b if b is not None else w.new_zeros(w.shape[0]) for b, w in ((bq, wq), (bk, wk), (bv, wv)))
+    _qkv_launch[grid](
+        hidden, norm_weight, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, q, k_cache, v_cache,
+        m, d_model, hq, hkv, eps, hidden.stride(0), wq.stride(0), wk.stride(0), wv.stride(0),
+        cos_table.stride(0), sin_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=head_dim, HAS_BIAS=has_bias, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        DOT_IN_FP32=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return q
+
+
+def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: ProjectionConfig | None = None) -> torch.Tensor:
+    """residual + attn wo^T (+ bo) into `out` (a new [M, N] tensor when None) on arguments that meet
+    ops.decode_out_proj's contract, unchecked."""
+    m, k = attn.shape
+    n = wo.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=attn.dtype, device=attn.device)
+    mp, config = _config(m, attn.device, config)
+    _out_launch[(cdiv(n, config.block_n),)](
+        attn, wo, bo, residual, out, m, n, k, attn.stride(0), wo.stride(0), residual.stride(0), out.stride(0),
+        HAS_BIAS=bo is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        DOT_IN_FP32=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
