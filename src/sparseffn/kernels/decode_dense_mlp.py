@@ -25,7 +25,7 @@ import triton.language as tl
 
 from sparseffn.kernels._runtime import capability, cdiv, interpreting
 from sparseffn.kernels.configs.decode_mlp import default_config
-from sparseffn.kernels.decode_mlp import _plus_residual, _rows_dot, launch_gate_up, m_pad
+from sparseffn.kernels.decode_mlp import _plus_residual, _rows_dot, fitted, launch_gate_up, m_pad
 from sparseffn.kernels.launch import Launcher
 
 __all__ = ["launch_dense_mlp_rows_down"]
@@ -54,8 +54,8 @@ def _dense_down_kernel(
     col_in = cols < D
     rows = tl.arange(0, M_PAD)  # [M_PAD]
     row_in = rows < M
-    acc = _rows_dot(h_ptr, down_ptr, cols, col_in, rows, row_in, M, H, stride_hm, stride_dd, None, None,
-                    M_PAD, BLOCK_D, BLOCK_K, False, DOT_IN_FP32)  # [M_PAD, BLOCK_D] fp32
+    acc = _rows_dot(h_ptr, down_ptr, cols, col_in, rows, row_in, M, H, stride_hm, stride_dd,
+                    M_PAD, BLOCK_D, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_D] fp32
     out = row_in[:, None] & col_in[None, :]
     y = _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL, y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], y, mask=out)
@@ -79,8 +79,9 @@ def launch_dense_mlp_rows_down(x, first_weight, up_weight, down_weight, threshol
     config = config or default_config(mp, capability(x.device))
     hidden = torch.empty((m, h), dtype=x.dtype, device=x.device)
     flags = torch.empty(h, dtype=torch.int32, device=x.device)  # K1 writes them; nothing reads them here
-    launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, h, 1, flags, flags, 0, config,
-                   act)
+    launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, h, 1, flags, flags, 0,
+                   fitted(config, d), act)
+    config = fitted(config, h)  # K2 reduces over H
     _down_launch[(cdiv(d, config.block_h),)](
         hidden, down_weight, x if residual else None, y, m, d, h, hidden.stride(0), down_weight.stride(0),
         x.stride(0), y.stride(0),

@@ -28,11 +28,15 @@ Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (DOT_IN_FP32).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import capability, cdiv, check_capability, check_few_tokens, interpreting, mma, num_sms
+from sparseffn.kernels._runtime import (capability, cdiv, check_capability, check_few_tokens, interpreting, mma,
+                                        next_power_of_2, num_sms)
 from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config, down_rows
 from sparseffn.kernels.launch import Launcher
 
@@ -66,9 +70,17 @@ def _normed(xv, norm_ptr, k, k_in, rstd):
 
 
 @triton.jit
-def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, norm_ptr, rstd,
-              M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-              DOT_IN_FP32: tl.constexpr):
+def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh,
+              M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """`_rows_normed_dot` without the norm."""
+    return _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, None, None,
+                            M_PAD, BLOCK_H, BLOCK_K, False, DOT_IN_FP32)
+
+
+@triton.jit
+def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, norm_ptr, rstd,
+                     M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                     DOT_IN_FP32: tl.constexpr):
     """[M_PAD, BLOCK_H] fp32: x[rows] · w[units]^T over all of D; rows of w with unit_on false are
     masked off (no memory traffic). NORM: x is first RMS-normalized (`_normed`, rstd [M_PAD] per row).
     M_PAD < 16: CUDA-core products, each weight tile loaded once and multiplied by the tokens one after
@@ -154,8 +166,8 @@ def _decode_gate_up_kernel(
     rstd = tl.zeros((M_PAD,), dtype=tl.float32)
     if NORM:  # every program normalizes the few rows of x itself (an L2-resident re-read)
         rstd = _rows_rstd(x_ptr, rows, row_in, D, stride_xm, eps, M_PAD, BLOCK_K)
-    acc = _rows_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_fh, norm_ptr, rstd,
-                    M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+    acc = _rows_normed_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_fh, norm_ptr,
+                           rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
     if ACT == 0:
         if HAS_THRESHOLD:
             theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
@@ -166,8 +178,8 @@ def _decode_gate_up_kernel(
         h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
         if GATED:
             if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
-                u = _rows_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh, norm_ptr,
-                              rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
+                u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
+                                     norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
                 h = h * u
     else:  # dense, rounded as the torch MLP rounds: act(g) and u in x's dtype, then their product
         g = acc.to(out_dtype)  # [M_PAD, BLOCK_H]
@@ -180,8 +192,8 @@ def _decode_gate_up_kernel(
         else:
             h = (gf / (1.0 + tl.exp(-gf))).to(out_dtype).to(tl.float32)  # silu
         if GATED:
-            u = _rows_dot(x_ptr, up_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_uh, norm_ptr, rstd,
-                          M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+            u = _rows_normed_dot(x_ptr, up_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_uh, norm_ptr,
+                                 rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
             h = h * u.to(out_dtype).to(tl.float32)
         active = unit_in.to(tl.int32)  # K2 then reads every unit
     h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
@@ -284,6 +296,13 @@ _gate_up_launch = Launcher(_decode_gate_up_kernel)
 _down_launch = Launcher(_decode_down_kernel)
 
 
+@functools.lru_cache(maxsize=256)
+def fitted(config: DecodeConfig, k: int) -> DecodeConfig:
+    """config with its K steps no wider than the reduction length k needs (a 2048-wide step over a
+    64-wide row only masks; the interpreter pays for every masked element)."""
+    return dataclasses.replace(config, block_k=min(config.block_k, max(16, next_power_of_2(k))))
+
+
 def m_pad(m: int) -> int:
     """The kernels' padded token count: 1, 2, or the smallest of 16 / 32 / 64 holding m (from 3 tokens
     on, tl.dot on padded rows beats the CUDA-core products)."""
@@ -356,6 +375,7 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
         config = default_config(mp, capability(x.device))
     elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
+    config = fitted(config, d)
     block_d = down_block(config, d, num_sms(x.device) if x.is_cuda else 4)
     col_blocks = cdiv(d, block_d)
     split = min(config.split, h)
