@@ -5,6 +5,8 @@ The kernels run under the interpreter here (slow: tiny models, few steps); the G
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import StaticCache
@@ -56,13 +58,11 @@ def test_greedy_tokens_equal_hugging_face(arch, sparse, act, batch):
 
 
 def _fp32_logits(model, ids):
-    """Last-position logits of every prefix of ids [1, n] beyond the first, by an fp32 copy of the model."""
-    ref = type(model)(model.config).to(DEVICE).float().eval()
-    state = {k: v.float() for k, v in model.state_dict().items()}
-    ref.load_state_dict(state, strict=False)
-    for (name, module), (_, ref_module) in zip(model.named_modules(), ref.named_modules()):
-        if isinstance(module, sparseffn.nn.SparseMLP):
-            ref_module.set_threshold_(module.threshold)
+    """Logits of every position of ids by an fp32 copy of the model (its SparseMLPs dense: the same
+    function, relu(g - θ) * u)."""
+    ref = copy.deepcopy(model).float()
+    for layer in sparseffn.models.sparse_layers(ref):
+        layer.mode = "dense"
     with torch.no_grad():
         return ref(input_ids=ids).logits[0].float()
 

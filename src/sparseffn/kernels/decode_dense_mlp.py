@@ -10,7 +10,8 @@
 Why. At one token a dense MLP is three reads of [H, D] matrices, each a cuBLAS GEMV launch plus the
 norm, activation, product and residual launches around them: here two launches read the same bytes.
 K2 is decode_mlp's K1 product (`_rows_dot`: CUDA-core products below 16 tokens, tl.dot from 16),
-with the output columns as its units; it reuses K1's config (block_h columns, block_k steps).
+with the output columns as its units; it reuses K1's config (block_h columns, block_k steps; 16
+columns from 16 tokens on).
 A down weight stored transposed ([H, D] contiguous, SparseMLP's) goes to decode_mlp's K2 instead,
 which then sums every unit (K1 flags them all).
 Layouts. x [M, D], 1 <= M <= 64, unit stride along D; gate/up [H, D] and down [D, H] unit stride
@@ -82,10 +83,11 @@ def launch_dense_mlp_rows_down(x, first_weight, up_weight, down_weight, threshol
     launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, h, 1, flags, flags, 0,
                    fitted(config, d), act)
     config = fitted(config, h)  # K2 reduces over H
-    _down_launch[(cdiv(d, config.block_h),)](
+    block_d = config.block_h if mp < 16 else 16  # tl.dot's least: D / 16 programs (K1's 64 would leave SMs idle)
+    _down_launch[(cdiv(d, block_d),)](
         hidden, down_weight, x if residual else None, y, m, d, h, hidden.stride(0), down_weight.stride(0),
         x.stride(0), y.stride(0),
-        M_PAD=mp, BLOCK_D=config.block_h, BLOCK_K=config.block_k, RESIDUAL=residual,
+        M_PAD=mp, BLOCK_D=block_d, BLOCK_K=config.block_k, RESIDUAL=residual,
         DOT_IN_FP32=interpreting() or x.dtype == torch.float32, num_warps=config.gate_warps,
         num_stages=config.gate_stages,
     )

@@ -62,7 +62,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 sig = {"h_ptr": f"*{ty}", "down_ptr": f"*{ty}", "res_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32",
                        "D": "i32", "H": "i32", "stride_hm": "i32", "stride_dd": "i32", "stride_rm": "i32",
                        "stride_ym": "i32"}
-                cx = {"M_PAD": mp, "BLOCK_D": cfg.block_h, "BLOCK_K": cfg.block_k, "RESIDUAL": True,
+                cx = {"M_PAD": mp, "BLOCK_D": cfg.block_h if mp < 16 else 16, "BLOCK_K": cfg.block_k, "RESIDUAL": True,
                       "DOT_IN_FP32": False}
                 add(_dense_down_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
     return specs
