@@ -132,6 +132,7 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
                            log: Callable[[str], None] = print) -> list[dict]:
     from sparseffn.models import MODEL_NAMES, fuse_non_mlp_
 
+    timed_providers(cfg)  # before the model is built
     device = device or torch.device("cuda")
     if device.type != "cuda":
         raise ValueError("bench decode-model captures CUDA graphs: it needs a CUDA device")
@@ -156,6 +157,16 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
     return rows
 
 
+def timed_providers(cfg: DecodeModelBenchConfig) -> list[tuple[str, dict]]:
+    """(provider, CapturedDecoder options) of each captured provider the config asks for, in order."""
+    providers = [(name, options) for name, options, wanted in (
+        ("captured", {}, cfg.captured), ("compiled", {"compile": True}, cfg.compile),
+        ("step", {"engine": "fused"}, cfg.step)) if wanted]
+    if not providers:
+        raise ValueError("nothing to time: --captured, --compile and --step are all off")
+    return providers
+
+
 def _set_mode(layers, mode: str) -> None:
     for layer in layers:
         layer.mode = mode
@@ -174,10 +185,7 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
                 rounds.setdefault(mlp, []).append(_eager(model, prompt, cfg.eager_tokens))
         for mlp, runs in rounds.items():
             results[("eager", mlp)] = min(runs, key=lambda r: r["p50"])
-    providers = ((("captured", {}),) if cfg.captured else ()) + ((("compiled", {"compile": True}),) if cfg.compile
-                                                                   else ()) + ((("step", {"engine": "fused"}),) if cfg.step else ())
-    if not providers:
-        raise ValueError("nothing to time: captured, compile and step are all off")
+    providers = timed_providers(cfg)
     for provider, options in providers:
         for mlp, mode in (("dense", "dense"), ("sparse", "auto")):
             _set_mode(layers, mode)
