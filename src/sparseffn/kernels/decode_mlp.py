@@ -15,7 +15,9 @@ and down matrices only the rows of units some token activates.
         3. SPLIT == 1: y[:, cols] = part_0. Else part_s goes to fp32 scratch and an atomic counter per
            column block; the span arriving last sums part_0 .. part_{SPLIT-1} in span order and writes
            y[:, cols]: y is deterministic whichever span arrives last.
-
+Fused variants (the decode engine's): NORM, x is Llama's RMSNorm of x (each K1 program computes its
+rows' rstd, x being L2-resident); RESIDUAL, K2 writes x + y; ACT relu / silu, the dense MLP (every
+unit read and flagged, act(g) and u rounded as torch rounds them).
 Why. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D] matrices,
 this path the gate matrix plus two D-rows per distinct active unit, once per call. Capacities are H
 (exact at any density); no host sync, so a call can be captured in a CUDA graph.
@@ -23,7 +25,7 @@ this path the gate matrix plus two D-rows per distinct active unit, once per cal
 Layouts. x [M, D]; first (gate, or up when not gated), up, down_t = down_proj.weight^T: [H, D], unit
 stride along D, any row stride; threshold fp32 [H] or None. M_PAD (1, 2, 16, 32 or 64) is M rounded
 up: 1 and 2 use CUDA-core products, the others tl.dot on zero-padded rows (K2 pads 2 to 16 rows).
-Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (DOT_IN_FP32).
+Interpreter (TRITON_INTERPRET=1) and fp32 x: dot operands in fp32, IEEE (DOT_IN_FP32).
 """
 
 from __future__ import annotations
