@@ -18,7 +18,7 @@ from sparseffn.bench.decode_model import DecodeModelBenchConfig, build_bench_mod
 from sparseffn.bench.timing import run_metadata
 from sparseffn.models.generate import CapturedDecoder
 
-NEW = 64
+NEW = 64  # generated tokens: calibration and the profiled generate
 
 
 def _bytes(name: str, engine, batch: int, position: int) -> float | str:
@@ -44,7 +44,7 @@ def _bytes(name: str, engine, batch: int, position: int) -> float | str:
 
 def main(out_csv: str, batches: str = "1,16") -> None:
     device = torch.device("cuda")
-    cfg = DecodeModelBenchConfig(batches=batches, new_tokens=128)
+    cfg = DecodeModelBenchConfig(batches=batches, new_tokens=NEW)
     model, layers, _, prompts = build_bench_model(cfg, device)
     meta = run_metadata(device)
     rows = []
