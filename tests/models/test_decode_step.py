@@ -130,3 +130,19 @@ def test_refuses_what_it_does_not_compute():
         CapturedDecoder(model, batch_size=1, max_length=16, engine="megakernel")
     with pytest.raises(ValueError, match="pick one"):
         CapturedDecoder(model, batch_size=1, max_length=16, engine="fused", compile=True)
+
+
+def test_reads_the_models_own_weights_fused_norms_too():
+    """Views, no copies: every weight the engine reads is the model's Parameter (after fuse_non_mlp_ as
+    before); the rotary tables are the model's own cos / sin."""
+    model = _model("llama", sparse=True)
+    sparseffn.fuse_non_mlp_(model)
+    engine = DecodeEngine(model, batch_size=2, max_length=16)
+    for block, layer in zip(model.model.layers, engine.layers):
+        attn, mlp = block.self_attn, block.mlp
+        assert layer.wq is attn.q_proj.weight and layer.wo is attn.o_proj.weight
+        assert layer.attn_norm is block.input_layernorm.weight and layer.mlp_norm is block.post_attention_layernorm.weight
+        assert layer.gate is mlp.gate_proj.weight and layer.down is mlp.down_proj.weight
+    positions = torch.arange(16, device=DEVICE)[None]
+    cos, sin = model.model.rotary_emb(torch.empty(0, dtype=torch.bfloat16, device=DEVICE), positions)
+    assert torch.equal(engine.cos, cos[0]) and torch.equal(engine.sin, sin[0])
