@@ -125,6 +125,10 @@ def test_refuses_what_it_does_not_compute():
     gelu = tiny_lm("llama", act="gelu")
     with pytest.raises(ValueError, match="gated relu / silu MLP"):
         DecodeEngine(gelu, batch_size=1, max_length=16)
+    contiguous = _model("llama", sparse=True)
+    sparseffn.nn.sparse_mlp.contiguous_down_(contiguous)
+    with pytest.raises(ValueError, match="stores down_proj.weight contiguous"):
+        DecodeEngine(contiguous, batch_size=1, max_length=16).plan()
     model = tiny_lm("llama", act="relu")
     with pytest.raises(ValueError, match="engine must be one of"):
         CapturedDecoder(model, batch_size=1, max_length=16, engine="megakernel")

@@ -110,7 +110,11 @@ class DecodeEngine:
                 decision = choose_mode(x, layer.up, mode=mlp.mode, expected_nnz=mlp.expected_nnz,
                                        down_t_ready=stored_transposed(layer.down),
                                        activity=mlp.activity if auto else None)
-            layer.sparse = decision.mode == "sparse" and stored_transposed(layer.down)
+            if decision.mode == "sparse" and not stored_transposed(layer.down):  # mode="sparse" asked for it
+                raise ValueError(f"{type(mlp).__name__} with mode='sparse' stores down_proj.weight contiguous "
+                                 "(contiguous_down_): the sparse decode kernels read its transpose; use mode 'auto' "
+                                 "or 'dense' with the fused engine")
+            layer.sparse = decision.mode == "sparse"
             if auto:
                 mlp.activity.last[decision.kind] = decision.mode
             mlp.__dict__["last_decision"] = decision
