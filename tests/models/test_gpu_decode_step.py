@@ -25,7 +25,7 @@ def _model(mode):
     sparseffn.sparsify_(model, sparseffn.SparsityConfig())
     for layer in sparseffn.models.sparse_layers(model):
         layer.mode = mode
-        layer.set_threshold_(0.03)  # a few percent of units fire on random weights
+        layer.set_threshold_(0.03)  # a non-zero θ (about half the units fire on these random weights)
     return model
 
 
