@@ -7,7 +7,8 @@
         running max m and sum l, acc = Σ p v in fp32;
         SPLITS == 1: o = acc / l. Else (m, l, acc) go to fp32 scratch and an atomic counter per
         (b, g); the split arriving last combines all SPLITS partials in split order (deterministic
-        whichever arrives last), writes o and resets the counter to zero for the next call.
+        whichever arrives last; one load of all (m, l), the partials' loads unrolled so they are in
+        flight together), writes o and resets the counter to zero for the next call.
 
 Why. Work scales with each sequence's length, not the cache's: a split's slots come from positions[b]
 and valid_from[b] read on the device, so a 4096-slot cache at position 600 reads ~600 rows, and the
@@ -60,6 +61,7 @@ def _decode_attention_kernel(
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= SPLITS
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
@@ -124,15 +126,21 @@ def _decode_attention_kernel(
         tl.store(stats + split * 2 * G_PAD + G_PAD, l_i)
         tl.debug_barrier()  # every thread's partial is stored before the release below
         if tl.atomic_add(count_ptr + bg, 1, sem="acq_rel") == SPLITS - 1:
-            m_all = tl.full((G_PAD,), float("-inf"), tl.float32)
-            for t in range(SPLITS):
-                m_all = tl.maximum(m_all, tl.load(stats + t * 2 * G_PAD, cache_modifier=".cg"))
-            l_all = tl.zeros((G_PAD,), tl.float32)
+            # every split's (m, l) in one load, then the partials unrolled in split order: the loads
+            # are independent, so they are in flight together (deterministic whichever split arrived last)
+            t = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
+            t_in = (t < SPLITS)[:, None]
+            stats_t = stats[None, :] + t[:, None] * (2 * G_PAD)  # [SPLITS_PAD, G_PAD] each split's m
+            m_t = tl.load(stats_t, mask=t_in, other=float("-inf"), cache_modifier=".cg")
+            l_t = tl.load(stats_t + G_PAD, mask=t_in, other=0.0, cache_modifier=".cg")
+            m_all = tl.max(m_t, axis=0)  # [G_PAD]
+            w_t = tl.exp2(m_t - m_all[None, :])  # [SPLITS_PAD, G_PAD], 0 for an empty split
+            l_all = tl.sum(w_t * l_t, axis=0)
             o = tl.zeros((G_PAD, BLOCK_D), tl.float32)
-            for t in range(SPLITS):  # in split order: the same sum whichever split arrived last
-                w = tl.exp2(tl.load(stats + t * 2 * G_PAD, cache_modifier=".cg") - m_all)  # 0 for an empty split
-                l_all += w * tl.load(stats + t * 2 * G_PAD + G_PAD, cache_modifier=".cg")
-                o += w[:, None] * tl.load(parts + t * G_PAD * BLOCK_D, cache_modifier=".cg")
+            for u in tl.static_range(SPLITS_PAD):
+                w_u = tl.sum(tl.where(t[:, None] == u, w_t, 0.0), axis=0)  # [G_PAD] split u's weight
+                o += w_u[:, None] * tl.load(parts + u * G_PAD * BLOCK_D, mask=(u < SPLITS) & o_mask, other=0.0,
+                                            cache_modifier=".cg")
             tl.store(o_ptrs, (o / l_all[:, None]).to(out_dtype), mask=o_mask)
             tl.atomic_xchg(count_ptr + bg, 0)  # left zero for the next call
 
@@ -178,7 +186,8 @@ def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=
         float(scaling) * math.log2(math.e), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
-        HEAD_DIM=d, GROUP=group, G_PAD=g_pad, BLOCK_S=config.block_s, BLOCK_D=block_d, DOT_IN_FP32=interpreting(),
+        HEAD_DIM=d, GROUP=group, G_PAD=g_pad, SPLITS_PAD=next_power_of_2(splits), BLOCK_S=config.block_s,
+        BLOCK_D=block_d, DOT_IN_FP32=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o

@@ -40,35 +40,68 @@ __all__ = ["launch_decode_out_proj", "launch_decode_qkv_rope"]
 
 
 @triton.jit
-def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, rstd, units, unit_in, rows, row_in, D, stride_xm, stride_w,
-                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """[M_PAD, BLOCK_N] fp32: n[rows] · w[units]^T over all of D, n the RMS-normed x (module docstring);
-    rstd [M_PAD] fp32."""
+def _rstd(sum_sq, D, eps):
+    """[M_PAD] fp32 1 / sqrt(mean(x²) + eps) from the rows' sums of squares, correctly rounded (as
+    the project's RMSNorm kernel)."""
+    return tl.math.div_rn(tl.full(sum_sq.shape, 1.0, tl.float32), tl.sqrt_rn(sum_sq / D + eps))
+
+
+@triton.jit
+def _normed_product(acc, w, xv, g, rstd, dtype, M_PAD: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """acc + the products of the w tile [BLOCK_N, BLOCK_K] with the normed x tile [M_PAD, BLOCK_K]:
+    n = round(round(x · rstd) · g), Llama's rounding points."""
+    n = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
+    n = (n.to(tl.float32) * g.to(tl.float32)[None, :]).to(dtype)  # [M_PAD, BLOCK_K] the norm's output
+    if M_PAD < 16:
+        acc += w.to(tl.float32)[None, :, :] * n.to(tl.float32)[:, None, :]  # [M_PAD, BLOCK_N, BLOCK_K]
+    else:
+        acc = mma(w, tl.trans(n), acc, DOT_IN_FP32)  # [BLOCK_N, M_PAD]
+    return acc
+
+
+@triton.jit
+def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
+                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr,
+                     DOT_IN_FP32: tl.constexpr):
+    """[M_PAD, BLOCK_N] fp32: n[rows] · w[units]^T over all of D, n the RMS-normed x (module
+    docstring). ONE_STEP (D <= BLOCK_K): the weight, x and norm tiles are loaded together and rstd
+    comes from the x tile in registers, one memory round trip. Else a first pass over x (L2-resident)
+    gives rstd, then the product loop normalizes each x tile."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
     dtype = x_ptr.dtype.element_ty
     if M_PAD < 16:
-        acc3 = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)  # products, summed once
+        acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)  # products, summed once
     else:
-        acc_t = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k = k0 + offs_k
-        k_in = k < D
-        w = tl.load(w_rows + k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
-        g = tl.load(norm_ptr + k, mask=k_in, other=0.0).to(tl.float32)  # [BLOCK_K]
-        n = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
-        n = (n.to(tl.float32) * g[None, :]).to(dtype)  # [M_PAD, BLOCK_K] the norm's output
-        if M_PAD < 16:
-            acc3 += w.to(tl.float32)[None, :, :] * n.to(tl.float32)[:, None, :]
-        else:
-            acc_t = mma(w, tl.trans(n), acc_t, DOT_IN_FP32)
+        acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    if ONE_STEP:
+        k_in = offs_k < D
+        w = tl.load(w_rows + offs_k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        xv = tl.load(x_rows + offs_k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
+        g = tl.load(norm_ptr + offs_k, mask=k_in, other=0.0)  # [BLOCK_K]
+        xf = xv.to(tl.float32)
+        rstd = _rstd(tl.sum(xf * xf, axis=1), D, eps)  # [M_PAD]
+        acc = _normed_product(acc, w, xv, g, rstd, dtype, M_PAD, DOT_IN_FP32)
+    else:
+        sq = tl.zeros((M_PAD,), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + offs_k
+            xf = tl.load(x_rows + k[None, :], mask=row_in[:, None] & (k < D)[None, :], other=0.0).to(tl.float32)
+            sq += tl.sum(xf * xf, axis=1)
+        rstd = _rstd(sq, D, eps)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + offs_k
+            k_in = k < D
+            w = tl.load(w_rows + k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
+            g = tl.load(norm_ptr + k, mask=k_in, other=0.0)  # [BLOCK_K]
+            acc = _normed_product(acc, w, xv, g, rstd, dtype, M_PAD, DOT_IN_FP32)
     if M_PAD < 16:
-        acc = tl.sum(acc3, axis=2)
+        out = tl.sum(acc, axis=2)
     else:
-        acc = tl.trans(acc_t)
-    return acc
+        out = tl.trans(acc)
+    return out
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -105,6 +138,7 @@ def _decode_qkv_rope_kernel(
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_STEP: tl.constexpr,  # D <= BLOCK_K
     DOT_IN_FP32: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -136,41 +170,35 @@ def _decode_qkv_rope_kernel(
 
     rows = tl.arange(0, M_PAD)  # [M_PAD] tokens
     row_in = rows < M
-    # the rows' RMS statistics (x is read again, from L2, by the product below)
-    sq = tl.zeros((M_PAD,), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + k[None, :],
-                     mask=row_in[:, None] & (k < D)[None, :], other=0.0).to(tl.float32)  # [M_PAD, BLOCK_K]
-        sq += tl.sum(xv * xv, axis=1)
-    rstd = tl.math.div_rn(tl.full((M_PAD,), 1.0, tl.float32), tl.sqrt_rn(sq / D + eps))  # [M_PAD]
+    # this program's pairs, and their rotary entries at each token's position: loaded first, so
+    # their latency hides behind the weight stream
+    p = block * PAIRS + tl.arange(0, PAIRS)  # [PAIRS]
+    p_in = p < n_pairs
+    head = (p // HALF).to(tl.int64)
+    i = p % HALF
+    pos = tl.load(pos_ptr + rows, mask=row_in, other=0).to(tl.int64)  # [M_PAD]
+    mask = row_in[:, None] & p_in[None, :]  # [M_PAD, PAIRS]
+    rope_mask = mask & (region < 2)
+    cos_row = cos_ptr + pos[:, None] * stride_cos + i[None, :]  # [M_PAD, PAIRS]
+    sin_row = sin_ptr + pos[:, None] * stride_sin + i[None, :]
+    c1 = tl.load(cos_row, mask=rope_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + HALF, mask=rope_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row, mask=rope_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row + HALF, mask=rope_mask, other=0.0).to(tl.float32)
 
     # units interleaved as (pair, half): unit 2p is pair p's dim i, unit 2p + 1 its dim i + d/2
     j = tl.arange(0, BLOCK_N)
     pair = block * PAIRS + j // 2  # [BLOCK_N]
     unit_in = pair < n_pairs
     units = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF  # [BLOCK_N] weight rows
-    acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, rstd, units, unit_in, rows, row_in, D, stride_xm, stride_w,
-                           M_PAD, BLOCK_N, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+    acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
+                           M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     out_dtype = q_ptr.dtype.element_ty
     acc = acc.to(out_dtype).to(tl.float32)  # rounded as the projection's output
     lo, hi = tl.split(tl.reshape(acc, (M_PAD, PAIRS, 2)))  # [M_PAD, PAIRS] dims i and i + d/2
-
-    p = block * PAIRS + tl.arange(0, PAIRS)  # [PAIRS]
-    p_in = p < n_pairs
-    head = (p // HALF).to(tl.int64)
-    i = p % HALF
-    pos = tl.load(pos_ptr + rows, mask=row_in, other=0).to(tl.int64)  # [M_PAD]
-    mask = row_in[:, None] & p_in[None, :]
     if region < 2:  # RoPE, rotate_half layout: (lo, hi) -> (lo c_i - hi s_i, hi c_{i+d/2} + lo s_{i+d/2})
-        cos_row = cos_ptr + pos[:, None] * stride_cos + i[None, :]  # [M_PAD, PAIRS]
-        sin_row = sin_ptr + pos[:, None] * stride_sin + i[None, :]
-        c1 = tl.load(cos_row, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_row + HALF, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_row, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_row + HALF, mask=mask, other=0.0).to(tl.float32)
         lo, hi = lo * c1 - hi * s1, hi * c2 + lo * s2
     if region == 0:
         dst = q_ptr
@@ -257,7 +285,8 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
         cos_table.stride(0), sin_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, HAS_BIAS=has_bias, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        DOT_IN_FP32=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+        ONE_STEP=d_model <= config.block_k, DOT_IN_FP32=interpreting(), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return q
 

@@ -45,7 +45,8 @@ __all__ = ["MAX_BATCH", "decode_attention", "decode_out_proj", "decode_qkv_rope"
 
 def _check_device(t: torch.Tensor, name: str) -> None:
     if not t.is_cuda and not interpreting():
-        raise ValueError(f"{name} must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {t.device}")
+        raise ValueError(f"{name} must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), "
+                         f"got {t.device}")
     check_capability(t.device, "the decode attention kernels")
 
 

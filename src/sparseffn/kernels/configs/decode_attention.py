@@ -29,7 +29,7 @@ class AttentionConfig:
     """Split-KV attention: block_s cache slots per step, splits of each sequence's valid slots per
     (sequence, key/value head) (None: enough programs to fill the GPU, at most max_splits)."""
 
-    block_s: int = 32
+    block_s: int = 64
     num_warps: int = 4
     num_stages: int = 2
     splits: int | None = None
@@ -47,12 +47,12 @@ class AttentionConfig:
 def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER) -> ProjectionConfig:
     """One or two tokens: two units per program and whole-row steps (decode_linear's CUDA-core
     shape: many small programs keep rows in flight, the loop is not pipelined). 16 to 64 padded
-    tokens: tl.dot tiles of 64 units (32 from sm_100 on, where Triton 3.6's TMEM layout pass fails
-    on 64-unit tiles), pipelined within the target's shared memory."""
+    tokens: tl.dot tiles of 16 units, so a 2048-unit o_proj still has a program per SM (each
+    streams its rows through a 4-stage pipeline, enough bytes in flight for its SM's share of the
+    bandwidth), pipelined within the target's shared memory."""
     if m_padded <= 2:
         return ProjectionConfig(block_n=2, block_k=2048)
-    block_n = 32 if arch >= (10, 0) else 64
-    block_k = 256 if m_padded == 16 else 128
+    block_n, block_k = 16, 256
     stage = (block_n + m_padded) * block_k * 2  # 16-bit tiles of one pipeline stage
     stages = max(1, min(4, (shared_memory_limit(arch) - 8 * 1024) // stage))
     return ProjectionConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)

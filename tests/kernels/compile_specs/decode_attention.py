@@ -1,0 +1,39 @@
+"""Compile specs of kernels/decode_attention.py for tests/kernels/gpu_compile.py."""
+
+from __future__ import annotations
+
+import torch
+
+from sparseffn.kernels._runtime import TL_DTYPES
+from sparseffn.kernels.configs.decode_attention import AttentionConfig
+from sparseffn.kernels.decode_attention import _decode_attention_kernel, group_rows
+
+
+def compile_specs(with_options: bool = False):
+    """(jit_function, signature, constexprs[, options]) of the variants `launch_decode_attention`
+    uses with its default config: bf16 / fp16, head dims 64 and 128, no GQA (one query row) and
+    GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions),
+    1, 2 and 16 splits (the combine's width)."""
+    cfg = AttentionConfig()
+    specs = []
+    for dtype in (torch.bfloat16, torch.float16):
+        ty = TL_DTYPES[dtype]
+        for head_dim, group, pos_ty, with_from, splits_pad in ((64, 1, "i64", False, 16), (64, 4, "i64", True, 2),
+                                                               (128, 1, "i32", True, 1), (128, 32, "i32", False, 16)):
+            sig = {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "pos_ptr": f"*{pos_ty}",
+                   "from_ptr": f"*{pos_ty}" if with_from else "constexpr", "o_ptr": f"*{ty}", "part_ptr": "*fp32",
+                   "stat_ptr": "*fp32", "count_ptr": "*i32", "HQ": "i32", "HKV": "i32", "SPLITS": "i32",
+                   "scale_log2": "fp32"}
+            for name in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh",
+                         "stride_vs"):
+                sig[name] = "i32"
+            cx = {"HEAD_DIM": head_dim, "GROUP": group, "G_PAD": group_rows(group), "SPLITS_PAD": splits_pad,
+                  "BLOCK_S": cfg.block_s,
+                  "BLOCK_D": head_dim, "DOT_IN_FP32": False}
+            if not with_from:
+                cx["from_ptr"] = None
+            sig = {name: sig.get(name, "constexpr") for name in _decode_attention_kernel.arg_names}
+            spec = (_decode_attention_kernel, sig, cx)
+            specs.append(spec + (({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},)
+                                 if with_options else ()))
+    return specs

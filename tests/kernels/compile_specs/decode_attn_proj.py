@@ -1,0 +1,58 @@
+"""Compile specs of kernels/decode_attn_proj.py for tests/kernels/gpu_compile.py."""
+
+from __future__ import annotations
+
+import torch
+
+from sparseffn.kernels._runtime import TL_DTYPES
+from sparseffn.kernels.configs.decode_attention import projection_config
+from sparseffn.kernels.decode_attn_proj import _decode_out_proj_kernel, _decode_qkv_rope_kernel
+from sparseffn.kernels.decode_mlp import PADDED_TOKENS
+
+
+def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
+    """(jit_function, signature, constexprs[, options]) of the variants the launchers use on a GPU of
+    capability `arch`: bf16 / fp16, every padded token count with its default config, head dims 64
+    and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit rotary tables, D in one
+    step or several."""
+    specs = []
+
+    def add(fn, signature, constexprs, config):
+        for name in constexprs:
+            signature.setdefault(name, "constexpr")
+        spec = (fn, signature, constexprs)
+        specs.append(spec + (({"num_warps": config.num_warps, "num_stages": config.num_stages},)
+                             if with_options else ()))
+
+    for dtype in (torch.bfloat16, torch.float16):
+        ty = TL_DTYPES[dtype]
+        for mp in PADDED_TOKENS:
+            cfg = projection_config(mp, arch)
+            for head_dim, bias, pos_ty, table_ty in ((64, False, "i64", "fp32"), (128, True, "i32", ty)):
+                sig = {"x_ptr": f"*{ty}", "norm_ptr": f"*{ty}", "wq_ptr": f"*{ty}", "wk_ptr": f"*{ty}",
+                       "wv_ptr": f"*{ty}", "cos_ptr": f"*{table_ty}", "sin_ptr": f"*{table_ty}",
+                       "pos_ptr": f"*{pos_ty}", "q_ptr": f"*{ty}", "k_cache_ptr": f"*{ty}", "v_cache_ptr": f"*{ty}",
+                       "M": "i32", "D": "i32", "HQ": "i32", "HKV": "i32", "eps": "fp32"}
+                for name in ("stride_xm", "stride_wq", "stride_wk", "stride_wv", "stride_cos", "stride_sin",
+                             "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh", "stride_vs"):
+                    sig[name] = "i32"
+                one_step = (mp <= 2) == (head_dim == 64)  # D = 2048 fits a step at 1-2 tokens; both forms compiled
+                cx = {"HEAD_DIM": head_dim, "HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": cfg.block_n,
+                      "BLOCK_K": cfg.block_k, "ONE_STEP": one_step, "DOT_IN_FP32": False}
+                for name in ("bq_ptr", "bk_ptr", "bv_ptr"):
+                    if bias:
+                        sig[name] = f"*{ty}"
+                    else:
+                        cx[name] = None
+                sig = {name: sig.get(name, "constexpr") for name in _decode_qkv_rope_kernel.arg_names}
+                add(_decode_qkv_rope_kernel, sig, cx, cfg)
+            for bias in (False, True):
+                sig = {"a_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}" if bias else "constexpr",
+                       "r_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+                       "stride_w": "i32", "stride_rm": "i32", "stride_ym": "i32"}
+                cx = {"HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                      "DOT_IN_FP32": False}
+                if not bias:
+                    cx["b_ptr"] = None
+                add(_decode_out_proj_kernel, sig, cx, cfg)
+    return specs
