@@ -224,12 +224,24 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
            if cfg.eager else "")
         + (f"compiled {results[('compiled', 'dense')]['p50']:.3f} / {results[('compiled', 'sparse')]['p50']:.3f} ms; "
            if cfg.compile else "")
-        + (f"step {results[('step', 'dense')]['p50']:.3f} / {results[('step', 'sparse')]['p50']:.3f} ms; "
-           if cfg.step else "")
+        + (f"step {results[('step', 'dense')]['p50']:.3f} / {results[('step', 'sparse')]['p50']:.3f} ms "
+           f"(first token differing from captured's, dense / sparse: {_first_difference(results, 'dense', cfg.prompt)} / "
+           f"{_first_difference(results, 'sparse', cfg.prompt)}); " if cfg.step else "")
         + f"first divergence {agreement['first_divergence']} (margin {agreement['divergence_margin']}); generated "
           f"nnz/token {agreement['generated_nnz']} (layer max {agreement['generated_nnz_layer_max']}); paths "
           f"{cap_s['paths']}")
     return rows
+
+
+def _first_difference(results: dict, mlp: str, p: int) -> int | str:
+    """First generated position where the step provider's tokens differ from the captured ones (-1: none;
+    '–' without a captured run)."""
+    if ("captured", mlp) not in results:
+        return "–"
+    a, b = results[("captured", mlp)]["tokens"][:, p:], results[("step", mlp)]["tokens"][:, p:]
+    n = min(a.shape[1], b.shape[1])
+    differ = (a[:, :n] != b[:, :n]).any(0).nonzero()
+    return int(differ[0]) if differ.numel() else -1
 
 
 def _eager(model, prompt, new_tokens) -> dict:
