@@ -43,3 +43,20 @@ def test_table_shows_generated_activity_and_dashes_for_older_rows():
     assert "| fused | 1 | captured | 2.000 / 2.100 | 1.000 / 2.100 | **2.00x** |" in table
     assert table.endswith("| 29.4 (33.0) |")
     assert decode_model_table([dense, dict(sparse, generated_nnz="")]).endswith("| – |")
+
+
+def test_step_provider_is_timed_when_asked_and_tabled_first():
+    from sparseffn.bench.decode_model import timed_providers
+
+    assert [p for p, _ in timed_providers(_cfg(step=True))] == ["captured", "step"]
+    assert timed_providers(_cfg(step=True, captured=False)) == [("step", {"engine": "fused"})]
+    with pytest.raises(ValueError, match="nothing to time"):
+        timed_providers(_cfg(captured=False))
+    base = dict(batch="1", non_mlp="fused", ms_per_token_p99="2.1", roofline_ms="0.8", peak_mib="10",
+                first_divergence="-1", divergence_margin="", prefill_logits_rel_err="")
+    rows = [dict(base, provider=p, mlp=m, ms_per_token_p50=ms, speedup_vs_dense=x)
+            for p, m, ms, x in (("captured", "dense", "2.9", "1.0"), ("captured", "sparse", "2.5", "1.16"),
+                                ("step", "dense", "1.8", "1.0"), ("step", "sparse", "1.4", "1.29"))]
+    lines = decode_model_table(rows).splitlines()
+    assert lines[2].startswith("| fused | 1 | step | 1.800 / 2.100 | 1.400 / 2.100 | **1.29x** |")
+    assert lines[3].startswith("| fused | 1 | captured |")

@@ -43,6 +43,7 @@ REQUIRED = {
     "rms_norm._rms_norm_forward_kernel", "rms_norm._rms_norm_backward_kernel", "rope._rope_kernel",
     "row_split._classify_rows_kernel", "twell_up_down._twell_up_down_kernel",
     "decode_mlp._decode_gate_up_kernel", "decode_mlp._decode_down_kernel", "decode_linear._decode_linear_kernel",
+    "decode_mlp._dense_down_kernel",
     "decode_attn_proj._decode_qkv_rope_kernel", "decode_attn_proj._decode_out_proj_kernel",
     "decode_attention._decode_attention_kernel",
 }

@@ -141,6 +141,8 @@ def test_m_pad_buckets():
 def test_compile_specs_cover_variants():
     specs = compile_specs(with_options=True)
     names = {(s[0].fn.__name__ if hasattr(s[0], "fn") else s[0].__name__) for s in specs}
-    assert names == {"_decode_gate_up_kernel", "_decode_down_kernel"}
+    assert names == {"_decode_gate_up_kernel", "_decode_down_kernel", "_dense_down_kernel"}
+    fused = [s[2] for s in specs if s[2].get("NORM") or s[2].get("RESIDUAL")]
+    assert {c["M_PAD"] for c in fused} == {1, 16} and {c.get("ACT") for c in fused} >= {0, 1, 2}
     assert {s[2]["M_PAD"] for s in specs} == {1, 2, 16, 32, 64}
     assert len({(s[0].__name__, repr(s[1]), repr(s[2])) for s in specs}) == len(specs)

@@ -11,6 +11,9 @@ the sparse one (auto mode):
                (auto mode sends the sparse layers to the decode kernels there): tokens/s, ms per token
                p50 / p99 of the replayed steps, peak memory
     compiled   the same with the step's forward through torch.compile (with `compile`)
+    step       the same with the fused decode-step engine, models.decode_step (with `step`; Llama-family
+               models): four launches per layer, each sparse layer on the sparse decode MLP where auto
+               mode decides it pays at the batch size
 
 each with Hugging Face's own norms and rotary embeddings ("hf") and/or ours fused (models.fuse,
 "fused"); dense and sparse always share the variant.
@@ -60,6 +63,8 @@ class DecodeModelBenchConfig:
     eager_tokens: int = 64  # new tokens of each timed eager generate (it is host-bound: ms per token settle fast)
     non_mlp: str = "hf,fused"  # norms and rotary embeddings: Hugging Face's ("hf") and/or ours ("fused"), in order
     compile: bool = False  # also time the captured step with its forward through torch.compile
+    step: bool = False  # also time CapturedDecoder(engine="fused"), the fused decode-step engine
+    captured: bool = True  # time the captured Hugging Face forward (off: only the other providers asked for)
     seed: int = 0
     out_dir: str = "benchmarks/results"
     git_sha: str = ""
@@ -127,6 +132,7 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
                            log: Callable[[str], None] = print) -> list[dict]:
     from sparseffn.models import MODEL_NAMES, fuse_non_mlp_
 
+    timed_providers(cfg)  # before the model is built
     device = device or torch.device("cuda")
     if device.type != "cuda":
         raise ValueError("bench decode-model captures CUDA graphs: it needs a CUDA device")
@@ -151,6 +157,16 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
     return rows
 
 
+def timed_providers(cfg: DecodeModelBenchConfig) -> list[tuple[str, dict]]:
+    """(provider, CapturedDecoder options) of each captured provider the config asks for, in order."""
+    providers = [(name, options) for name, options, wanted in (
+        ("captured", {}, cfg.captured), ("compiled", {"compile": True}, cfg.compile),
+        ("step", {"engine": "fused"}, cfg.step)) if wanted]
+    if not providers:
+        raise ValueError("nothing to time: --captured, --compile and --step are all off")
+    return providers
+
+
 def _set_mode(layers, mode: str) -> None:
     for layer in layers:
         layer.mode = mode
@@ -169,11 +185,12 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
                 rounds.setdefault(mlp, []).append(_eager(model, prompt, cfg.eager_tokens))
         for mlp, runs in rounds.items():
             results[("eager", mlp)] = min(runs, key=lambda r: r["p50"])
-    for provider, compiled in (("captured", False),) + ((("compiled", True),) if cfg.compile else ()):
+    providers = timed_providers(cfg)
+    for provider, options in providers:
         for mlp, mode in (("dense", "dense"), ("sparse", "auto")):
             _set_mode(layers, mode)
             decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens,
-                                      record_times=True, compile=compiled)
+                                      record_times=True, **options)
             decoder.generate(prompt, cfg.new_tokens)  # captures the step
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -187,8 +204,9 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
                                             paths="/".join(paths))
             del decoder
     _set_mode(layers, "auto")
-    agreement = _agreement(model, layers, prompt, results[("captured", "dense")]["tokens"],
-                           results[("captured", "sparse")]["tokens"], cfg.prompt)
+    first = providers[0][0]  # the greedy agreement of the first provider timed
+    agreement = _agreement(model, layers, prompt, results[(first, "dense")]["tokens"],
+                           results[(first, "sparse")]["tokens"], cfg.prompt)
     roof = _rooflines(model, layers, batch)
     rows = []
     for (provider, mlp), r in results.items():
@@ -199,17 +217,31 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
                          peak_mib=round(r["peak"], 1) if "peak" in r else "",
                          roofline_ms=round(roof[mlp], 4), decode_paths=r.get("paths", ""),
                          **(agreement if mlp == "sparse" else {})))
-    cap_d, cap_s = results[("captured", "dense")], results[("captured", "sparse")]
-    log(f"{common['non_mlp']} batch {batch}: captured dense {cap_d['p50']:.3f} ms/token, sparse {cap_s['p50']:.3f} "
+    cap_d, cap_s = results[(first, "dense")], results[(first, "sparse")]
+    log(f"{common['non_mlp']} batch {batch}: {first} dense {cap_d['p50']:.3f} ms/token, sparse {cap_s['p50']:.3f} "
         f"({cap_d['p50'] / cap_s['p50']:.2f}x; rooflines {roof['dense']:.3f} / {roof['sparse']:.3f}); "
         + (f"eager {results[('eager', 'dense')]['p50']:.2f} / {results[('eager', 'sparse')]['p50']:.2f} ms; "
            if cfg.eager else "")
         + (f"compiled {results[('compiled', 'dense')]['p50']:.3f} / {results[('compiled', 'sparse')]['p50']:.3f} ms; "
            if cfg.compile else "")
+        + (f"step {results[('step', 'dense')]['p50']:.3f} / {results[('step', 'sparse')]['p50']:.3f} ms "
+           f"(first token differing from captured's, dense / sparse: {_first_difference(results, 'dense', cfg.prompt)} / "
+           f"{_first_difference(results, 'sparse', cfg.prompt)}); " if cfg.step else "")
         + f"first divergence {agreement['first_divergence']} (margin {agreement['divergence_margin']}); generated "
           f"nnz/token {agreement['generated_nnz']} (layer max {agreement['generated_nnz_layer_max']}); paths "
           f"{cap_s['paths']}")
     return rows
+
+
+def _first_difference(results: dict, mlp: str, p: int) -> int | str:
+    """First generated position where the step provider's tokens differ from the captured ones (-1: none;
+    '–' without a captured run)."""
+    if ("captured", mlp) not in results:
+        return "–"
+    a, b = results[("captured", mlp)]["tokens"][:, p:], results[("step", mlp)]["tokens"][:, p:]
+    n = min(a.shape[1], b.shape[1])
+    differ = (a[:, :n] != b[:, :n]).any(0).nonzero()
+    return int(differ[0]) if differ.numel() else -1
 
 
 def _eager(model, prompt, new_tokens) -> dict:
@@ -283,7 +315,7 @@ def decode_model_table(rows: list[dict]) -> str:
     variant = lambda r: r.get("non_mlp") or "hf"  # noqa: E731 (rows written before the column: hf)
     for non_mlp in dict.fromkeys(variant(r) for r in rows):
         for batch in dict.fromkeys(int(r["batch"]) for r in rows):
-            for provider in ("captured", "compiled", "eager"):
+            for provider in ("step", "captured", "compiled", "eager"):
                 pick = {r["mlp"]: r for r in rows if int(r["batch"]) == batch and r["provider"] == provider
                         and variant(r) == non_mlp}
                 if set(pick) != {"dense", "sparse"}:
@@ -306,7 +338,7 @@ def plot_decode_model(rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     variant = lambda r: r.get("non_mlp") or "hf"  # noqa: E731
     for non_mlp in dict.fromkeys(variant(r) for r in rows):
-        for provider in ("captured", "compiled", "eager"):
+        for provider in ("step", "captured", "compiled", "eager"):
             for mlp in ("dense", "sparse"):
                 pts = [(int(r["batch"]), float(r["tokens_per_s"])) for r in rows
                        if r["provider"] == provider and r["mlp"] == mlp and variant(r) == non_mlp]

@@ -15,7 +15,9 @@ and down matrices only the rows of units some token activates.
         3. SPLIT == 1: y[:, cols] = part_0. Else part_s goes to fp32 scratch and an atomic counter per
            column block; the span arriving last sums part_0 .. part_{SPLIT-1} in span order and writes
            y[:, cols]: y is deterministic whichever span arrives last.
-
+Fused variants (the decode engine's): NORM, x is Llama's RMSNorm of x (each K1 program computes its
+rows' rstd, x being L2-resident); RESIDUAL, K2 writes x + y; ACT relu / silu, the dense MLP (every
+unit read and flagged, act(g) and u rounded as torch rounds them).
 Why. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D] matrices,
 this path the gate matrix plus two D-rows per distinct active unit, once per call. Capacities are H
 (exact at any density); no host sync, so a call can be captured in a CUDA graph.
@@ -23,16 +25,20 @@ this path the gate matrix plus two D-rows per distinct active unit, once per cal
 Layouts. x [M, D]; first (gate, or up when not gated), up, down_t = down_proj.weight^T: [H, D], unit
 stride along D, any row stride; threshold fp32 [H] or None. M_PAD (1, 2, 16, 32 or 64) is M rounded
 up: 1 and 2 use CUDA-core products, the others tl.dot on zero-padded rows (K2 pads 2 to 16 rows).
-Interpreter (TRITON_INTERPRET=1): dot operands are cast to fp32 (DOT_IN_FP32).
+Interpreter (TRITON_INTERPRET=1) and fp32 x: dot operands in fp32, IEEE (DOT_IN_FP32).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import capability, cdiv, check_capability, check_few_tokens, interpreting, mma, num_sms
+from sparseffn.kernels._runtime import (capability, cdiv, check_capability, check_few_tokens, interpreting, mma,
+                                        next_power_of_2, num_sms)
 from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config, down_rows
 from sparseffn.kernels.launch import Launcher
 
@@ -43,13 +49,45 @@ __all__ = ["MAX_TOKENS", "decode_mlp", "launch_decode_mlp"]
 
 
 @triton.jit
+def _rows_rstd(x_ptr, rows, row_in, D, stride_xm, eps, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[M_PAD] fp32 1 / sqrt(mean_j x[rows, j]^2 + eps), the RMSNorm scale of each row (0 past M)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
+    sq = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32)  # [M_PAD, BLOCK_K] partial sums of squares
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + offs_k
+        xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & (k < D)[None, :], other=0.0).to(tl.float32)
+        sq += xv * xv
+    mean_sq = tl.sum(sq, axis=1) / D  # [M_PAD]
+    return tl.math.div_rn(tl.full((M_PAD,), 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
+
+
+@triton.jit
+def _normed(xv, norm_ptr, k, k_in, rstd):
+    """Hugging Face's RMSNorm of an x tile: weight * (x * rstd rounded to x's dtype), rounded once;
+    xv [R, BLOCK_K] (or [BLOCK_K] with rstd a scalar), rstd broadcastable to it."""
+    nw = tl.load(norm_ptr + k, mask=k_in, other=0.0).to(tl.float32)  # [BLOCK_K]
+    n = (xv.to(tl.float32) * rstd).to(xv.dtype)
+    return (nw * n.to(tl.float32)).to(xv.dtype)
+
+
+@triton.jit
 def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh,
               M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """`_rows_normed_dot` without the norm."""
+    return _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, None, None,
+                            M_PAD, BLOCK_H, BLOCK_K, False, DOT_IN_FP32)
+
+
+@triton.jit
+def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, norm_ptr, rstd,
+                     M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                     DOT_IN_FP32: tl.constexpr):
     """[M_PAD, BLOCK_H] fp32: x[rows] · w[units]^T over all of D; rows of w with unit_on false are
-    masked off (no memory traffic). M_PAD < 16: CUDA-core products, each weight tile loaded once and
-    multiplied by the tokens one after the other. M_PAD >= 16: the MMA computes the transposed
-    product, units as its M dimension (as fast on sm_90, and sm_100's compiler fails on the other form
-    at 64 tokens)."""
+    masked off (no memory traffic). NORM: x is first RMS-normalized (`_normed`, rstd [M_PAD] per row).
+    M_PAD < 16: CUDA-core products, each weight tile loaded once and multiplied by the tokens one after
+    the other. M_PAD >= 16: the MMA computes the transposed product, units as its M dimension (as fast
+    on sm_90, and sm_100's compiler fails on the other form at 64 tokens)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
@@ -65,15 +103,21 @@ def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, strid
         w = tl.load(w_rows + k[None, :], mask=unit_on[:, None] & k_in[None, :], other=0.0)  # [BLOCK_H, BLOCK_K]
         if M_PAD == 1:
             xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [1, BLOCK_K]
+            if NORM:
+                xv = _normed(xv, norm_ptr, k, k_in, rstd[:, None])
             acc2 += w.to(tl.float32) * xv.to(tl.float32)
         elif M_PAD < 16:
             wf = w.to(tl.float32)
             for m in tl.static_range(M_PAD):
                 xm = tl.load(x_ptr + m * stride_xm + k, mask=k_in & (m < M), other=0.0)  # [BLOCK_K]
+                if NORM:
+                    xm = _normed(xm, norm_ptr, k, k_in, tl.sum(tl.where(rows == m, rstd, 0.0), axis=0))
                 part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)  # [BLOCK_H]
                 acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
         else:
             xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
+            if NORM:
+                xv = _normed(xv, norm_ptr, k, k_in, rstd[:, None])
             acc_t = mma(w, tl.trans(xv), acc_t, DOT_IN_FP32)
     if M_PAD == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
@@ -85,21 +129,27 @@ def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, strid
 @triton.jit(do_not_specialize=["M"])
 def _decode_gate_up_kernel(
     x_ptr,  # [M, D]
+    norm_ptr,  # [D] RMSNorm weight applied to x first (NORM), else None
     first_ptr,  # [H, D] gate (gated) or up (non-gated)
     up_ptr,  # [H, D] up (gated), else unused
     threshold_ptr,  # [H] fp32, or None when not HAS_THRESHOLD
-    h_ptr,  # [H, M_PAD] out, x's dtype (h_t: unit-major)
+    h_ptr,  # out, x's dtype: h_t [H, M_PAD] (stride_hm 1, stride_hh M_PAD) or h [M, H] (H, 1)
     flags_ptr,  # [H] int32 out
     count_ptr,  # [n_counts] int32 out: zeros (K2's arrival counters)
     M,
     D,
     H,
     n_counts,
+    eps,
     stride_xm,
     stride_fh,
     stride_uh,
+    stride_hm,
+    stride_hh,
     GATED: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,
+    ACT: tl.constexpr,  # 0: sparse relu (up rows of inactive units never read); 1: dense relu; 2: dense silu
+    NORM: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -115,23 +165,53 @@ def _decode_gate_up_kernel(
         for c0 in range(0, n_counts, 1024):
             c = c0 + tl.arange(0, 1024)
             tl.store(count_ptr + c, tl.zeros((1024,), tl.int32), mask=c < n_counts)
-    acc = _rows_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_fh,
-                    M_PAD, BLOCK_H, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
-    if HAS_THRESHOLD:
-        theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
-        acc = acc - theta[None, :]
-    p = acc.to(out_dtype)  # [M_PAD, BLOCK_H] rounded once, as the prefill kernels
-    on = ~(p <= 0) & row_in[:, None] & unit_in[None, :]  # [M_PAD, BLOCK_H] > 0 or NaN
-    active = tl.max(on.to(tl.int32), axis=0)  # [BLOCK_H] 1 if any token
-    h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
-    if GATED:
-        if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
-            u = _rows_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
-                          M_PAD, BLOCK_H, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
-            h = h * u
-    h_ptrs = h_ptr + units.to(tl.int64)[None, :] * M_PAD + rows[:, None]  # [M_PAD, BLOCK_H] of h_t
+    rstd = tl.zeros((M_PAD,), dtype=tl.float32)
+    if NORM:  # every program normalizes the few rows of x itself (an L2-resident re-read)
+        rstd = _rows_rstd(x_ptr, rows, row_in, D, stride_xm, eps, M_PAD, BLOCK_K)
+    acc = _rows_normed_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_fh, norm_ptr,
+                           rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+    if ACT == 0:
+        if HAS_THRESHOLD:
+            theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
+            acc = acc - theta[None, :]
+        p = acc.to(out_dtype)  # [M_PAD, BLOCK_H] rounded once, as the prefill kernels
+        on = ~(p <= 0) & row_in[:, None] & unit_in[None, :]  # [M_PAD, BLOCK_H] > 0 or NaN
+        active = tl.max(on.to(tl.int32), axis=0)  # [BLOCK_H] 1 if any token
+        h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
+        if GATED:
+            if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
+                u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
+                                     norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
+                h = h * u
+    else:  # dense, rounded as the torch MLP rounds: act(g) and u in x's dtype, then their product
+        g = acc.to(out_dtype)  # [M_PAD, BLOCK_H]
+        if HAS_THRESHOLD:
+            theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0).to(out_dtype)  # [BLOCK_H]
+            g = (g.to(tl.float32) - theta.to(tl.float32)[None, :]).to(out_dtype)
+        gf = g.to(tl.float32)
+        if ACT == 1:
+            h = tl.where(gf < 0, 0.0, gf).to(out_dtype).to(tl.float32)  # relu, NaN kept
+        else:
+            h = (gf / (1.0 + tl.exp(-gf))).to(out_dtype).to(tl.float32)  # silu
+        if GATED:
+            u = _rows_normed_dot(x_ptr, up_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_uh, norm_ptr,
+                                 rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+            h = h * u.to(out_dtype).to(tl.float32)
+        active = unit_in.to(tl.int32)  # K2 then reads every unit
+    h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
     tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
     tl.store(flags_ptr + units, active, mask=unit_in)
+
+
+@triton.jit
+def _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL: tl.constexpr, dtype: tl.constexpr):
+    """acc [R, BLOCK_D] fp32 rounded to dtype; RESIDUAL: plus res[rows, cols], rounded again (torch's
+    `residual + mlp(x)` in dtype)."""
+    y = acc.to(dtype)
+    if RESIDUAL:
+        r = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    return y
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -141,6 +221,7 @@ def _decode_down_kernel(
     list_ptr,  # [H] int32 scratch: the active units of each span, ascending
     down_t_ptr,  # [H, D]
     y_ptr,  # [M, D] out, x's dtype
+    res_ptr,  # [M, D] added to y (RESIDUAL; may be y itself), else None
     part_ptr,  # [SPLIT, M, D] fp32 scratch: each span's partial sum (SPLIT > 1)
     count_ptr,  # [cdiv(D, BLOCK_D)] int32, zero on entry: spans done per column block (SPLIT > 1)
     M,
@@ -148,12 +229,14 @@ def _decode_down_kernel(
     H,
     stride_dh,
     stride_ym,
+    stride_rm,
     M_PAD: tl.constexpr,
     ROWS: tl.constexpr,  # 1 (CUDA-core products) or M_PAD padded to >= 16 (tl.dot)
     SPLIT: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PREFIX: tl.constexpr,  # flags per step of the compaction
+    RESIDUAL: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
     c_block = tl.program_id(0)
@@ -195,7 +278,8 @@ def _decode_down_kernel(
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     out = row_in[:, None] & col_in[None, :]
     if SPLIT == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out)
+        tl.store(y_ptrs, _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL, y_ptr.dtype.element_ty),
+                 mask=out)
     else:
         # 3. the span's partial to scratch; the last span to finish this column block sums all spans
         # in span order (deterministic whichever arrives last) and writes y
@@ -206,11 +290,19 @@ def _decode_down_kernel(
             total = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
             for t in range(SPLIT):
                 total += tl.load(parts + t * M * D, mask=out, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out)
+            tl.store(y_ptrs, _plus_residual(total, res_ptr, rows, cols, stride_rm, out, RESIDUAL,
+                                            y_ptr.dtype.element_ty), mask=out)
 
 
 _gate_up_launch = Launcher(_decode_gate_up_kernel)
 _down_launch = Launcher(_decode_down_kernel)
+
+
+@functools.lru_cache(maxsize=256)
+def fitted(config: DecodeConfig, k: int) -> DecodeConfig:
+    """config with its K steps no wider than the reduction length k needs (a 2048-wide step over a
+    64-wide row only masks; the interpreter pays for every masked element)."""
+    return dataclasses.replace(config, block_k=min(config.block_k, max(16, next_power_of_2(k))))
 
 
 def m_pad(m: int) -> int:
@@ -267,20 +359,25 @@ def decode_mlp(
     return launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, config=config)
 
 
-def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=None) -> torch.Tensor:
-    """`decode_mlp` on arguments that meet its contract, unchecked."""
+def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=None, norm_weight=None, eps=0.0,
+                      residual=False, act="sparse") -> torch.Tensor:
+    """`decode_mlp` on arguments that meet its contract, unchecked. Fused variants (the decode engine's):
+    norm_weight: x goes through RMSNorm(norm_weight, eps) first, in K1; residual: returns x + the MLP's
+    output (added in K2's write); act "relu" / "silu": the dense MLP, every unit read and rounded as
+    torch rounds it (K2 then sums every unit). fp32 x and weights run exactly (tl.dot in IEEE fp32)."""
     m, d = x.shape
     h = first_weight.shape[0]
     y = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if d == 0:
         return y
     if h == 0:
-        return y.zero_()
+        return y.copy_(x) if residual else y.zero_()
     mp = m_pad(m)
     if config is None:
         config = default_config(mp, capability(x.device))
     elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
+    config = fitted(config, d)
     block_d = down_block(config, d, num_sms(x.device) if x.is_cuda else 4)
     col_blocks = cdiv(d, block_d)
     split = min(config.split, h)
@@ -288,18 +385,34 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     scratch = torch.empty(2 * h + col_blocks, dtype=torch.int32, device=x.device)  # flags, list, counters
     flags, unit_list, counts = scratch[:h], scratch[h:2 * h], scratch[2 * h:]
     parts = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=x.device)
-    dot_fp32 = interpreting()
+    dot_fp32 = interpreting() or x.dtype == torch.float32
+    launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, 1, mp, flags, counts,
+                   col_blocks if split > 1 else 0, config, act)
+    _down_launch[(col_blocks, split)](
+        hidden, flags, unit_list, down_t, y, x if residual else None, parts, counts, m, d, h, down_t.stride(0),
+        y.stride(0), x.stride(0),
+        M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
+        RESIDUAL=residual, DOT_IN_FP32=dot_fp32, num_warps=config.down_warps, num_stages=config.down_stages,
+    )
+    return y
+
+
+ACTS = {"sparse": 0, "relu": 1, "silu": 2}  # K1's ACT: sparse relu, or the dense MLP with this activation
+
+
+def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, stride_hm, stride_hh, flags,
+                   counts, n_counts, config, act) -> None:
+    """K1 into `hidden` (h_t [H, M_PAD]: strides 1, M_PAD; or h [M, H]: H, 1), `flags` [H] and zeroed
+    `counts` [n_counts]; arguments as `launch_decode_mlp`'s."""
+    m, d = x.shape
+    h = first_weight.shape[0]
     gated = up_weight is not None
     up = up_weight if gated else first_weight
     _gate_up_launch[(cdiv(h, config.block_h),)](
-        x, first_weight, up, threshold, hidden, flags, counts, m, d, h, col_blocks if split > 1 else 0,
-        x.stride(0), first_weight.stride(0), up.stride(0),
-        GATED=gated, HAS_THRESHOLD=threshold is not None, M_PAD=mp, BLOCK_H=config.block_h,
-        BLOCK_K=config.block_k, DOT_IN_FP32=dot_fp32, num_warps=config.gate_warps, num_stages=config.gate_stages,
+        x, norm_weight, first_weight, up, threshold, hidden, flags, counts, m, d, h, n_counts, float(eps),
+        x.stride(0), first_weight.stride(0), up.stride(0), stride_hm, stride_hh,
+        GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
+        M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k,
+        DOT_IN_FP32=interpreting() or x.dtype == torch.float32, num_warps=config.gate_warps,
+        num_stages=config.gate_stages,
     )
-    _down_launch[(col_blocks, split)](
-        hidden, flags, unit_list, down_t, y, parts, counts, m, d, h, down_t.stride(0), y.stride(0),
-        M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
-        DOT_IN_FP32=dot_fp32, num_warps=config.down_warps, num_stages=config.down_stages,
-    )
-    return y

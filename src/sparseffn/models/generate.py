@@ -16,6 +16,14 @@ Under capture auto mode sends each sparse layer's few-token calls to the decode 
     sampler = CapturedDecoder(model, batch_size=1, max_length=1024, do_sample=True, temperature=0.8,
                               top_p=0.95, eos_token_id=tokenizer.eos_token_id)
 
+`engine="fused"` replaces the decode step's model forward by `models.decode_step.DecodeEngine` for
+Llama-family models (Llama, Mistral, Qwen2; others are refused): four fused launches per layer over the
+model's own weights and the same static cache, each SparseMLP on the sparse decode kernels where auto
+mode decides they pay at the batch size. The prompt and the first eager_steps - 1 decode steps run
+the Hugging Face forward (they measure every SparseMLP's activity); the engine takes every later step,
+its first one eagerly (loading its kernels), the rest from a CUDA graph (off CUDA: eagerly). The
+default, engine="hf", captures the Hugging Face forward.
+
 `compile=True` also runs the decode step's model forward through `torch.compile` (Inductor fuses the
 small elementwise kernels of norms, rotary embeddings and residuals; the graph then replays fewer
 kernels). The eager steps compile it, at the decode shape only.
@@ -43,8 +51,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sparseffn.models.decode_step import DecodeEngine
 from sparseffn.ops.sparse_mlp import as_captured
 
+ENGINES = ("hf", "fused")
 STOP_CHECK = 16  # steps between two checks whether every sequence has finished (with eos_token_id)
 
 
@@ -96,11 +106,12 @@ class CapturedDecoder:
     max_length: the one shape of its calls. eager_steps: decode steps run eagerly before the capture
     (off CUDA: all of them).
     record_times: keep each replay's GPU ms in `step_ms`. compile: the step's forward through
-    torch.compile. do_sample, temperature, top_k, top_p: how tokens are picked (`Sampling`).
+    torch.compile. engine: "hf" (the Hugging Face forward) or "fused" (`DecodeEngine`, module docstring).
+    do_sample, temperature, top_k, top_p: how tokens are picked (`Sampling`).
     eos_token_id (an id or a list), pad_token_id (default: the first end token): stopping."""
 
     def __init__(self, model: nn.Module, *, batch_size: int, max_length: int, eager_steps: int = 5,
-                 record_times: bool = False, compile: bool = False, do_sample: bool = False,
+                 record_times: bool = False, compile: bool = False, engine: str = "hf", do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> None:
         from transformers import StaticCache
@@ -114,6 +125,10 @@ class CapturedDecoder:
         for name, value in (("compile", compile), ("do_sample", do_sample)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        if engine == "fused" and compile:
+            raise ValueError("compile=True compiles the Hugging Face forward; engine='fused' replaces it (pick one)")
         self.sampling = Sampling(temperature, top_k, top_p) if do_sample else None
         vocab = getattr(model.config, "vocab_size", None)
         eos = _token_ids("eos_token_id", eos_token_id, vocab, many=True)
@@ -142,6 +157,7 @@ class CapturedDecoder:
         self.compiled = compile
         forward = functools.partial(_last_logits, model, self.cache, self._cache_kwarg)
         self._step_forward = torch.compile(forward, dynamic=False) if compile else forward
+        self._engine = DecodeEngine(model, batch_size=batch_size, max_length=max_length) if engine == "fused" else None
         self.record_times = record_times
         self.step_ms: list[float] = []  # with record_times: GPU ms of each replayed step of the last call
 
@@ -181,11 +197,16 @@ class CapturedDecoder:
         # off CUDA there is no graph to capture: every step runs eagerly (the same step, the same tokens)
         eager = min(self.eager_steps if self.device.type == "cuda" else new - 1, new - 1)
         remaining = new - 1 - eager
+        hf_steps = eager if self._engine is None else min(eager, self.eager_steps - 1)  # then the engine's
         done = 1  # tokens generated so far
         for i in range(eager):
             if self._all_finished():
                 break
-            if remaining and i == eager - 1 and not self.compiled:
+            if i >= hf_steps:
+                if i == hf_steps:
+                    self._engine.attach(self.cache, self._shift if self._padded else None)
+                self._step(engine=True)
+            elif remaining and i == eager - 1 and not self.compiled:
                 # the graph's paths (the decode kernels), run once eagerly: loads their GPU modules,
                 # which cannot load while the stream captures (compiled steps are traced already)
                 with as_captured():
@@ -215,6 +236,7 @@ class CapturedDecoder:
         """Check a prompt's attention mask and load it into the static mask and shifts; whether the
         batch has padding (a host sync when a mask is given)."""
         if attention_mask is None:
+            self._shift.zero_()  # the engine's step subtracts it from the cache position
             return False
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != shape:
             raise ValueError(f"attention_mask must be a tensor shaped like input_ids {list(shape)}, "
@@ -226,6 +248,7 @@ class CapturedDecoder:
             raise ValueError("attention_mask must pad on the left (zeros, then ones, every prompt ending in a token), "
                              "as for Hugging Face's generate with tokenizer.padding_side = 'left'")
         if bool(mask.all()):
+            self._shift.zero_()
             return False
         p = shape[1]
         self._mask.fill_(1)
@@ -260,9 +283,14 @@ class CapturedDecoder:
         first = torch.where(ended.any(1), ended.int().argmax(1), n - 1)  # each sequence's end (or the last)
         return int(first.max()) + 1
 
-    def _step(self) -> None:
-        """One decode step in place: feed ids at `position`, write the pick to out and ids, advance."""
-        token = self._pick(self._step_forward(self._ids, self._position, *self._padding()))  # [B]
+    def _step(self, engine: bool = False) -> None:
+        """One decode step in place: feed ids at `position`, write the pick to out and ids, advance.
+        engine: the fused engine's forward (its cache attached) instead of the model's."""
+        if engine:
+            logits = self._engine.logits(self._ids, self._position, self._shift)
+        else:
+            logits = self._step_forward(self._ids, self._position, *self._padding())
+        token = self._pick(logits)  # [B]
         self._out.index_copy_(1, self._position + 1, token[:, None])
         self._ids.copy_(token[:, None])
         self._position.add_(1)
@@ -275,7 +303,7 @@ class CapturedDecoder:
         # torch's one capture stream for every decoder: cuBLAS keeps a workspace per stream for good,
         # so a fresh stream per decoder would hold one more 32 MiB workspace each
         with torch.cuda.device(self.device), torch.cuda.graph(graph):
-            self._step()
+            self._step(engine=self._engine is not None)
         self._graphs[self._padded] = graph
         return graph
 

@@ -1,4 +1,4 @@
-"""Compile specs of kernels/decode_mlp.py for tests/kernels/gpu_compile.py."""
+"""Compile specs of kernels/decode_mlp.py and kernels/decode_dense_mlp.py for tests/kernels/gpu_compile.py."""
 
 from __future__ import annotations
 
@@ -6,13 +6,17 @@ import torch
 
 from sparseffn.kernels._runtime import TL_DTYPES
 from sparseffn.kernels.configs.decode_mlp import default_config, down_rows
-from sparseffn.kernels.decode_mlp import PADDED_TOKENS, _decode_down_kernel, _decode_gate_up_kernel, down_block
+from sparseffn.kernels.decode_dense_mlp import _dense_down_kernel
+from sparseffn.kernels.decode_mlp import ACTS, PADDED_TOKENS, _decode_down_kernel, _decode_gate_up_kernel, down_block
+
+ENGINE_TOKENS = (1, 16)  # padded token counts of the decode engine's fused variants checked here
 
 
 def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
-    """(jit_function, signature, constexprs[, options]) of the variants decode_mlp launches on a GPU
-    of capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
-    config."""
+    """(jit_function, signature, constexprs[, options]) of the variants the launchers use on a GPU of
+    capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
+    config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
+    relu / silu K1) at 1 and 16 tokens."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -25,22 +29,40 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
         ty = TL_DTYPES[dtype]
         for mp in PADDED_TOKENS:
             cfg = default_config(mp, arch)
-            for gated, has_threshold in ((True, False), (True, True), (False, True)):
-                if mp not in (1, 64) and not (gated and not has_threshold):
+            variants = [(True, False, "sparse", False), (True, True, "sparse", False), (False, True, "sparse", False)]
+            if mp in ENGINE_TOKENS:
+                variants += [(True, True, "sparse", True), (True, True, "relu", True), (True, False, "silu", True)]
+            for gated, has_threshold, act, norm in variants:
+                if mp not in (1, 64) and not (gated and not has_threshold) and not norm:
                     continue
-                sig = {"x_ptr": f"*{ty}", "first_ptr": f"*{ty}", "up_ptr": f"*{ty}",
-                       "threshold_ptr": "*fp32" if has_threshold else "constexpr", "h_ptr": f"*{ty}",
-                       "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32",
-                       "n_counts": "i32", "stride_xm": "i32", "stride_fh": "i32", "stride_uh": "i32"}
-                cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "M_PAD": mp, "BLOCK_H": cfg.block_h,
-                      "BLOCK_K": cfg.block_k, "DOT_IN_FP32": False}
+                sig = {"x_ptr": f"*{ty}", "norm_ptr": f"*{ty}" if norm else "constexpr", "first_ptr": f"*{ty}",
+                       "up_ptr": f"*{ty}", "threshold_ptr": "*fp32" if has_threshold else "constexpr",
+                       "h_ptr": f"*{ty}", "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32",
+                       "H": "i32", "n_counts": "i32", "eps": "fp32", "stride_xm": "i32", "stride_fh": "i32",
+                       "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32"}
+                cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "ACT": ACTS[act], "NORM": norm, "M_PAD": mp,
+                      "BLOCK_H": cfg.block_h, "BLOCK_K": cfg.block_k, "DOT_IN_FP32": False}
                 if not has_threshold:
                     cx["threshold_ptr"] = None
+                if not norm:
+                    cx["norm_ptr"] = None
                 add(_decode_gate_up_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
-            sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
-                   "y_ptr": f"*{ty}", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32",
-                   "stride_dh": "i32", "stride_ym": "i32"}
-            cx = {"M_PAD": mp, "ROWS": down_rows(mp), "SPLIT": cfg.split, "BLOCK_S": cfg.block_s,
-                  "BLOCK_D": down_block(cfg, 2048, 132), "PREFIX": cfg.prefix, "DOT_IN_FP32": False}
-            add(_decode_down_kernel, sig, cx, cfg.down_warps, cfg.down_stages)
+            for residual in (False, True) if mp in ENGINE_TOKENS else (False,):
+                sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
+                       "y_ptr": f"*{ty}", "res_ptr": f"*{ty}" if residual else "constexpr", "part_ptr": "*fp32",
+                       "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32", "stride_dh": "i32", "stride_ym": "i32",
+                       "stride_rm": "i32"}
+                cx = {"M_PAD": mp, "ROWS": down_rows(mp), "SPLIT": cfg.split, "BLOCK_S": cfg.block_s,
+                      "BLOCK_D": down_block(cfg, 2048, 132), "PREFIX": cfg.prefix, "RESIDUAL": residual,
+                      "DOT_IN_FP32": False}
+                if not residual:
+                    cx["res_ptr"] = None
+                add(_decode_down_kernel, sig, cx, cfg.down_warps, cfg.down_stages)
+            if mp in ENGINE_TOKENS:
+                sig = {"h_ptr": f"*{ty}", "down_ptr": f"*{ty}", "res_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32",
+                       "D": "i32", "H": "i32", "stride_hm": "i32", "stride_dd": "i32", "stride_rm": "i32",
+                       "stride_ym": "i32"}
+                cx = {"M_PAD": mp, "BLOCK_D": cfg.block_h if mp < 16 else 16, "BLOCK_K": cfg.block_k, "RESIDUAL": True,
+                      "DOT_IN_FP32": False}
+                add(_dense_down_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
     return specs

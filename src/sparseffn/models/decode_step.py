@@ -1,0 +1,221 @@
+"""`DecodeEngine`: one decode step of a Llama-family model (Llama, Mistral, Qwen2) in four launches per
+layer, over the model's own weights (views, nothing copied), for `CapturedDecoder(engine="fused")`.
+
+Per layer, for one new token per sequence (hidden [B, D], the residual stream):
+    1. RMSNorm + q/k/v (+ biases) + RoPE + KV-cache write     ops.decode_attention.decode_qkv_rope
+    2. attention over the cache, split-KV                     ops.decode_attention.decode_attention
+    3. o_proj + residual                                      ops.decode_attention.decode_out_proj
+    4. RMSNorm + MLP + residual                               ops.decode_block.decode_mlp_block
+       a SparseMLP runs the sparse decode kernels where auto mode decides they pay at this batch size
+       (ops/decide.py, from the layer's measured activity), else the dense kernels; a Hugging Face MLP
+       (relu or silu) runs the dense ones
+then the model's final norm and lm_head (cuBLAS). Dense and sparse models share steps 1-3.
+
+Cache. The engine reads and writes transformers' StaticCache tensors [B, Hkv, S_max, d] in place
+(`attach`, after the prompt's forward has filled them). A left-padded batch has its rows shifted
+left by their padding once, so that every row's cache slot equals its token's rotary position (the
+attention kernels index both by `positions[b]`); the padding's slots end up past every position a
+row reaches. Rotary tables [S_max, d] come from the model's own rotary embedding, in the model's dtype
+(as Hugging Face rounds cos / sin).
+The step reads only static buffers (ids, the cache position, the per-row shifts), so it is captured
+once into a CUDA graph and replayed. Each SparseMLP's path is decided once per engine (`plan`, at its
+first attach: the batch size is fixed) and recorded in `last_decision` as the layer's own calls do.
+Refused (ValueError): other families, sliding-window attention shorter than max_length, rotary
+embeddings that depend on the length (dynamic / longrope), MLPs with biases or other activations,
+modules behind adapters or hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sparseffn.nn.fused import FusedRMSNorm
+from sparseffn.nn.projections import is_plain
+from sparseffn.nn.sparse_mlp import SparseMLP
+from sparseffn.ops.decode_attention import decode_attention, decode_out_proj, decode_qkv_rope
+from sparseffn.ops.decode_block import decode_mlp_block
+from sparseffn.ops.sparse_mlp import as_captured, choose_mode
+from sparseffn.ops.twell_mlp import stored_transposed
+
+FAMILIES = ("llama", "mistral", "qwen2")
+_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+_ACTS = {"silu": "silu", "swish": "silu", "relu": "relu"}
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights (views of the model's parameters) and its MLP's path."""
+
+    attn_norm: torch.Tensor
+    attn_eps: float
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    scaling: float
+    mlp_norm: torch.Tensor
+    mlp_eps: float
+    mlp: nn.Module
+    gate: torch.Tensor | None
+    up: torch.Tensor
+    down: torch.Tensor
+    act: str
+    sparse: bool = False  # set by DecodeEngine.plan
+
+
+class DecodeEngine:
+    """The decode step of `model` for batch_size sequences of up to max_length tokens (module docstring)."""
+
+    def __init__(self, model: nn.Module, *, batch_size: int, max_length: int) -> None:
+        config = getattr(model, "config", None)
+        family = getattr(config, "model_type", None)
+        if family not in FAMILIES:
+            raise ValueError(f"the fused decode engine runs Llama-family models {FAMILIES}, got model_type {family!r} "
+                             "(use CapturedDecoder(engine='hf'))")
+        _check_attention_span(config, max_length)
+        inner = model.model
+        self.model = model
+        self.batch_size, self.max_length = batch_size, max_length
+        self.layers = [_layer(i, block, config) for i, block in enumerate(inner.layers)]
+        self.embed = model.get_input_embeddings()
+        self.norm = inner.norm
+        self.lm_head = model.get_output_embeddings()
+        weight = self.layers[0].wq
+        self.device, self.dtype = weight.device, weight.dtype
+        self.cos, self.sin = _rotary_tables(inner.rotary_emb, max_length, self.device, self.dtype)
+        hkv = self.layers[0].wk.shape[0] // self.cos.shape[1]
+        # the split-KV combine's arrival counters, left zero by every call: one set shared by all layers
+        self.counters = torch.zeros(batch_size * hkv, dtype=torch.int32, device=self.device)
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.planned = False
+
+    def plan(self) -> None:
+        """Each SparseMLP's path at this batch size: auto mode's decision for a captured decode call of
+        batch_size tokens (ops/decide.py), from the layer's mode, expected_nnz and measured activity;
+        recorded on the layer as its own calls record it."""
+        x = torch.empty(self.batch_size, self.layers[0].up.shape[1], device=self.device, dtype=self.dtype)
+        for layer in self.layers:
+            mlp = layer.mlp
+            if not isinstance(mlp, SparseMLP):
+                continue
+            auto = mlp.mode == "auto"
+            with as_captured():  # the facts of a captured call: the step is replayed from a CUDA graph
+                decision = choose_mode(x, layer.up, mode=mlp.mode, expected_nnz=mlp.expected_nnz,
+                                       down_t_ready=stored_transposed(layer.down),
+                                       activity=mlp.activity if auto else None)
+            if decision.mode == "sparse" and not stored_transposed(layer.down):  # mode="sparse" asked for it
+                raise ValueError(f"{type(mlp).__name__} with mode='sparse' stores down_proj.weight contiguous "
+                                 "(contiguous_down_): the sparse decode kernels read its transpose; use mode 'auto' "
+                                 "or 'dense' with the fused engine")
+            layer.sparse = decision.mode == "sparse"
+            if auto:
+                mlp.activity.last[decision.kind] = decision.mode
+            mlp.__dict__["last_decision"] = decision
+        self.planned = True
+
+    def attach(self, cache, shift: torch.Tensor | None) -> None:
+        """Take the filled StaticCache's tensors; shift [B, 1]: each row's left padding (None: none),
+        by which its cache row is moved left (module docstring)."""
+        if not self.planned:
+            self.plan()
+        self.caches = [(layer.keys, layer.values) for layer in cache.layers]
+        if len(self.caches) != len(self.layers):
+            raise ValueError(f"the cache has {len(self.caches)} layers, the model {len(self.layers)}")
+        if shift is None:
+            return
+        slots = self.caches[0][0].shape[2]
+        index = (torch.arange(slots, device=self.device)[None, :] + shift) % slots  # [B, S]: slot s <- s + shift
+        for keys, values in self.caches:
+            gather = index[:, None, :, None].expand_as(keys)
+            keys.copy_(keys.gather(2, gather))
+            values.copy_(values.gather(2, gather))
+
+    def logits(self, ids: torch.Tensor, position: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """[B, V] logits of the tokens ids [B, 1] at cache slot `position` [1]; shift [B, 1] each row's
+        left padding (zeros: none). Writes each layer's k and v at the rows' positions."""
+        positions = position - shift[:, 0]  # [B] rotary position = cache slot after `attach`
+        hidden = self.embed(ids[:, 0])  # [B, D]
+        for layer, (keys, values) in zip(self.layers, self.caches):
+            q = decode_qkv_rope(hidden, layer.attn_norm, layer.attn_eps, layer.wq, layer.wk, layer.wv, layer.bq,
+                                layer.bk, layer.bv, self.cos, self.sin, positions, keys, values)
+            attn = decode_attention(q, keys, values, positions, layer.scaling, counters=self.counters)
+            hidden = decode_out_proj(attn, layer.wo, layer.bo, hidden)
+            threshold = layer.mlp.threshold if isinstance(layer.mlp, SparseMLP) and layer.mlp.has_threshold else None
+            hidden = decode_mlp_block(hidden, layer.mlp_norm, layer.mlp_eps, layer.gate, layer.up, layer.down,
+                                      threshold, act=layer.act, sparse=layer.sparse)
+        return self.lm_head(self.norm(hidden))
+
+
+def _check_attention_span(config, max_length: int) -> None:
+    """Every layer attends to the whole cache (no sliding window shorter than max_length)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ()
+    sliding = any(t != "full_attention" for t in types) or (
+        window is not None and getattr(config, "use_sliding_window", True) and not types)
+    if sliding and window is not None and window < max_length:
+        raise ValueError(f"the fused decode engine attends to the whole cache: sliding_window {window} < max_length "
+                         f"{max_length} (use CapturedDecoder(engine='hf'))")
+
+
+def _norm(module: nn.Module, name: str) -> tuple[torch.Tensor, float]:
+    hooked = module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+    if not (isinstance(module, FusedRMSNorm) or type(module).__name__ in _NORMS) or hooked:
+        raise ValueError(f"the fused decode engine computes Llama's RMSNorm, {name} is {type(module).__name__}")
+    return module.weight, float(module.variance_epsilon)
+
+
+def _linear(module: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not isinstance(module, nn.Linear) or not is_plain(module):
+        raise ValueError(f"the fused decode engine reads plain nn.Linear weights, {name} is {type(module).__name__} "
+                         "(adapters or hooks: merge or remove them first)")
+    return module.weight, module.bias
+
+
+def _layer(i: int, block: nn.Module, config) -> _Layer:
+    attn, where = block.self_attn, f"layer {i}"
+    if getattr(attn, "q_norm", None) is not None:
+        raise ValueError(f"{where}: q/k norms are not computed by the fused decode engine")
+    wq, bq = _linear(attn.q_proj, f"{where} q_proj")
+    wk, bk = _linear(attn.k_proj, f"{where} k_proj")
+    wv, bv = _linear(attn.v_proj, f"{where} v_proj")
+    wo, bo = _linear(attn.o_proj, f"{where} o_proj")
+    mlp = block.mlp
+    if isinstance(mlp, SparseMLP):
+        act = "relu"
+    else:
+        hidden_act = getattr(config, "hidden_act", None)
+        if hidden_act not in _ACTS or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"{where}: the fused decode engine runs SparseMLP or a gated relu / silu MLP, got "
+                             f"{type(mlp).__name__} with hidden_act {hidden_act!r}")
+        act = _ACTS[hidden_act]
+    gate = None
+    if getattr(mlp, "gate_proj", None) is not None:
+        gate, gate_bias = _linear(mlp.gate_proj, f"{where} gate_proj")
+        if gate_bias is not None:
+            raise ValueError(f"{where}: MLP biases are not computed by the fused decode engine")
+    up, up_bias = _linear(mlp.up_proj, f"{where} up_proj")
+    down, down_bias = _linear(mlp.down_proj, f"{where} down_proj")
+    if up_bias is not None or down_bias is not None:
+        raise ValueError(f"{where}: MLP biases are not computed by the fused decode engine")
+    attn_norm, attn_eps = _norm(block.input_layernorm, f"{where} input_layernorm")
+    mlp_norm, mlp_eps = _norm(block.post_attention_layernorm, f"{where} post_attention_layernorm")
+    return _Layer(attn_norm, attn_eps, wq, wk, wv, bq, bk, bv, wo, bo, float(attn.scaling), mlp_norm, mlp_eps, mlp,
+                  gate, up, down, act)
+
+
+def _rotary_tables(rotary: nn.Module, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [length, d] of positions 0 .. length - 1, as the model's rotary embedding gives them."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"rotary embeddings of type {rope_type!r} change with the length; the fused decode "
+                         "engine takes fixed tables (use CapturedDecoder(engine='hf'))")
+    positions = torch.arange(length, device=device)[None, :]
+    cos, sin = rotary(torch.empty(0, device=device, dtype=dtype), positions)
+    return cos[0].contiguous(), sin[0].contiguous()

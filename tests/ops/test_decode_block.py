@@ -1,0 +1,124 @@
+"""decode_mlp_block (x + MLP(RMSNorm(x)) in two launches): every path against an fp64 reference;
+fp32 tightly, bf16 under the flash-attention rule against torch's own bf16 layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparseffn.kernels.configs.decode_mlp import DecodeConfig
+from sparseffn.kernels.decode_mlp import launch_decode_mlp
+from sparseffn.ops.decode_block import decode_mlp_block
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+# (sparse, act, down stored transposed)
+PATHS = [(True, "relu", True), (False, "relu", True), (False, "relu", False), (False, "silu", False)]
+
+
+def _problem(m, d, h, dtype, *, seed=0, active=0.15, threshold=True, gated=True):
+    g = torch.Generator().manual_seed(seed)
+    x = 3 * torch.randn(m, d, generator=g)
+    norm_weight = 1 + 0.3 * torch.randn(d, generator=g)
+    gate = torch.randn(h, d, generator=g) / d**0.5
+    up = torch.randn(h, d, generator=g) / d**0.5
+    down = torch.randn(d, h, generator=g) / h**0.5
+    n = _norm(x.double(), norm_weight.double())
+    pre = n @ (gate if gated else up).double().t()
+    theta = torch.quantile(pre.flatten(), 1 - active).float() + 0.02 * torch.randn(h, generator=g) if threshold else None
+    cast = lambda t: t.to(dtype).to(DEVICE)  # noqa: E731
+    return (cast(x), cast(norm_weight), cast(gate) if gated else None, cast(up), cast(down),
+            None if theta is None else theta.to(DEVICE))
+
+
+def _norm(x, w):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
+
+
+def _reference(x, norm_weight, gate, up, down, theta, act):
+    """fp64: x + down(act(n first^T - θ) * (n up^T))."""
+    n = _norm(x.double(), norm_weight.double())
+    g = n @ (gate if gate is not None else up).double().t()
+    if theta is not None:
+        g = g - theta.double()
+    a = torch.relu(g) if act == "relu" else F.silu(g)
+    h = a * (n @ up.double().t()) if gate is not None else a
+    return x.double() + h @ down.double().t()
+
+
+def _torch_same_dtype(x, norm_weight, gate, up, down, theta, act):
+    """Hugging Face's layer in x's dtype (its roundings)."""
+    xf = x.float()
+    n = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    g = F.linear(n, gate if gate is not None else up)
+    if theta is not None:
+        g = g - theta.to(x.dtype)
+    a = torch.relu(g) if act == "relu" else F.silu(g)
+    h = a * F.linear(n, up) if gate is not None else a
+    return x + F.linear(h, down)
+
+
+def _down(down, transposed):
+    return down.t().contiguous().t() if transposed else down.contiguous()
+
+
+SMALL = DecodeConfig(block_h=16, block_k=32, block_s=16, block_d=32, prefix=64)
+
+
+@pytest.mark.parametrize("sparse,act,transposed", PATHS)
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_fp32_matches_reference(sparse, act, transposed, m):
+    x, nw, gate, up, down, theta = _problem(m, 48, 80, torch.float32, seed=m, threshold=act == "relu")
+    y = decode_mlp_block(x, nw, EPS, gate, up, _down(down, transposed), theta, act=act, sparse=sparse)
+    ref = _reference(x, nw, gate, up, down, theta, act)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("sparse,act,transposed", PATHS)
+def test_bf16_within_twice_torch_error(sparse, act, transposed):
+    x, nw, gate, up, down, theta = _problem(2, 64, 96, torch.bfloat16, seed=5, threshold=act == "relu")
+    y = decode_mlp_block(x, nw, EPS, gate, up, _down(down, transposed), theta, act=act, sparse=sparse)
+    ref = _reference(x, nw, gate, up, down, theta, act)
+    torch_err = (_torch_same_dtype(x, nw, gate, up, down, theta, act).double() - ref).abs().max()
+    ulp = torch.finfo(torch.bfloat16).eps  # the interpreter truncates casts: a few ulps of the output's size
+    assert (y.double() - ref).abs().max() <= 2 * torch_err + 4 * ulp * ref.abs().max()
+
+
+def test_sixteen_tokens_split_spans_and_ungated():
+    """tl.dot rows (M = 16), K2's spans summed at the end with the residual, and the non-gated MLP."""
+    x, nw, gate, up, down, theta = _problem(16, 48, 80, torch.float32, seed=7)
+    y = launch_decode_mlp(x, gate, up, down.t().contiguous(), theta, norm_weight=nw, eps=EPS, residual=True,
+                          config=DecodeConfig(block_h=16, block_k=32, block_s=16, block_d=32, prefix=64, split=3))
+    ref = _reference(x, nw, gate, up, down, theta, "relu")
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    x, nw, _, up, down, theta = _problem(3, 48, 80, torch.float32, seed=8, gated=False)
+    for sparse in (True, False):
+        y = decode_mlp_block(x, nw, EPS, None, up, _down(down, True), theta, sparse=sparse)
+        ref = _reference(x, nw, None, up, down, theta, "relu")
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_sparse_skips_inactive_units_yet_equals_dense_relu():
+    """No unit active: the sparse block returns x itself; the dense relu block agrees."""
+    x, nw, gate, up, down, _ = _problem(2, 48, 80, torch.float32, seed=9)
+    theta = torch.full((80,), 1e4, device=DEVICE)
+    for sparse in (True, False):
+        assert torch.equal(decode_mlp_block(x, nw, EPS, gate, up, _down(down, True), theta, sparse=sparse), x)
+
+
+def test_rejects_bad_arguments():
+    x, nw, gate, up, down, theta = _problem(2, 48, 80, torch.float32)
+    with pytest.raises(ValueError, match="store it transposed"):
+        decode_mlp_block(x, nw, EPS, gate, up, down.contiguous(), theta, sparse=True)
+    with pytest.raises(ValueError, match="act must be one of"):
+        decode_mlp_block(x, nw, EPS, gate, up, down, None, act="gelu")
+    with pytest.raises(ValueError, match="threshold needs act='relu'"):
+        decode_mlp_block(x, nw, EPS, gate, up, down, theta, act="silu")
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        decode_mlp_block(x, nw[:-1], EPS, gate, up, down)
+    with pytest.raises(ValueError, match="x must be a tensor"):
+        decode_mlp_block(x.repeat(40, 1), nw, EPS, gate, up, down)
