@@ -106,8 +106,11 @@ def choose_mode(
                 unmeasured = (f"activity not measured yet (sampled every {activity.period} calls, "
                               f"read {activity.lag} calls later)")
     traced = tokens <= DECODE_MAX_TOKENS and mode == "auto" and call_traced(x)
-    return _decision(mode, d, tokens, x.dtype, x.device, up_weight.shape[0], training, down_t_ready,
-                     traced, expected_nnz, previous, unmeasured)
+    # traced by torch.compile the decision is evaluated once, at trace time, into constants: the
+    # memo (which dynamo would warn about and bypass) is skipped
+    decision = _decision.__wrapped__ if torch.compiler.is_compiling() else _decision
+    return decision(mode, d, tokens, x.dtype, x.device, up_weight.shape[0], training, down_t_ready,
+                    traced, expected_nnz, previous, unmeasured)
 
 
 _REQUESTED_DENSE = ModeDecision("dense", "requested")
@@ -194,7 +197,9 @@ def sparse_mlp(
     mode: "auto" (see `choose_mode`), "sparse" (Triton kernels; raises NotImplementedError where
     they cannot run) or "dense". prepared: `SparseMLPWeights.prepare(gate, up, down)` built once and
     reused (it holds down^T; without it and without a transposed down weight the sparse path copies
-    down^T on every call, and auto mode does not take the decode kernels). expected_nnz: the
+    down^T on every call, and auto mode does not take the decode kernels; under a caller's
+    torch.compile(mode="reduce-overhead") its tensors are read in place by the CUDA graphs, and a
+    threshold tensor should be a module buffer, or it is copied before each replay). expected_nnz: the
     caller's estimate of active units per token, used by auto mode, with `previous` (the path this
     kind of call took last time) for its hysteresis. tile/slots: TwELL capacity.
     Under `torch.use_deterministic_algorithms(True)` outputs and gradients have the same bits on
