@@ -114,8 +114,9 @@ class UserDecoder(nn.Module):
         return self.forward(ids, pos).argmax(-1)
 
     def compile_step(self) -> None:
-        """The one-token step through torch.compile, as gpt-fast compiles its decode_one_token."""
-        self.compiled_step = torch.compile(self.next_token, mode="reduce-overhead", fullgraph=True)
+        """The one-token step through torch.compile, as gpt-fast compiles its decode_one_token (one static
+        shape per decoder: the op decides its path per batch size at trace time)."""
+        self.compiled_step = torch.compile(self.next_token, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, new_tokens: int, step_ms: list[float] | None = None) -> torch.Tensor:
