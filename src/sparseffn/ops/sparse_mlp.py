@@ -107,23 +107,32 @@ def choose_mode(
                               f"read {activity.lag} calls later)")
     traced = tokens <= DECODE_MAX_TOKENS and mode == "auto" and call_traced(x)
     # traced by torch.compile the decision is evaluated once, at trace time, into constants: the
-    # memo (which dynamo would warn about and bypass) is skipped
-    decision = _decision.__wrapped__ if torch.compiler.is_compiling() else _decision
-    return decision(mode, d, tokens, x.dtype, x.device, up_weight.shape[0], training, down_t_ready,
-                    traced, expected_nnz, previous, unmeasured)
+    # memos (which dynamo would warn about and bypass) are skipped
+    compiling = torch.compiler.is_compiling()
+    decision = _decision.__wrapped__ if compiling else _decision
+    return decision(mode, d, tokens, x.dtype, x.device, _capability(x.device, compiling), up_weight.shape[0],
+                    training, down_t_ready, traced, expected_nnz, previous, unmeasured)
+
+
+def _capability(device: torch.device, compiling: bool) -> tuple[int, int]:
+    """The CUDA device's compute capability ((0, 0) off CUDA); traced, read without the launchers'
+    memo (dynamo folds the device's properties into a constant)."""
+    if device.type != "cuda":
+        return (0, 0)
+    return tuple(torch.cuda.get_device_capability(device)) if compiling else capability(device)
 
 
 _REQUESTED_DENSE = ModeDecision("dense", "requested")
 
 
 @functools.lru_cache(maxsize=4096)
-def _decision(mode, d, tokens, dtype, device, h, training, down_t_ready, traced, expected_nnz,
+def _decision(mode, d, tokens, dtype, device, cap, h, training, down_t_ready, traced, expected_nnz,
               previous, unmeasured) -> ModeDecision:
     """`decide` memoized on what it looks at (a decode step asks the same question every call; the
     facts and rules cost more host time than the decode kernels' launches)."""
     facts = CallFacts(
         device_type=device.type,
-        capability=capability(device) if device.type == "cuda" else (0, 0),
+        capability=cap,
         dtype=dtype, d=d, h=h, tokens=tokens, training=training,
         interpreted=device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
         down_t_ready=down_t_ready, traced=traced,
