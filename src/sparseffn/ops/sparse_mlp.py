@@ -89,8 +89,10 @@ def choose_mode(
     needs for the decode kernels, which it takes under CUDA-graph capture or torch.compile; previous:
     the path this kind of call took last time (hysteresis). activity: a layer's measured activity
     (auto mode): its estimate stands in for expected_nnz when that is None (no estimate yet: dense,
-    saying so), and its last path for this kind of call for previous. Only shapes, dtypes, devices
-    and these numbers are looked at, so the decision traces under torch.compile.
+    saying so), and its last path for this kind of call for previous, except while torch.compile
+    traces: the path it records after each call would fail the guard on that read and recompile the
+    caller after its first call, and a compiled decision cannot flip between calls anyway. Only shapes,
+    dtypes, devices and these numbers are looked at, so the decision traces under torch.compile.
     """
     if mode == "dense":
         return _REQUESTED_DENSE
@@ -98,8 +100,10 @@ def choose_mode(
     tokens = x.numel() // max(d, 1)
     training = needs_grad or return_l1
     unmeasured = None
+    compiling = torch.compiler.is_compiling()
     if activity is not None and mode == "auto":
-        previous = activity.last.get(call_kind(training, tokens))
+        if not compiling:
+            previous = activity.last.get(call_kind(training, tokens))
         if expected_nnz is None:
             expected_nnz = activity.nnz
             if expected_nnz is None:
@@ -108,7 +112,6 @@ def choose_mode(
     traced = tokens <= DECODE_MAX_TOKENS and mode == "auto" and call_traced(x)
     # traced by torch.compile the decision is evaluated once, at trace time, into constants: the
     # memos (which dynamo would warn about and bypass) are skipped
-    compiling = torch.compiler.is_compiling()
     decision = _decision.__wrapped__ if compiling else _decision
     return decision(mode, d, tokens, x.dtype, x.device, _capability(x.device, compiling), up_weight.shape[0],
                     training, down_t_ready, traced, expected_nnz, previous, unmeasured)
