@@ -54,9 +54,11 @@ class _Layer(nn.Module):
         shape = (batch_size, self.kv_heads, max_length, self.head_dim)
         self.register_buffer("k_cache", self.wqkv.new_zeros(shape))
         self.register_buffer("v_cache", self.wqkv.new_zeros(shape))
-        # the public op's arguments: weights prepared once, the layer's measured active units per token
+        # the public op's arguments: weights prepared once, the layer's active units per token (its hint,
+        # else what it measured: what auto mode in the layer would go by)
         self.prepared = SparseMLPWeights.prepare(self.gate, self.up, self.down) if sparse else None
-        self.expected_nnz = mlp.activity.nnz if sparse else None
+        hint = getattr(mlp, "expected_nnz", None)
+        self.expected_nnz = (hint if hint is not None else mlp.activity.nnz) if sparse else None
         if sparse and self.expected_nnz is None:
             raise ValueError("the sparse user decoder needs each layer's measured activity (run the model in "
                              "auto mode first)")
