@@ -60,3 +60,18 @@ def test_step_provider_is_timed_when_asked_and_tabled_first():
     lines = decode_model_table(rows).splitlines()
     assert lines[2].startswith("| fused | 1 | step | 1.800 / 2.100 | 1.400 / 2.100 | **1.29x** |")
     assert lines[3].startswith("| fused | 1 | captured |")
+
+
+def test_table_has_the_user_compiled_rows_under_their_own_norms():
+    """The user-compiled rows (bench/user_decoder.py: norms and RoPE in plain torch) form a group of
+    their own, next to the library's paths."""
+    base = dict(batch="1", ms_per_token_p50="2.0", ms_per_token_p99="2.1", speedup_vs_dense="1.0", roofline_ms="0.8",
+                peak_mib="10", first_divergence="", divergence_margin="", prefill_logits_rel_err="")
+    rows = [dict(base, provider=provider, non_mlp=non_mlp, mlp=mlp,
+                 **(dict(ms_per_token_p50=p50, speedup_vs_dense=speedup, first_divergence="-1") if mlp == "sparse" else {}))
+            for provider, non_mlp, p50, speedup in (("captured", "fused", "1.6", "1.25"),
+                                                    ("user-compiled", "torch", "1.5", "1.33"))
+            for mlp in ("dense", "sparse")]
+    table = decode_model_table(rows).splitlines()
+    assert "| fused | 1 | captured | 2.000 / 2.100 | 1.600 / 2.100 | **1.25x** |" in table[2]
+    assert "| torch | 1 | user-compiled | 2.000 / 2.100 | 1.500 / 2.100 | **1.33x** |" in table[3]

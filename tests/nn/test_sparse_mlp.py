@@ -483,3 +483,24 @@ def test_gpu_auto_training_starts_dense_and_goes_sparse_as_activity_falls():
         paths.append(layer.last_decision.mode)
     assert paths[-1] == "sparse" and layer.activity.nnz < 40, (paths, layer.activity)
     assert layer.activity.last["training"] == "sparse"
+
+
+def test_compiled_auto_layer_compiles_once():
+    """Under torch.compile an auto-mode layer neither reads nor writes its activity's last paths (the
+    read and the write would guard on that dict, which the first call changes: a recompile of the whole
+    caller); its decision is still recorded in last_decision."""
+    from torch._dynamo.utils import counters
+
+    layer = SparseMLP(32, 64, dtype=torch.bfloat16).eval()
+    layer.activity.observe(5.0, 1024)
+    x = torch.randn(1, 1, 32, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        outs = [compiled(x) for _ in range(3)]
+    assert counters["stats"]["unique_graphs"] == 1
+    assert layer.activity.last == {} and layer.last_decision.kind == "decode"
+    with torch.no_grad():
+        assert all(torch.equal(out, layer(x)) for out in outs)
+    assert layer.activity.last == {"decode": layer.last_decision.mode}  # eager calls record it

@@ -16,11 +16,16 @@ the sparse one (auto mode):
                mode decides it pays at the batch size
 
 each with Hugging Face's own norms and rotary embeddings ("hf") and/or ours fused (models.fuse,
-"fused"); dense and sparse always share the variant.
+"fused"); dense and sparse always share the variant. With `user_compiled`, also
+
+    user-compiled  a user's own decode loop on the same weights (bench/user_decoder.py: plain torch,
+                   static cache, fused q/k/v, torch.compile reduce-overhead fullgraph), its MLPs three
+                   F.linear (dense) or the public op `sparse_mlp(mode="auto", prepared=...,
+                   expected_nnz=<the layer's measured activity>)` (sparse); norms and RoPE "torch"
 
 and, between the captured runs, the greedy agreement: the first step where the sparse tokens differ
 from the dense ones, with the dense logits' top-1 / top-2 margin there, the prefill logits' error and
-the active units per token at the sparse model's generated positions.
+the active units per token at the sparse model's generated positions (the user-compiled rows: between its own dense and sparse runs).
 Rooflines: the bytes each step must read (dense: every weight; sparse: all but the up and down rows of
 inactive units, at the measured activity) over the HBM bandwidth.
 """
@@ -37,6 +42,7 @@ import torch
 
 from sparseffn.bench.common import ints, pyplot, save_figure, write_csv
 from sparseffn.bench.timing import device_slug, run_metadata
+from sparseffn.ops.decide import expected_union
 
 HBM_TB_S = 4.8  # the H200's datasheet bandwidth, for the rooflines
 CSV_FIELDS = (
@@ -65,6 +71,7 @@ class DecodeModelBenchConfig:
     compile: bool = False  # also time the captured step with its forward through torch.compile
     step: bool = False  # also time CapturedDecoder(engine="fused"), the fused decode-step engine
     captured: bool = True  # time the captured Hugging Face forward (off: only the other providers asked for)
+    user_compiled: bool = False  # also time a user's own torch.compile'd decode loop (bench/user_decoder.py)
     seed: int = 0
     out_dir: str = "benchmarks/results"
     git_sha: str = ""
@@ -151,7 +158,8 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
         if variant == "fused":
             fuse_non_mlp_(model)
         for batch, prompt in prompts.items():
-            rows += _batch_rows(cfg, model, layers, prompt, dict(common, batch=batch, non_mlp=variant), log)
+            user = cfg.user_compiled and variant == variants[0]  # its own norms and RoPE: once
+            rows += _batch_rows(cfg, model, layers, prompt, dict(common, batch=batch, non_mlp=variant), log, user)
             write_csv(rows, path, CSV_FIELDS)
             torch.cuda.empty_cache()
     return rows
@@ -172,7 +180,7 @@ def _set_mode(layers, mode: str) -> None:
         layer.mode = mode
 
 
-def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
+def _batch_rows(cfg, model, layers, prompt, common, log, user_compiled=False) -> list[dict]:
     from sparseffn.models.generate import CapturedDecoder
 
     batch = prompt.shape[0]
@@ -204,19 +212,25 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
                                             paths="/".join(paths))
             del decoder
     _set_mode(layers, "auto")
+    if user_compiled:  # after the captured sparse run: every layer has a measured activity
+        for mlp in ("dense", "sparse"):
+            results[("user-compiled", mlp)] = _user_compiled(model, layers, prompt, cfg, sparse=mlp == "sparse")
     first = providers[0][0]  # the greedy agreement of the first provider timed
-    agreement = _agreement(model, layers, prompt, results[(first, "dense")]["tokens"],
-                           results[(first, "sparse")]["tokens"], cfg.prompt)
+    agreements = {provider: _agreement(model, layers, prompt, results[(provider, "dense")]["tokens"],
+                                       results[(provider, "sparse")]["tokens"], cfg.prompt)
+                  for provider in (first, "user-compiled") if (provider, "dense") in results}
+    agreement = agreements[first]
     roof = _rooflines(model, layers, batch)
     rows = []
     for (provider, mlp), r in results.items():
         base = results[(provider, "dense")]["tokens_per_s"]
-        rows.append(dict(common, provider=provider, mlp=mlp, tokens_per_s=round(r["tokens_per_s"], 1),
+        own = dict(non_mlp="torch") if provider == "user-compiled" else {}
+        rows.append(dict(common, **own, provider=provider, mlp=mlp, tokens_per_s=round(r["tokens_per_s"], 1),
                          ms_per_token_p50=round(r["p50"], 4), ms_per_token_p99=round(r["p99"], 4),
                          speedup_vs_dense=round(r["tokens_per_s"] / base, 3),
                          peak_mib=round(r["peak"], 1) if "peak" in r else "",
                          roofline_ms=round(roof[mlp], 4), decode_paths=r.get("paths", ""),
-                         **(agreement if mlp == "sparse" else {})))
+                         **(agreements.get(provider, agreement) if mlp == "sparse" else {})))
     cap_d, cap_s = results[(first, "dense")], results[(first, "sparse")]
     log(f"{common['non_mlp']} batch {batch}: {first} dense {cap_d['p50']:.3f} ms/token, sparse {cap_s['p50']:.3f} "
         f"({cap_d['p50'] / cap_s['p50']:.2f}x; rooflines {roof['dense']:.3f} / {roof['sparse']:.3f}); "
@@ -227,6 +241,9 @@ def _batch_rows(cfg, model, layers, prompt, common, log) -> list[dict]:
         + (f"step {results[('step', 'dense')]['p50']:.3f} / {results[('step', 'sparse')]['p50']:.3f} ms "
            f"(first token differing from captured's, dense / sparse: {_first_difference(results, 'dense', cfg.prompt)} / "
            f"{_first_difference(results, 'sparse', cfg.prompt)}); " if cfg.step else "")
+        + (f"user-compiled {results[('user-compiled', 'dense')]['p50']:.3f} / "
+           f"{results[('user-compiled', 'sparse')]['p50']:.3f} ms (paths {results[('user-compiled', 'sparse')]['paths']}); "
+           if user_compiled else "")
         + f"first divergence {agreement['first_divergence']} (margin {agreement['divergence_margin']}); generated "
           f"nnz/token {agreement['generated_nnz']} (layer max {agreement['generated_nnz_layer_max']}); paths "
           f"{cap_s['paths']}")
@@ -242,6 +259,38 @@ def _first_difference(results: dict, mlp: str, p: int) -> int | str:
     n = min(a.shape[1], b.shape[1])
     differ = (a[:, :n] != b[:, :n]).any(0).nonzero()
     return int(differ[0]) if differ.numel() else -1
+
+
+def _user_compiled(model, layers, prompt, cfg, sparse: bool) -> dict:
+    """bench/user_decoder.py's loop, its step through torch.compile: one warm-up generate (compiles,
+    records the CUDA graphs), then the timed one. The sparse run's paths are what the op decides for
+    each layer's call inside the compiled step."""
+    import gc
+
+    from sparseffn.bench.user_decoder import UserDecoder
+    from sparseffn.ops.sparse_mlp import as_captured, choose_mode
+
+    decoder = UserDecoder(model, batch_size=prompt.shape[0], max_length=cfg.prompt + cfg.new_tokens, sparse=sparse)
+    decoder.compile_step()
+    decoder.generate(prompt, 8)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    steps: list[float] = []
+    tokens = decoder.generate(prompt, cfg.new_tokens, steps)
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    paths = "dense"
+    if sparse:
+        x = prompt.new_empty((prompt.shape[0], 1, model.config.hidden_size), dtype=decoder.embed.dtype)
+        with as_captured():  # the decision the op takes under torch.compile
+            paths = "/".join(sorted({choose_mode(x, layer.up, expected_nnz=layer.expected_nnz,
+                                                 down_t_ready=True).mode for layer in decoder.layers}))
+    del decoder
+    torch._dynamo.reset()  # drops the compiled step and its CUDA graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    steps.sort()
+    return dict(tokens=tokens, p50=steps[len(steps) // 2], p99=steps[min(len(steps) - 1, int(0.99 * len(steps)))],
+                tokens_per_s=1e3 * prompt.shape[0] / statistics.fmean(steps), peak=peak, paths=paths)
 
 
 def _eager(model, prompt, new_tokens) -> dict:
@@ -292,7 +341,8 @@ def _generated_nnz(model, tokens, p: int) -> dict:
 
 def _rooflines(model, layers, batch: int) -> dict[str, float]:
     """ms per step if every byte each step must read streamed at HBM_TB_S: dense every weight; sparse
-    the same minus the up and down rows of units no token of the batch activates (measured activity)."""
+    the same minus the up and down rows of units no token of the batch activates (the expected union
+    at the measured activity, ops.decide.expected_union)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     skipped = 0
     for layer in layers:
@@ -300,7 +350,7 @@ def _rooflines(model, layers, batch: int) -> dict[str, float]:
         nnz = getattr(getattr(layer, "activity", None), "nnz", None)
         if h is None or nnz is None or layer.gate_proj is None:
             continue
-        union = min(h, nnz * batch)
+        union = expected_union(nnz, batch, h)
         row_bytes = 2 * layer.hidden_size * layer.up_proj.weight.element_size()  # an up row and a down column
         skipped += (h - union) * row_bytes
     return {"dense": total / (HBM_TB_S * 1e9), "sparse": (total - skipped) / (HBM_TB_S * 1e9)}
@@ -315,7 +365,7 @@ def decode_model_table(rows: list[dict]) -> str:
     variant = lambda r: r.get("non_mlp") or "hf"  # noqa: E731 (rows written before the column: hf)
     for non_mlp in dict.fromkeys(variant(r) for r in rows):
         for batch in dict.fromkeys(int(r["batch"]) for r in rows):
-            for provider in ("step", "captured", "compiled", "eager"):
+            for provider in ("step", "captured", "compiled", "user-compiled", "eager"):
                 pick = {r["mlp"]: r for r in rows if int(r["batch"]) == batch and r["provider"] == provider
                         and variant(r) == non_mlp}
                 if set(pick) != {"dense", "sparse"}:
@@ -338,7 +388,7 @@ def plot_decode_model(rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     variant = lambda r: r.get("non_mlp") or "hf"  # noqa: E731
     for non_mlp in dict.fromkeys(variant(r) for r in rows):
-        for provider in ("step", "captured", "compiled", "eager"):
+        for provider in ("step", "captured", "compiled", "user-compiled", "eager"):
             for mlp in ("dense", "sparse"):
                 pts = [(int(r["batch"]), float(r["tokens_per_s"])) for r in rows
                        if r["provider"] == provider and r["mlp"] == mlp and variant(r) == non_mlp]

@@ -20,7 +20,8 @@ a pending sample resolved) goes into training checkpoints, so a resumed run deci
 uninterrupted one.
 
 `last` remembers the path auto mode took per kind of call ("training", "decode", "prefill"),
-which the decision's hysteresis reads and `repr(SparseMLP)` and the training metrics show.
+which the decision's hysteresis reads and `repr(SparseMLP)` and the training metrics show. Calls traced
+by torch.compile neither read nor write it (a compiled caller would recompile after its first call).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def run_sparse_mlp(layer, x: torch.Tensor, gate_weight: torch.Tensor | None, up_
                    active: Callable[[], torch.Tensor]):
     """`ops.sparse_mlp`'s result for the layer's call: its `mode`, `expected_nnz` and measured activity go
     down as data, the op decides once and runs, and the decision comes back to be recorded (auto mode:
-    `last_decision`, the activity's last path of this kind of call). A counted call polls its activity
+    `last_decision`, and outside torch.compile tracing the activity's last path of this kind of call). A counted call polls its activity
     first and may take a sample after (`count_call`; `active()` as there). x and the weights are already
     in the dtype to run (autocast is off inside the op)."""
     mode, activity = layer.mode, layer.activity
@@ -68,7 +68,8 @@ def run_sparse_mlp(layer, x: torch.Tensor, gate_weight: torch.Tensor | None, up_
                                                  mode=mode, expected_nnz=layer.expected_nnz,
                                                  activity=activity if auto else None)
     if auto:
-        activity.last[decision.kind] = decision.mode
+        if not torch.compiler.is_compiling():  # traced, the write would guard on the dict and recompile
+            activity.last[decision.kind] = decision.mode  # (compiled decisions skip the hysteresis)
         layer.__dict__["last_decision"] = decision
     if is_counted:  # after the op: its checks ran on x
         count_call(layer, x, active)

@@ -15,9 +15,11 @@ Auto mode takes the sparse path only where it was measured faster (`benchmarks/r
     calls (<= DECODE_MAX_TOKENS) when captured in a CUDA graph or compiled (eager, the decode path's
     host work per call exceeds dense torch's) and the transposed down weight is at hand without a copy;
   - and activations sparse enough: the expected active units per token must lie under the break-even
-    of the path (`density_limit`). Without an estimate the functional op assumes sparse activations;
-    a layer passes its measured activity (nn/activity.py), and runs dense until it is measured
-    (`unmeasured`, the first rule of auto mode).
+    of the path (`density_limit`); for decode calls, the expected union of the call's tokens' active
+    units (`expected_union`: the batch's tokens together) under a fraction of H (`decode_union_limit`).
+    Without an estimate the functional op assumes sparse activations; a layer passes its measured
+    activity (nn/activity.py), and runs dense until it is measured (`unmeasured`, the first rule of
+    auto mode).
 Hysteresis: `previous`, the path this kind of call (`call_kind`) took last time, keeps a layer that runs
 dense there until its estimate falls under HYSTERESIS x the limit, so it does not flip between paths.
 """
@@ -55,13 +57,18 @@ TRAIN_MAX_NNZ = (56.0, 0.01)
 # 704 slots at H = 5632). Without an estimate (mode="sparse" with no expected_nnz) they do not run:
 # the first GEMM version cost 2.81 -> 4.91 ms at 29, eagerly (host launch work).
 OVERFLOW_GEMM_MIN_FILL = 1 / 24
-# Decode calls pay while the union of the tokens' active units stays under a fraction of H: (up to this
-# many tokens, fraction). The union is estimated as if units fired independently, H (1 - (1 - n/H)^T)
-# for T tokens of n active units each; correlated units make it smaller. decode_mlp.csv (c6ee0f0,
-# graphs, L2 flushed): 16 tokens 1.33x at a union of 26% of H (D=2048) and 1.50x at 11% (D=4096);
-# 64 tokens 1.02x at 26% (D=2048), 1.20x at 12% and 1.06x at 35% (D=4096), 0.80x at 65%. The
-# 64-row kernels cost more per call, hence the lower fraction beyond 16 tokens.
-DECODE_MAX_UNION = ((16, 0.30), (DECODE_MAX_TOKENS, 0.25))
+# Decode calls pay while the union of the tokens' active units (`expected_union`: what the decode
+# kernels read of the up and down matrices) stays under a fraction of H, per the kernels' padded token
+# rows (kernels/decode_mlp.py: 1-2 tokens CUDA-core products, 3-16 one 16-row tile, 17-64 32/64 rows):
+# (up to this many tokens, fraction). Isolated calls (decode_mlp.csv, c6ee0f0, D=2048/H=5632 unless
+# noted, CUDA graphs, L2 flushed): 4-16 tokens 1.54-1.60x at unions of 2-8% and 1.32x at 26%; 64
+# tokens 1.18x at 12% (D=4096), 1.02x at 26%, 1.04x at 35% (D=4096), 0.79x at 65%. In the whole
+# captured step the kernels pay less than isolated: the SparseLM2B-shaped fixture (~106 units per token,
+# docs/checkpoints.md) lost at 16 tokens (0.94x of dense) with layers at unions of 25-30%, where the
+# isolated call won 1.32x, while the calibrated 2b (29 per token, 8% at 16 tokens) gained 1.15x. So the
+# limits sit under the whole-step losses: 20% up to 16 tokens, 13% beyond (64 tokens won 1.18x at 12%
+# isolated; the 64-row kernels cost more per call than the 16-row ones).
+DECODE_MAX_UNION = ((2, 0.30), (16, 0.20), (DECODE_MAX_TOKENS, 0.13))
 HYSTERESIS = 0.8
 
 
@@ -96,14 +103,30 @@ def call_kind(training: bool, tokens: int) -> str:
     return "training" if training else ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
 
 
+def expected_union(nnz: float, tokens: int, h: int) -> float:
+    """Expected number of units at least one of `tokens` tokens activates, each activating `nnz` of the
+    `h` units as if independently: H (1 - (1 - n/H)^T). Correlated units (the same units firing across
+    tokens) make the true union smaller; tokens of very unequal counts make it larger."""
+    if h <= 0 or tokens <= 0:
+        return 0.0
+    p = min(max(nnz / h, 0.0), 1.0)
+    return h * (1.0 - (1.0 - p) ** tokens)
+
+
+def decode_union_limit(tokens: int) -> float:
+    """The largest union of active units, as a fraction of H, at which a decode call of `tokens` tokens
+    (1 <= tokens <= DECODE_MAX_TOKENS) takes the decode kernels (DECODE_MAX_UNION)."""
+    return next(f for most, f in DECODE_MAX_UNION if max(tokens, 1) <= most)
+
+
 def density_limit(facts: CallFacts) -> float:
-    """Auto mode's break-even active units per token for this kind of call."""
+    """Auto mode's break-even active units per token for this kind of call (for decode calls: the
+    count per token at which the expected union of the call's tokens reaches `decode_union_limit`)."""
     if facts.training:
         count, fraction = TRAIN_MAX_NNZ
     elif facts.tokens <= DECODE_MAX_TOKENS:
         tokens = max(facts.tokens, 1)
-        fraction = next(f for most, f in DECODE_MAX_UNION if tokens <= most)
-        return facts.h * (1.0 - (1.0 - fraction) ** (1.0 / tokens))  # n at which the union reaches fraction·H
+        return facts.h * (1.0 - (1.0 - decode_union_limit(tokens)) ** (1.0 / tokens))  # expected_union's inverse
     else:
         count, fraction = PREFILL_MAX_NNZ
     return min(count, fraction * facts.h)
@@ -185,7 +208,11 @@ def _auto(facts: CallFacts, expected_nnz: float | None, previous: str | None,
         if previous == "dense":
             limit *= HYSTERESIS
         if expected_nnz > limit:
-            return "dense", (f"expected {expected_nnz:g} active units per token > {limit:g}, the "
+            union = ""
+            if kind == "decode" and facts.tokens > 1:
+                share = expected_union(expected_nnz, facts.tokens, facts.h) / max(facts.h, 1)
+                union = f" (a union over {facts.tokens} tokens of ~{100 * share:.0f}% of H)"
+            return "dense", (f"expected {expected_nnz:g} active units per token{union} > {limit:g}, the "
                              f"break-even of {kind}" + (" (hysteresis)" if previous == "dense" else ""))
     estimate = "" if expected_nnz is None else f", expected {expected_nnz:g} active units per token"
     return "sparse", f"{kind}: {facts.tokens} tokens{estimate}"

@@ -90,8 +90,10 @@ def choose_mode(
     needs for the decode kernels, which it takes under CUDA-graph capture or torch.compile; previous:
     the path this kind of call took last time (hysteresis). activity: a layer's measured activity
     (auto mode): its estimate stands in for expected_nnz when that is None (no estimate yet: dense,
-    saying so), and its last path for this kind of call for previous. Only shapes, dtypes, devices
-    and these numbers are looked at, so the decision traces under torch.compile.
+    saying so), and its last path for this kind of call for previous, except while torch.compile
+    traces: the path it records after each call would fail the guard on that read and recompile the
+    caller after its first call, and a compiled decision cannot flip between calls anyway. Only shapes,
+    dtypes, devices and these numbers are looked at, so the decision traces under torch.compile.
     """
     if mode == "dense":
         return _REQUESTED_DENSE
@@ -99,29 +101,42 @@ def choose_mode(
     tokens = x.numel() // max(d, 1)
     training = needs_grad or return_l1
     unmeasured = None
+    compiling = torch.compiler.is_compiling()
     if activity is not None and mode == "auto":
-        previous = activity.last.get(call_kind(training, tokens))
+        if not compiling:
+            previous = activity.last.get(call_kind(training, tokens))
         if expected_nnz is None:
             expected_nnz = activity.nnz
             if expected_nnz is None:
                 unmeasured = (f"activity not measured yet (sampled every {activity.period} calls, "
                               f"read {activity.lag} calls later)")
     traced = tokens <= DECODE_MAX_TOKENS and mode == "auto" and call_traced(x)
-    return _decision(mode, d, tokens, x.dtype, x.device, up_weight.shape[0], training, down_t_ready,
-                     traced, expected_nnz, previous, unmeasured)
+    # traced by torch.compile the decision is evaluated once, at trace time, into constants: the
+    # memos (which dynamo would warn about and bypass) are skipped
+    decision = _decision.__wrapped__ if compiling else _decision
+    return decision(mode, d, tokens, x.dtype, x.device, _capability(x.device, compiling), up_weight.shape[0],
+                    training, down_t_ready, traced, expected_nnz, previous, unmeasured)
+
+
+def _capability(device: torch.device, compiling: bool) -> tuple[int, int]:
+    """The CUDA device's compute capability ((0, 0) off CUDA); traced, read without the launchers'
+    memo (dynamo folds the device's properties into a constant)."""
+    if device.type != "cuda":
+        return (0, 0)
+    return tuple(torch.cuda.get_device_capability(device)) if compiling else capability(device)
 
 
 _REQUESTED_DENSE = ModeDecision("dense", "requested")
 
 
 @functools.lru_cache(maxsize=4096)
-def _decision(mode, d, tokens, dtype, device, h, training, down_t_ready, traced, expected_nnz,
+def _decision(mode, d, tokens, dtype, device, cap, h, training, down_t_ready, traced, expected_nnz,
               previous, unmeasured) -> ModeDecision:
     """`decide` memoized on what it looks at (a decode step asks the same question every call; the
     facts and rules cost more host time than the decode kernels' launches)."""
     facts = CallFacts(
         device_type=device.type,
-        capability=capability(device) if device.type == "cuda" else (0, 0),
+        capability=cap,
         dtype=dtype, d=d, h=h, tokens=tokens, training=training,
         interpreted=device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
         down_t_ready=down_t_ready, traced=traced,
@@ -195,7 +210,9 @@ def sparse_mlp(
     mode: "auto" (see `choose_mode`), "sparse" (Triton kernels; raises NotImplementedError where
     they cannot run) or "dense". prepared: `SparseMLPWeights.prepare(gate, up, down)` built once and
     reused (it holds down^T; without it and without a transposed down weight the sparse path copies
-    down^T on every call, and auto mode does not take the decode kernels). expected_nnz: the
+    down^T on every call, and auto mode does not take the decode kernels; under a caller's
+    torch.compile(mode="reduce-overhead") its tensors are read in place by the CUDA graphs, and a
+    threshold tensor should be a module buffer, or it is copied before each replay). expected_nnz: the
     caller's estimate of active units per token, used by auto mode, with `previous` (the path this
     kind of call took last time) for its hysteresis, and by training calls in either mode to run
     their overflow rows as GEMMs or not (`decide.overflow_gemm_rows`). tile/slots: TwELL capacity.
