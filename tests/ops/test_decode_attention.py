@@ -161,8 +161,9 @@ def test_cuda_graph_replays_with_new_positions(b):
     for trial in range(3):
         new_pos = torch.randint(100 + trial * 300, 400 + trial * 300, (b,), device=DEVICE)
         new_hidden = torch.randn(b, 2048, device=DEVICE).to(p["hidden"].dtype)
-        for t in (p, eager):
+        for t in (p, eager):  # valid_from kept at or below the new positions: no empty range (NaN != NaN)
             t["positions"].copy_(new_pos)
+            t["valid_from"].copy_(torch.minimum(t["valid_from"], new_pos))
             t["hidden"].copy_(new_hidden)
         graph.replay()
         expected = step(eager, counters)
