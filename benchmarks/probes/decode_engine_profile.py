@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from decode_step import kernel_us
+from decode_step import REPLAYS, kernel_us
 from sparseffn.bench.common import write_csv
 from sparseffn.bench.decode_model import DecodeModelBenchConfig, build_bench_model
 from sparseffn.bench.timing import run_metadata
@@ -52,7 +52,8 @@ def main(out_csv: str, batches: str = "1,16") -> None:
         for mlp, mode in (("dense", "dense"), ("sparse", "auto")):
             for layer in layers:
                 layer.mode = mode
-            decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens,
+            # room for the profiled replays, each of which writes the cache one position further
+            decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens + REPLAYS + 8,
                                       record_times=True, engine="fused")
             decoder.generate(prompt, NEW)
             step_ms = sorted(decoder.step_ms)[len(decoder.step_ms) // 2]
