@@ -29,11 +29,4 @@ timeout 80 python3 -m sparseffn bench decode-model --model 2b --batches 1,4,16 -
   --no-eager --non-mlp fused --step --out-dir "$out" --git-sha "$sha" > "$out/bench.log" 2>&1
 echo "bench exit $?"; grep -E "batch [0-9]+:|Error|error" "$out/bench.log" | cut -c1-600
 stamp table
-python3 - "$out" <<'PY'
-import csv, sys
-from pathlib import Path
-from sparseffn.bench.decode_model import decode_model_table
-files = sorted(Path(sys.argv[1]).glob("*/decode_model.csv"))
-rows = [r for f in files for r in csv.DictReader(open(f))]
-print(decode_model_table(rows) if rows else "no rows written (see bench.log)")
-PY
+python3 benchmarks/probes/decode_model_table.py "$out"
