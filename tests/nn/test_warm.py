@@ -10,7 +10,7 @@ import torch
 
 from sparseffn.kernels import launch
 from sparseffn.nn.sparse_mlp import SparseMLP
-from sparseffn.nn.warm import WarmedCall, warm_sparse_kernels
+from sparseffn.nn.warm import BackgroundWarm, WarmedCall, start_warming, warm_sparse_kernels
 
 needs_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -91,6 +91,34 @@ def test_auto_layers_on_the_h200_warm_at_the_training_shape(launches):
     warmed = warm_sparse_kernels([mlp], train_tokens=16384, eval_tokens=[16384], dtype=torch.bfloat16)
     assert [c.kind for c in warmed] == (["training", "inference"] if torch.cuda.get_device_capability() == (9, 0)
                                         else [])
+
+
+@needs_kernels
+def test_background_warm_runs_the_same_calls_in_a_child(launches):
+    mlp = _mlp()
+    job = start_warming([mlp], train_tokens=TOKENS, eval_tokens=[TOKENS])
+    assert job.calls == [WarmedCall("training", TOKENS, D, H, True, False, torch.bfloat16),
+                         WarmedCall("inference", TOKENS, D, H, True, False, torch.bfloat16)]
+    assert not launches  # none in this process
+    assert job.wait() > 0 and job.poll()
+    assert start_warming([_mlp(mode="dense")], train_tokens=TOKENS) is None  # nothing to warm
+
+
+def test_background_warm_failure_raises_with_the_childs_error():
+    call = WarmedCall("training", 4, D, H, True, False, torch.bfloat16)
+    job = BackgroundWarm([(call, dict(d=D, h=H, gated=True, threshold=False, down_transposed=True, device="cpu",
+                                      tokens=4, training=True, dtype="no_such_dtype", seed=0))])
+    with pytest.raises(RuntimeError, match="(?s)background kernel warm-up failed.*no_such_dtype"):
+        job.wait()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_background_warm_fills_the_triton_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    mlp = SparseMLP(2048, 5632, mode="sparse", device="cuda", dtype=torch.bfloat16)
+    start_warming([mlp], train_tokens=4096, dtype=torch.bfloat16).wait()
+    names = {p.stem for p in tmp_path.rglob("*.cubin")}
+    assert {"_twell_train_forward_kernel", "_twell_train_backward_kernel"} <= names, names
 
 
 def test_bad_arguments():

@@ -110,6 +110,41 @@ def test_sparse_kernels_are_warmed_before_the_first_step_at_the_runs_shapes(smal
     assert calls == []
 
 
+@pytest.mark.parametrize("steps, finished", [(4, True), (2, False)])
+def test_background_warm_is_polled_each_step_and_stopped_at_the_end(small_corpus, tmp_path, monkeypatch, steps,
+                                                                    finished):
+    """On CUDA the loop starts the warm-up in a child (nn.warm.start_warming) and goes on training; the
+    step after which the child is seen finished records a "warm" row marked background; a run that
+    ends first stops the child."""
+    import sparseffn.train.loop as loop
+    from sparseffn.nn.warm import WarmedCall
+
+    class Job:
+        calls, seconds, polls, stopped = [WarmedCall("training", 64, 128, 352, True, False, torch.bfloat16)], None, 0, False
+
+        def poll(self):
+            self.polls += 1
+            if self.polls == 3:
+                self.seconds = 1.5
+            return self.seconds is not None
+
+        def stop(self):
+            self.stopped = True
+
+    job = Job()
+    monkeypatch.setattr(loop, "_warm_in_background", lambda mlps: True)
+    monkeypatch.setattr(loop, "start_warming", lambda mlps, **kwargs: job)
+    cfg = tiny_config(small_corpus, tmp_path / "run", steps=steps, eval_interval=0, checkpoint_interval=0,
+                      device="cpu")
+    result = train(cfg, progress=False, echo=None)
+    warm = [r for r in read_metrics(result.metrics_path) if r["kind"] == "warm"]
+    if finished:
+        assert job.polls == 3 and not job.stopped
+        assert [(r["step"], r["seconds"], r["background"]) for r in warm] == [(3, 1.5, True)]
+    else:
+        assert job.polls == 2 and job.stopped and warm == []
+
+
 @pytest.mark.parametrize("flag, fused", [(None, False), (True, True), (False, False)])
 def test_fused_norms_follow_the_flag_and_default_to_cuda_only(small_corpus, tmp_path, flag, fused):
     """fuse_non_mlp None (the default) fuses when training on CUDA (here: CPU, so not); True / False force it."""

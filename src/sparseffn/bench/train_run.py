@@ -50,7 +50,7 @@ MODES = {"auto": ("auto", None), "dense": ("dense", None), "no-l1": ("dense", 0.
 CSV_FIELDS = (
     "gpu", "torch", "triton", "git_sha", "model", "mode", "kind", "l1_coeff", "tokens_per_step", "step",
     "elapsed_s", "tokens_per_s", "zeros_pct", "nnz_mean_all", "sparse_layers", "layers", "ce", "eval_ce",
-    "nnz_mean", "path", "wall_s", "warmup_s", "kernel_warm_s", "final_eval_ce", "process",
+    "nnz_mean", "path", "wall_s", "warmup_s", "kernel_warm_s", "background_warm_s", "final_eval_ce", "process",
 )
 
 
@@ -195,7 +195,8 @@ def mode_rows(meta: dict, cfg: TrainRunBenchConfig, mode: str, l1: float, metric
     """One row per logging window of the run, then its summary row."""
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     evals = {r["step"]: r["eval_ce"] for r in records if r.get("kind") == "eval"}
-    warm = sum(r["seconds"] for r in records if r.get("kind") == "warm")
+    warm = sum(r["seconds"] for r in records if r.get("kind") == "warm" and not r.get("background"))
+    background = sum(r["seconds"] for r in records if r.get("kind") == "warm" and r.get("background"))
     common = dict(meta, model=cfg.model, mode=mode, l1_coeff=l1, tokens_per_step=cfg.batch_size * cfg.seq_len,
                   process="own" if cfg.processes else "shared")
     rows = []
@@ -212,6 +213,7 @@ def mode_rows(meta: dict, cfg: TrainRunBenchConfig, mode: str, l1: float, metric
     final = evals[max(evals)] if evals else float("nan")
     rows.append(dict(common, kind="summary", wall_s=round(wall_s, 1),
                      warmup_s=rows[0]["elapsed_s"] if rows else "", kernel_warm_s=round(warm, 2),
+                     background_warm_s=round(background, 2),
                      final_eval_ce=round(final, 5)))
     return rows
 
@@ -338,6 +340,9 @@ def summary_lines(rows: list[dict], share: float = 0.9) -> list[str]:
     walls = "; ".join(f"{mode} {float(s['wall_s']):.0f} s ({_fmt(s['warmup_s'], '.1f')} s"
                       + (f", of it {float(s['kernel_warm_s']):.1f} s kernel warm-up" if s["kernel_warm_s"] not in
                          ("", None) and float(s["kernel_warm_s"]) > 0 else "")
+                      + (f"; kernels warmed in a child process in {float(s['background_warm_s']):.1f} s"
+                         if s.get("background_warm_s") not in ("", None) and float(s["background_warm_s"]) > 0
+                         else "")
                       + f"; CE {_fmt(s['final_eval_ce'], '.4f')})" for mode, s in summaries.items())
     lines = [f"{first['gpu']}, git {first['git_sha']}, `{first['model']}`, λ "
              f"{float(next(iter(summaries.values()))['l1_coeff']):g} ramped, {int(first['tokens_per_step']):,} tokens "

@@ -15,10 +15,21 @@ once on random tensors of the layer's shapes and layouts in the run dtype, drawn
 its own. The launches are those of a real call of that shape (the kernels' variants
 depend on shapes, dtypes and layouts, not on the values), so a later switch compiles nothing. The
 layers' state (activity, decisions, gradients) and the global RNG are untouched.
+
+`start_warming` does the same in a child process (`python -m sparseffn.nn.warm`, same GPU) while the
+caller goes on training: the child's launches compile the kernels into Triton's on-disk cache (its
+TRITON_CACHE_DIR, inherited), so a layer's first sparse call in the training process loads them from
+there instead of compiling them. A layer that switches before the child is done compiles what it
+needs itself, as without warming.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -53,6 +64,65 @@ def warm_sparse_kernels(mlps: Sequence[SparseMLP], *, train_tokens: int | None =
     (module docstring). train_tokens: tokens of one training call (None: no training calls);
     eval_tokens: tokens of the inference calls; dtype: the autocast dtype the layers run under (None:
     their weights' dtype). Returns what was run, in order."""
+    planned = _plan(mlps, train_tokens, eval_tokens, dtype, seed)
+    for _, run in planned:
+        _run_once(**run)
+    return [call for call, _ in planned]
+
+
+def start_warming(mlps: Sequence[SparseMLP], *, train_tokens: int | None = None, eval_tokens: Sequence[int] = (),
+                  dtype: torch.dtype | None = None, seed: int = 0) -> BackgroundWarm | None:
+    """`warm_sparse_kernels` in a child process (module docstring), arguments alike; None when there is
+    nothing to warm."""
+    planned = _plan(mlps, train_tokens, eval_tokens, dtype, seed)
+    return BackgroundWarm(planned) if planned else None
+
+
+class BackgroundWarm:
+    """`start_warming`'s child process. `calls`: what it runs, in order; `poll()`: whether it has
+    finished (RuntimeError with its stderr when it failed); `seconds`: from its start to when poll()
+    first saw it finished; `stop()`: end it early (the run is over)."""
+
+    def __init__(self, planned: list[tuple[WarmedCall, dict]]) -> None:
+        self.calls = [call for call, _ in planned]
+        self.seconds: float | None = None
+        self._started = time.perf_counter()
+        self._stderr = tempfile.TemporaryFile()
+        self._process = subprocess.Popen([sys.executable, "-m", "sparseffn.nn.warm"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=self._stderr)
+        self._process.stdin.write(json.dumps([run for _, run in planned]).encode())  # the child reads to EOF
+        self._process.stdin.close()
+
+    def poll(self) -> bool:
+        if self.seconds is not None:
+            return True
+        code = self._process.poll()
+        if code is None:
+            return False
+        self._stderr.seek(0)
+        err = self._stderr.read().decode(errors="replace")
+        self._stderr.close()
+        if code != 0:
+            raise RuntimeError(f"the background kernel warm-up failed (exit {code}):\n{err[-3000:]}")
+        self.seconds = time.perf_counter() - self._started
+        return True
+
+    def wait(self) -> float:
+        """Block until the child has finished; its seconds."""
+        self._process.wait()
+        self.poll()
+        return self.seconds
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        if not self._stderr.closed:
+            self._stderr.close()
+
+
+def _plan(mlps, train_tokens, eval_tokens, dtype, seed) -> list[tuple[WarmedCall, dict]]:
+    """(the call, `_run_once`'s keyword arguments) of each call to warm, arguments checked."""
     if train_tokens is not None and (isinstance(train_tokens, bool) or not isinstance(train_tokens, int)
                                      or train_tokens < 1):
         raise ValueError(f"train_tokens must be None or a positive int, got {train_tokens!r}")
@@ -60,7 +130,7 @@ def warm_sparse_kernels(mlps: Sequence[SparseMLP], *, train_tokens: int | None =
         raise ValueError(f"eval_tokens must be positive ints, got {list(eval_tokens)!r}")
     calls = ([("training", train_tokens)] if train_tokens is not None else []) + [
         ("inference", t) for t in dict.fromkeys(eval_tokens)]
-    warmed: list[WarmedCall] = []
+    planned: list[tuple[WarmedCall, dict]] = []
     seen: set[tuple] = set()
     for mlp in mlps:
         if not isinstance(mlp, SparseMLP):
@@ -69,18 +139,21 @@ def warm_sparse_kernels(mlps: Sequence[SparseMLP], *, train_tokens: int | None =
         if mlp.mode == "dense" or weights is None:  # dense by request, or a path the kernels never take
             continue
         run_dtype = dtype or weights[1].dtype
+        device = weights[1].device
         gated, threshold = weights[0] is not None, mlp.has_threshold
-        shape = (mlp.hidden_size, mlp.intermediate_size, gated, threshold, mlp.down_transposed, weights[1].device)
+        shape = (mlp.hidden_size, mlp.intermediate_size, gated, threshold, mlp.down_transposed, device)
         for kind, tokens in calls:
             key = (kind, tokens, run_dtype, mlp.mode, *shape)
             if key in seen:
                 continue
             seen.add(key)
-            if _could_switch(mlp, weights[1].device, tokens, kind == "training", run_dtype):
-                _run_once(*shape, tokens, kind == "training", run_dtype, seed)
-                warmed.append(WarmedCall(kind, tokens, mlp.hidden_size, mlp.intermediate_size, gated, threshold,
-                                         run_dtype))
-    return warmed
+            if _could_switch(mlp, device, tokens, kind == "training", run_dtype):
+                call = WarmedCall(kind, tokens, mlp.hidden_size, mlp.intermediate_size, gated, threshold, run_dtype)
+                planned.append((call, dict(
+                    d=mlp.hidden_size, h=mlp.intermediate_size, gated=gated, threshold=threshold,
+                    down_transposed=mlp.down_transposed, device=str(device), tokens=tokens,
+                    training=kind == "training", dtype=str(run_dtype).removeprefix("torch."), seed=seed)))
+    return planned
 
 
 def _plain_weights(mlp: SparseMLP) -> list[torch.Tensor | None] | None:
@@ -102,10 +175,11 @@ def _could_switch(mlp: SparseMLP, device: torch.device, tokens: int, training: b
     return decision.mode == "sparse"
 
 
-def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: bool, device: torch.device,
-              tokens: int, training: bool, dtype: torch.dtype, seed: int) -> None:
+def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: bool, device: str,
+              tokens: int, training: bool, dtype: str, seed: int) -> None:
     """The call on random tensors of the layer's shapes and layouts (fresh ones: a layer's own weights may be
-    shards, e.g. under FSDP, while its calls see whole weights)."""
+    shards, e.g. under FSDP, while its calls see whole weights); device and dtype by name (JSON)."""
+    device, dtype = torch.device(device), getattr(torch, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
@@ -123,3 +197,11 @@ def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: boo
     with torch.enable_grad():
         y, l1 = sparse_mlp(x, gate, up, down, theta, mode="sparse", return_l1=True)
         torch.autograd.grad((y, l1), leaves, (torch.ones_like(y), torch.ones_like(l1)))
+
+
+if __name__ == "__main__":  # start_warming's child: the planned runs, as JSON on stdin
+    for run in json.loads(sys.stdin.read()):
+        where = torch.device(run["device"])
+        if where.type == "cuda" and where.index is not None:
+            torch.cuda.set_device(where)
+        _run_once(**run)

@@ -71,7 +71,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     activation_checkpointing: bool = False
     fuse_non_mlp: bool | None = None  # models.fuse_non_mlp_: fused RMSNorm / RoPE kernels; None = on CUDA
-    warm_kernels: bool = True  # compile the sparse kernels auto-mode layers may switch to before the first step
+    warm_kernels: bool = True  # compile the sparse kernels auto-mode layers may switch to before they switch
     compile_non_mlp: bool = False  # torch.compile each norm and attention module (models.compile_non_mlp_)
     seed: int = 0
     device: str = "auto"  # "auto" = cuda when available, else cpu
@@ -228,8 +228,9 @@ FIELD_HELP = {
                     "training step 1.35x); not given: on when training on CUDA",
     "compile_non_mlp": "torch.compile each norm and attention module in place (the MLPs stay eager; compiles for "
                        "tens of seconds at the first step)",
-    "warm_kernels": "before the first step, compile the sparse kernels that auto-mode layers may switch to, at the "
-                    "run's shapes (else the step of the switch pays the compilation)",
+    "warm_kernels": "compile the sparse kernels that auto-mode layers may switch to, at the run's shapes, before "
+                    "they switch (on CUDA in a child process beside the first steps, else before the first step; "
+                    "without it the step of the switch pays the compilation)",
     "seed": "seed of the weights and of the batch order",
     "device": "where to train",
     "dtype": "auto = bf16 autocast on CUDA, fp32 on CPU",

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from sparseffn.models import (calibrate_thresholds, collect_l1, fuse_non_mlp_, model_config, sparse_layers,
                               sparse_mlps)
 from sparseffn.models.fuse import compile_non_mlp_, fusion_plan
-from sparseffn.nn.warm import warm_sparse_kernels
+from sparseffn.nn.warm import start_warming, warm_sparse_kernels
 from sparseffn.train.checkpoint import newest_usable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from sparseffn.train.config import TrainConfig
 from sparseffn.train.data import (
@@ -419,8 +419,7 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
 
     # ---- loop
     amp = resolve_amp(cfg.dtype, device)
-    if cfg.warm_kernels and mlps:
-        _warm(mlps, cfg, info, amp, windows, metrics_path, start, say)
+    warming = _warm(mlps, cfg, info, amp, windows, metrics_path, start, say) if cfg.warm_kernels and mlps else None
     reduce = make_reduce(info)
     track_every_step = cfg.sparsity.reinit_dead
     std = float(getattr(model.config, "initializer_range", 0.02))
@@ -533,6 +532,9 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
                 run.publish(info)  # the first checkpoint: the new run replaces the old one (if any)
                 barrier(info)
                 metrics_path = out / "metrics.jsonl"
+            if warming is not None and warming.poll():
+                _warmed(warming.seconds, warming.calls, True, done, metrics_path, info, say)
+                warming = None
             window_start += time.perf_counter() - aside
             bar.update(1)
             if stop_after_step is not None and done >= stop_after_step and done < cfg.steps:
@@ -543,6 +545,8 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
         bar = None
         if stats is not None:
             stats.remove()
+        if warming is not None:  # the run ended before the child did: nothing left to warm for
+            warming.stop()
 
     model_dir = None
     if not stopped:
@@ -568,21 +572,37 @@ def _fuse(model: torch.nn.Module, cfg: TrainConfig, device: torch.device, say: C
 
 
 def _warm(mlps: list, cfg: TrainConfig, info: DistInfo, amp: torch.dtype | None, windows: torch.Tensor,
-          metrics_path: Path, step: int, say: Callable[[str], None]) -> None:
-    """Compile and load the sparse kernels the layers may switch to (nn/warm.py) before the first step,
-    at this run's shapes: a training call of batch_size x seq_len tokens and the evaluation's calls."""
-    t0 = time.perf_counter()
+          metrics_path: Path, step: int, say: Callable[[str], None]):
+    """Compile the sparse kernels the layers may switch to (nn/warm.py) at this run's shapes: a training
+    call of batch_size x seq_len tokens and the evaluation's calls. On CUDA in a child process while the
+    first steps run (returns its BackgroundWarm, or None with nothing to warm); elsewhere before the
+    first step (returns None)."""
     rows = windows.shape[0] // info.world_size  # the evaluation windows of this process
     eval_tokens = [min(cfg.batch_size, rows - s) * (windows.shape[1] - 1) for s in range(0, rows, cfg.batch_size)]
-    warmed = warm_sparse_kernels(mlps, train_tokens=cfg.batch_size * cfg.seq_len, eval_tokens=eval_tokens,
-                                 dtype=amp, seed=cfg.seed)
-    if not warmed:
-        return
-    seconds = time.perf_counter() - t0
-    say(f"warmed the sparse kernels the layers may switch to in {seconds:.1f}s: " + "; ".join(map(str, warmed)))
+    kwargs = dict(train_tokens=cfg.batch_size * cfg.seq_len, eval_tokens=eval_tokens, dtype=amp, seed=cfg.seed)
+    if _warm_in_background(mlps):
+        return start_warming(mlps, **kwargs)
+    t0 = time.perf_counter()
+    warmed = warm_sparse_kernels(mlps, **kwargs)
+    if warmed:
+        _warmed(time.perf_counter() - t0, warmed, False, step, metrics_path, info, say)
+    return None
+
+
+def _warm_in_background(mlps: list) -> bool:
+    """Whether the kernels are warmed in a child process: on CUDA (the child shares the GPU; on a CPU
+    there is nothing to compile ahead)."""
+    return next(mlps[0].parameters()).is_cuda
+
+
+def _warmed(seconds: float, calls: list, background: bool, step: int, metrics_path: Path, info: DistInfo,
+            say: Callable[[str], None]) -> None:
+    """Say and record (a "warm" row) what the kernel warm-up ran and how long it took."""
+    where = "in a child process beside the first steps" if background else "before the first step"
+    say(f"warmed the sparse kernels the layers may switch to {where}, in {seconds:.1f}s: " + "; ".join(map(str, calls)))
     if info.is_main:
-        append_row(metrics_path, {"kind": "warm", "step": step, "seconds": round(seconds, 2),
-                                  "calls": [str(c) for c in warmed]})
+        append_row(metrics_path, {"kind": "warm", "step": step, "seconds": round(seconds, 2), "background": background,
+                                  "calls": [str(c) for c in calls]})
 
 
 def _initial(initial, cfg: TrainConfig, tokenizer: TextTokenizer, device: torch.device):
