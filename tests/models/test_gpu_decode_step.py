@@ -67,27 +67,3 @@ def test_logits_within_twice_torch_error_of_fp32():
     ref = ref_model(input_ids=ids).logits[:, PROMPT:].float()
     torch_err = (hf - ref).abs().max()
     assert (got - ref).abs().max() <= 2 * torch_err + 1e-3
-
-
-@pytest.mark.parametrize("batch", [1, 16])
-@torch.no_grad()
-def test_programmatic_dependent_launch_changes_no_bit(batch, monkeypatch):
-    """The engine's kernels with PDL (weights loaded before each wait) give the same logits and the
-    same replayed tokens as launched one after the other."""
-    model = _model("sparse")
-    ids = torch.randint(512, (batch, PROMPT + 4), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
-    runs = []
-    for pdl in ("1", "0"):
-        monkeypatch.setenv("SPARSEFFN_PDL", pdl)
-        tokens = CapturedDecoder(model, batch_size=batch, max_length=PROMPT + NEW, eager_steps=1,
-                                 engine="fused").generate(ids[:, :PROMPT], NEW)
-        cache = StaticCache(config=model.config, max_cache_len=PROMPT + 4)
-        engine = DecodeEngine(model, batch_size=batch, max_length=PROMPT + 4)
-        model(input_ids=ids[:, :PROMPT], past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(PROMPT, device="cuda"))
-        engine.attach(cache, None)
-        zeros = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
-        logits = [engine.logits(ids[:, t:t + 1], torch.tensor([t], device="cuda"), zeros) for t in range(PROMPT, PROMPT + 4)]
-        runs.append((tokens, torch.stack(logits)))
-    assert torch.equal(runs[0][0], runs[1][0])
-    assert torch.equal(runs[0][1], runs[1][1])

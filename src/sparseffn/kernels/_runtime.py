@@ -1,5 +1,4 @@
-"""What the kernel files share: launch-time facts, the dtypes they take, one MMA helper, programmatic
-dependent launch."""
+"""What the kernel files share: launch-time facts, the dtypes they take, one MMA helper."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Activation dtypes every kernel takes, and their names in Triton signatures (GPU compile specs).
 DTYPES = (torch.bfloat16, torch.float16)
@@ -150,40 +148,3 @@ def check_config_fields(config, *, positive=(), powers_of_two=(), at_least=(), f
     if max_regs is not None and (isinstance(max_regs, bool) or not isinstance(max_regs, int)
                                  or not 24 <= max_regs <= 255):
         raise ValueError(f"{owner}.max_regs must be None or an int in [24, 255], got {max_regs!r}")
-
-
-# Programmatic dependent launch (Hopper on): a kernel launched with it may start while the kernel
-# before it in the stream still runs. The decode kernels use it (the step is a chain of short launches
-# whose fixed costs would otherwise add up): each calls `pdl_launch_dependents` first, so the next one
-# may start, loads only weights (never written by any kernel) before `pdl_wait`, and touches
-# activations, caches and scratch only after it. griddepcontrol.wait returns once the previous grid
-# has finished and its writes are visible; that grid waited for its own predecessor, so every earlier
-# kernel has finished too. A launch without the attribute (torch's, cuBLAS's) waits for the kernel
-# before it as usual. SPARSEFFN_PDL=0 turns it off (the A/B of the decode benchmarks).
-PDL_CAPABILITY = HOPPER
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Whether launches on `device` use programmatic dependent launch (above)."""
-    return (device.type == "cuda" and not interpreting() and capability(device) >= PDL_CAPABILITY
-            and os.environ.get("SPARSEFFN_PDL", "1") != "0")
-
-
-def pdl_options(pdl: bool) -> dict:
-    """The launch options of a kernel launched with `pdl`: its PDL constexpr, and Triton's launch_pdl
-    (left out when off: the interpreter takes no such option)."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
-
-
-@triton.jit
-def pdl_launch_dependents(PDL: tl.constexpr):
-    """Let the next kernel in the stream start (PDL): its programs wait in `pdl_wait` for this one."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """Wait until the previous kernel in the stream has finished and its writes are visible (PDL)."""
-    if PDL:
-        gdc_wait()

@@ -33,8 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import (cdiv, interpreting, mma, next_power_of_2, num_sms, pdl_launch_dependents,
-                                        pdl_options, pdl_wait, use_pdl)
+from sparseffn.kernels._runtime import cdiv, interpreting, mma, next_power_of_2, num_sms
 from sparseffn.kernels.configs.decode_attention import AttentionConfig
 from sparseffn.kernels.launch import Launcher
 
@@ -65,11 +64,8 @@ def _decode_attention_kernel(
     SPLITS_PAD: tl.constexpr,  # next power of two >= SPLITS
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)  # q, the caches and the counters are the previous kernels'
     bg = tl.program_id(0)
     split = tl.program_id(1)
     b = (bg // HKV).to(tl.int64)
@@ -192,6 +188,6 @@ def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=
         v_cache.stride(2),
         HEAD_DIM=d, GROUP=group, G_PAD=g_pad, SPLITS_PAD=next_power_of_2(splits), BLOCK_S=config.block_s,
         BLOCK_D=block_d, DOT_IN_FP32=interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(use_pdl(q.device)),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return o

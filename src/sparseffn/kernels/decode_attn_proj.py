@@ -31,10 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import (capability, cdiv, interpreting, mma, pdl_launch_dependents, pdl_options, pdl_wait,
-                                        use_pdl)
+from sparseffn.kernels._runtime import capability, cdiv, interpreting, mma
 from sparseffn.kernels.configs.decode_attention import ProjectionConfig, projection_config
-from sparseffn.kernels.decode_mlp import _first_tile, _rows_dot, m_pad
+from sparseffn.kernels.decode_mlp import _rows_dot, m_pad
 from sparseffn.kernels.launch import Launcher
 
 __all__ = ["launch_decode_out_proj", "launch_decode_qkv_rope"]
@@ -61,14 +60,13 @@ def _normed_product(acc, w, xv, g, rstd, dtype, M_PAD: tl.constexpr, DOT_IN_FP32
 
 
 @triton.jit
-def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w, w_first,
+def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
                      M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr,
-                     HAS_FIRST: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+                     DOT_IN_FP32: tl.constexpr):
     """[M_PAD, BLOCK_N] fp32: n[rows] · w[units]^T over all of D, n the RMS-normed x (module
     docstring). ONE_STEP (D <= BLOCK_K): the weight, x and norm tiles are loaded together and rstd
-    comes from the x tile in registers, one memory round trip; HAS_FIRST: the weight tile is w_first,
-    loaded by the caller (decode_mlp._first_tile) before its pdl_wait. Else a first pass over x
-    (L2-resident) gives rstd, then the product loop normalizes each x tile."""
+    comes from the x tile in registers, one memory round trip. Else a first pass over x (L2-resident)
+    gives rstd, then the product loop normalizes each x tile."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
@@ -79,10 +77,7 @@ def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, ep
         acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     if ONE_STEP:
         k_in = offs_k < D
-        if HAS_FIRST:
-            w = w_first
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        w = tl.load(w_rows + offs_k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         xv = tl.load(x_rows + offs_k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
         g = tl.load(norm_ptr + offs_k, mask=k_in, other=0.0)  # [BLOCK_K]
         xf = xv.to(tl.float32)
@@ -144,10 +139,8 @@ def _decode_qkv_rope_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_STEP: tl.constexpr,  # D <= BLOCK_K
-    PDL: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
@@ -177,15 +170,6 @@ def _decode_qkv_rope_kernel(
 
     rows = tl.arange(0, M_PAD)  # [M_PAD] tokens
     row_in = rows < M
-    # units interleaved as (pair, half): unit 2p is pair p's dim i, unit 2p + 1 its dim i + d/2
-    j = tl.arange(0, BLOCK_N)
-    pair = block * PAIRS + j // 2  # [BLOCK_N]
-    unit_in = pair < n_pairs
-    units = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF  # [BLOCK_N] weight rows
-    w_first = None
-    if PDL and ONE_STEP:  # the weight tile streams in while the previous kernel finishes
-        w_first = _first_tile(w_ptr, units, unit_in, D, stride_w, BLOCK_K)
-    pdl_wait(PDL)  # x, the positions and the caches are the previous kernels'
     # this program's pairs, and their rotary entries at each token's position: loaded first, so
     # their latency hides behind the weight stream
     p = block * PAIRS + tl.arange(0, PAIRS)  # [PAIRS]
@@ -202,9 +186,13 @@ def _decode_qkv_rope_kernel(
     s1 = tl.load(sin_row, mask=rope_mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_row + HALF, mask=rope_mask, other=0.0).to(tl.float32)
 
+    # units interleaved as (pair, half): unit 2p is pair p's dim i, unit 2p + 1 its dim i + d/2
+    j = tl.arange(0, BLOCK_N)
+    pair = block * PAIRS + j // 2  # [BLOCK_N]
+    unit_in = pair < n_pairs
+    units = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF  # [BLOCK_N] weight rows
     acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
-                           w_first, M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, PDL and ONE_STEP,
-                           DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+                           M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     out_dtype = q_ptr.dtype.element_ty
@@ -247,21 +235,14 @@ def _decode_out_proj_kernel(
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,  # PDL and K <= BLOCK_K: the weight tile is loaded before pdl_wait
-    PDL: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
     units = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     unit_in = units < N
-    w_first = None
-    if PREFETCH:
-        w_first = _first_tile(w_ptr, units, unit_in, K, stride_w, BLOCK_K)
-    pdl_wait(PDL)  # attn and the residual are the previous kernels'
     rows = tl.arange(0, M_PAD)
     row_in = rows < M
-    acc = _rows_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w, w_first,
-                    M_PAD, BLOCK_N, BLOCK_K, PREFETCH, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+    acc = _rows_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w,
+                    M_PAD, BLOCK_N, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
@@ -292,7 +273,6 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
     hq, hkv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
     q = torch.empty((m, hq, head_dim), dtype=hidden.dtype, device=hidden.device)
     mp, config = _config(m, hidden.device, config)
-    pdl = use_pdl(hidden.device)
     pairs = config.block_n // 2
     half = head_dim // 2
     grid = (cdiv(hq * half, pairs) + 2 * cdiv(hkv * half, pairs),)
@@ -306,7 +286,7 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, HAS_BIAS=has_bias, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         ONE_STEP=d_model <= config.block_k, DOT_IN_FP32=interpreting(), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_options(pdl),
+        num_stages=config.num_stages,
     )
     return q
 
@@ -319,11 +299,9 @@ def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: Projecti
     if out is None:
         out = torch.empty((m, n), dtype=attn.dtype, device=attn.device)
     mp, config = _config(m, attn.device, config)
-    pdl = use_pdl(attn.device)
     _out_launch[(cdiv(n, config.block_n),)](
         attn, wo, bo, residual, out, m, n, k, attn.stride(0), wo.stride(0), residual.stride(0), out.stride(0),
         HAS_BIAS=bo is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        PREFETCH=pdl and k <= config.block_k, DOT_IN_FP32=interpreting(), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_options(pdl),
+        DOT_IN_FP32=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

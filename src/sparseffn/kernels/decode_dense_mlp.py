@@ -24,8 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import (capability, cdiv, interpreting, pdl_launch_dependents, pdl_options, pdl_wait,
-                                        use_pdl)
+from sparseffn.kernels._runtime import capability, cdiv, interpreting
 from sparseffn.kernels.configs.decode_mlp import default_config
 from sparseffn.kernels.decode_mlp import _plus_residual, _rows_dot, fitted, launch_gate_up, m_pad
 from sparseffn.kernels.launch import Launcher
@@ -50,17 +49,14 @@ def _dense_down_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
     RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)  # h is the previous kernel's
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     col_in = cols < D
     rows = tl.arange(0, M_PAD)  # [M_PAD]
     row_in = rows < M
-    acc = _rows_dot(h_ptr, down_ptr, cols, col_in, rows, row_in, M, H, stride_hm, stride_dd, None,
-                    M_PAD, BLOCK_D, BLOCK_K, False, DOT_IN_FP32)  # [M_PAD, BLOCK_D] fp32
+    acc = _rows_dot(h_ptr, down_ptr, cols, col_in, rows, row_in, M, H, stride_hm, stride_dd,
+                    M_PAD, BLOCK_D, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_D] fp32
     out = row_in[:, None] & col_in[None, :]
     y = _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL, y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], y, mask=out)
@@ -93,6 +89,6 @@ def launch_dense_mlp_rows_down(x, first_weight, up_weight, down_weight, threshol
         x.stride(0), y.stride(0),
         M_PAD=mp, BLOCK_D=block_d, BLOCK_K=config.block_k, RESIDUAL=residual,
         DOT_IN_FP32=interpreting() or x.dtype == torch.float32, num_warps=config.gate_warps,
-        num_stages=config.gate_stages, **pdl_options(use_pdl(x.device)),
+        num_stages=config.gate_stages,
     )
     return y

@@ -76,8 +76,8 @@ def _decode_linear_kernel(
     unit_in = units < n
     rows = tl.arange(0, M_PAD)
     row_in = rows < M
-    acc = _rows_dot(x_ptr, w_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_w, None,
-                    M_PAD, BLOCK_N, BLOCK_K, False, False)  # [M_PAD, BLOCK_N] fp32
+    acc = _rows_dot(x_ptr, w_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_w,
+                    M_PAD, BLOCK_N, BLOCK_K, False)  # [M_PAD, BLOCK_N] fp32
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * (N0 + N1 + N2) + off + units[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & unit_in[None, :])
 

@@ -38,8 +38,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import (capability, cdiv, check_capability, check_few_tokens, interpreting, mma,
-                                        next_power_of_2, num_sms, pdl_launch_dependents, pdl_options, pdl_wait,
-                                        use_pdl)
+                                        next_power_of_2, num_sms)
 from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config, down_rows
 from sparseffn.kernels.launch import Launcher
 
@@ -73,30 +72,19 @@ def _normed(xv, norm_ptr, k, k_in, rstd):
 
 
 @triton.jit
-def _first_tile(w_ptr, units, unit_on, D, stride_wh, BLOCK_K: tl.constexpr):
-    """[BLOCK_H, BLOCK_K] w[units, :BLOCK_K] (0 off unit_on and past D): the one K step of a product
-    over D <= BLOCK_K, loaded before a kernel's pdl_wait (weights are never written)."""
-    k = tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + units.to(tl.int64)[:, None] * stride_wh + k[None, :],
-                   mask=unit_on[:, None] & (k < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, w_first,
-              M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, HAS_FIRST: tl.constexpr,
-              DOT_IN_FP32: tl.constexpr):
+def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh,
+              M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     """`_rows_normed_dot` without the norm."""
     return _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, None, None,
-                            w_first, M_PAD, BLOCK_H, BLOCK_K, False, HAS_FIRST, DOT_IN_FP32)
+                            M_PAD, BLOCK_H, BLOCK_K, False, DOT_IN_FP32)
 
 
 @triton.jit
-def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, norm_ptr, rstd, w_first,
+def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, norm_ptr, rstd,
                      M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                     HAS_FIRST: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+                     DOT_IN_FP32: tl.constexpr):
     """[M_PAD, BLOCK_H] fp32: x[rows] · w[units]^T over all of D; rows of w with unit_on false are
     masked off (no memory traffic). NORM: x is first RMS-normalized (`_normed`, rstd [M_PAD] per row).
-    HAS_FIRST: D <= BLOCK_K and w_first is the one step's weight tile (`_first_tile`), else unused.
     M_PAD < 16: CUDA-core products, each weight tile loaded once and multiplied by the tokens one after
     the other. M_PAD >= 16: the MMA computes the transposed product, units as its M dimension (as fast
     on sm_90, and sm_100's compiler fails on the other form at 64 tokens)."""
@@ -112,10 +100,7 @@ def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm
     for k0 in range(0, D, BLOCK_K):
         k = k0 + offs_k
         k_in = k < D
-        if HAS_FIRST:
-            w = w_first
-        else:
-            w = tl.load(w_rows + k[None, :], mask=unit_on[:, None] & k_in[None, :], other=0.0)  # [BLOCK_H, BLOCK_K]
+        w = tl.load(w_rows + k[None, :], mask=unit_on[:, None] & k_in[None, :], other=0.0)  # [BLOCK_H, BLOCK_K]
         if M_PAD == 1:
             xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [1, BLOCK_K]
             if NORM:
@@ -168,23 +153,13 @@ def _decode_gate_up_kernel(
     M_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,  # PDL and D <= BLOCK_K: the weight rows read in full are loaded before pdl_wait
-    PDL: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
     units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     unit_in = units < H
     rows = tl.arange(0, M_PAD)  # [M_PAD]
     row_in = rows < M
     out_dtype = h_ptr.dtype.element_ty
-    first_tile = None
-    up_tile = None
-    if PREFETCH:
-        first_tile = _first_tile(first_ptr, units, unit_in, D, stride_fh, BLOCK_K)
-        if GATED and ACT != 0:  # the dense MLP reads every up row too
-            up_tile = _first_tile(up_ptr, units, unit_in, D, stride_uh, BLOCK_K)
-    pdl_wait(PDL)
 
     if tl.program_id(0) == 0:
         for c0 in range(0, n_counts, 1024):
@@ -194,7 +169,7 @@ def _decode_gate_up_kernel(
     if NORM:  # every program normalizes the few rows of x itself (an L2-resident re-read)
         rstd = _rows_rstd(x_ptr, rows, row_in, D, stride_xm, eps, M_PAD, BLOCK_K)
     acc = _rows_normed_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_fh, norm_ptr,
-                           rstd, first_tile, M_PAD, BLOCK_H, BLOCK_K, NORM, PREFETCH, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+                           rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
     if ACT == 0:
         if HAS_THRESHOLD:
             theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
@@ -206,8 +181,7 @@ def _decode_gate_up_kernel(
         if GATED:
             if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
                 u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
-                                     norm_ptr, rstd, None, M_PAD, BLOCK_H, BLOCK_K, NORM, False,
-                                     DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
+                                     norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
                 h = h * u
     else:  # dense, rounded as the torch MLP rounds: act(g) and u in x's dtype, then their product
         g = acc.to(out_dtype)  # [M_PAD, BLOCK_H]
@@ -221,7 +195,7 @@ def _decode_gate_up_kernel(
             h = (gf / (1.0 + tl.exp(-gf))).to(out_dtype).to(tl.float32)  # silu
         if GATED:
             u = _rows_normed_dot(x_ptr, up_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_uh, norm_ptr,
-                                 rstd, up_tile, M_PAD, BLOCK_H, BLOCK_K, NORM, PREFETCH, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+                                 rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
             h = h * u.to(out_dtype).to(tl.float32)
         active = unit_in.to(tl.int32)  # K2 then reads every unit
     h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
@@ -263,11 +237,8 @@ def _decode_down_kernel(
     BLOCK_D: tl.constexpr,
     PREFIX: tl.constexpr,  # flags per step of the compaction
     RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)  # the flags, h and the counters are the previous kernel's
     c_block = tl.program_id(0)
     span = tl.cdiv(H, SPLIT)
     lo = tl.program_id(1) * span
@@ -422,7 +393,6 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
         y.stride(0), x.stride(0),
         M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
         RESIDUAL=residual, DOT_IN_FP32=dot_fp32, num_warps=config.down_warps, num_stages=config.down_stages,
-        **pdl_options(use_pdl(x.device)),
     )
     return y
 
@@ -438,12 +408,11 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
     h = first_weight.shape[0]
     gated = up_weight is not None
     up = up_weight if gated else first_weight
-    pdl = use_pdl(x.device)
     _gate_up_launch[(cdiv(h, config.block_h),)](
         x, norm_weight, first_weight, up, threshold, hidden, flags, counts, m, d, h, n_counts, float(eps),
         x.stride(0), first_weight.stride(0), up.stride(0), stride_hm, stride_hh,
         GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
-        M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k, PREFETCH=pdl and d <= config.block_k,
+        M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k,
         DOT_IN_FP32=interpreting() or x.dtype == torch.float32, num_warps=config.gate_warps,
-        num_stages=config.gate_stages, **pdl_options(pdl),
+        num_stages=config.gate_stages,
     )

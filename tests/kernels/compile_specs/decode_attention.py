@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from sparseffn.kernels._runtime import PDL_CAPABILITY, TL_DTYPES
+from sparseffn.kernels._runtime import TL_DTYPES
 from sparseffn.kernels.configs.decode_attention import AttentionConfig
 from sparseffn.kernels.decode_attention import _decode_attention_kernel, group_rows
 
 
-def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
+def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants `launch_decode_attention`
     uses with its default config: bf16 / fp16, head dims 64 and 128, no GQA (one query row) and
     GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions),
-    1, 2 and 16 splits (the combine's width); programmatic dependent launch from Hopper on."""
+    1, 2 and 16 splits (the combine's width)."""
     cfg = AttentionConfig()
     specs = []
     for dtype in (torch.bfloat16, torch.float16):
@@ -29,7 +29,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 sig[name] = "i32"
             cx = {"HEAD_DIM": head_dim, "GROUP": group, "G_PAD": group_rows(group), "SPLITS_PAD": splits_pad,
                   "BLOCK_S": cfg.block_s,
-                  "BLOCK_D": head_dim, "PDL": arch >= PDL_CAPABILITY, "DOT_IN_FP32": False}
+                  "BLOCK_D": head_dim, "DOT_IN_FP32": False}
             if not with_from:
                 cx["from_ptr"] = None
             sig = {name: sig.get(name, "constexpr") for name in _decode_attention_kernel.arg_names}

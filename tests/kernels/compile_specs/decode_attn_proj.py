@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseffn.kernels._runtime import PDL_CAPABILITY, TL_DTYPES
+from sparseffn.kernels._runtime import TL_DTYPES
 from sparseffn.kernels.configs.decode_attention import projection_config
 from sparseffn.kernels.decode_attn_proj import _decode_out_proj_kernel, _decode_qkv_rope_kernel
 from sparseffn.kernels.decode_mlp import PADDED_TOKENS
@@ -16,7 +16,6 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit rotary tables, D in one
     step or several."""
     specs = []
-    pdl = arch >= PDL_CAPABILITY  # the launchers' programmatic dependent launch
 
     def add(fn, signature, constexprs, config):
         for name in constexprs:
@@ -39,7 +38,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                     sig[name] = "i32"
                 one_step = (mp <= 2) == (head_dim == 64)  # D = 2048 fits a step at 1-2 tokens; both forms compiled
                 cx = {"HEAD_DIM": head_dim, "HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "ONE_STEP": one_step, "PDL": pdl, "DOT_IN_FP32": False}
+                      "BLOCK_K": cfg.block_k, "ONE_STEP": one_step, "DOT_IN_FP32": False}
                 for name in ("bq_ptr", "bk_ptr", "bv_ptr"):
                     if bias:
                         sig[name] = f"*{ty}"
@@ -52,7 +51,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                        "r_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
                        "stride_w": "i32", "stride_rm": "i32", "stride_ym": "i32"}
                 cx = {"HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                      "PREFETCH": pdl and mp <= 2, "PDL": pdl, "DOT_IN_FP32": False}
+                      "DOT_IN_FP32": False}
                 if not bias:
                     cx["b_ptr"] = None
                 add(_decode_out_proj_kernel, sig, cx, cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseffn.kernels._runtime import PDL_CAPABILITY, TL_DTYPES
+from sparseffn.kernels._runtime import TL_DTYPES
 from sparseffn.kernels.configs.decode_mlp import default_config, down_rows
 from sparseffn.kernels.decode_dense_mlp import _dense_down_kernel
 from sparseffn.kernels.decode_mlp import ACTS, PADDED_TOKENS, _decode_down_kernel, _decode_gate_up_kernel, down_block
@@ -18,7 +18,6 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
     relu / silu K1) at 1 and 16 tokens."""
     specs = []
-    pdl = arch >= PDL_CAPABILITY  # the launchers' programmatic dependent launch
 
     def add(fn, signature, constexprs, warps, stages):
         for name in constexprs:
@@ -42,8 +41,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                        "H": "i32", "n_counts": "i32", "eps": "fp32", "stride_xm": "i32", "stride_fh": "i32",
                        "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32"}
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "ACT": ACTS[act], "NORM": norm, "M_PAD": mp,
-                      "BLOCK_H": cfg.block_h, "BLOCK_K": cfg.block_k, "PREFETCH": pdl and mp <= 2,
-                      "PDL": pdl, "DOT_IN_FP32": False}
+                      "BLOCK_H": cfg.block_h, "BLOCK_K": cfg.block_k, "DOT_IN_FP32": False}
                 if not has_threshold:
                     cx["threshold_ptr"] = None
                 if not norm:
@@ -56,7 +54,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                        "stride_rm": "i32"}
                 cx = {"M_PAD": mp, "ROWS": down_rows(mp), "SPLIT": cfg.split, "BLOCK_S": cfg.block_s,
                       "BLOCK_D": down_block(cfg, 2048, 132), "PREFIX": cfg.prefix, "RESIDUAL": residual,
-                      "PDL": pdl, "DOT_IN_FP32": False}
+                      "DOT_IN_FP32": False}
                 if not residual:
                     cx["res_ptr"] = None
                 add(_decode_down_kernel, sig, cx, cfg.down_warps, cfg.down_stages)
@@ -65,6 +63,6 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                        "D": "i32", "H": "i32", "stride_hm": "i32", "stride_dd": "i32", "stride_rm": "i32",
                        "stride_ym": "i32"}
                 cx = {"M_PAD": mp, "BLOCK_D": cfg.block_h if mp < 16 else 16, "BLOCK_K": cfg.block_k, "RESIDUAL": True,
-                      "PDL": pdl, "DOT_IN_FP32": False}
+                      "DOT_IN_FP32": False}
                 add(_dense_down_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
     return specs
