@@ -345,7 +345,7 @@ def _blocks() -> dict[str, Block]:
     return {
         "decode": Block("decode_mlp.csv", decode_table, plot_decode),
         "decode_model": Block("decode_model.csv", decode_model_table, plot_decode_model),
-        "train_run": Block("train_run.csv", lambda rows: train_run_table(rows, width=100), plot_train_run),
+        "train_run": Block("train_run.csv", lambda rows: train_run_table(rows, width=50), plot_train_run),
         "train_density": Block("mlp_train_density.csv", train_table),
         "layout": Block("layout.csv", layout_table),
         "multi_gpu": Block("multi_gpu.csv", multi_gpu_table, device="h200x2"),
