@@ -90,8 +90,11 @@ class BackgroundWarm:
         self._stderr = tempfile.TemporaryFile()
         self._process = subprocess.Popen([sys.executable, "-m", "sparseffn.nn.warm"], stdin=subprocess.PIPE,
                                          stdout=subprocess.DEVNULL, stderr=self._stderr)
-        self._process.stdin.write(json.dumps([run for _, run in planned]).encode())  # the child reads to EOF
-        self._process.stdin.close()
+        try:
+            self._process.stdin.write(json.dumps([run for _, run in planned]).encode())  # the child reads to EOF
+            self._process.stdin.close()
+        except BrokenPipeError:  # the child exited before reading: poll() raises with its stderr
+            pass
 
     def poll(self) -> bool:
         if self.seconds is not None:
