@@ -145,6 +145,28 @@ def test_background_warm_is_polled_each_step_and_stopped_at_the_end(small_corpus
         assert job.polls == 2 and job.stopped and warm == []
 
 
+def test_a_failed_background_warm_is_said_and_recorded_and_the_run_goes_on(small_corpus, tmp_path, monkeypatch):
+    import sparseffn.train.loop as loop
+
+    class Failed:
+        calls, seconds = [], None
+
+        def poll(self):
+            raise RuntimeError("the background kernel warm-up failed (exit 1):\nCUDA out of memory")
+
+        def stop(self):
+            raise AssertionError("a finished child is not stopped")
+
+    said = []
+    monkeypatch.setattr(loop, "_warm_in_background", lambda mlps: True)
+    monkeypatch.setattr(loop, "start_warming", lambda mlps, **kwargs: Failed())
+    cfg = tiny_config(small_corpus, tmp_path / "run", steps=2, eval_interval=0, checkpoint_interval=0, device="cpu")
+    result = train(cfg, progress=False, echo=said.append)
+    assert result.step == 2 and any("CUDA out of memory" in line and "the run goes on" in line for line in said)
+    warm = [r for r in read_metrics(result.metrics_path) if r["kind"] == "warm"]
+    assert len(warm) == 1 and warm[0]["step"] == 1 and "CUDA out of memory" in warm[0]["error"]
+
+
 @pytest.mark.parametrize("flag, fused", [(None, False), (True, True), (False, False)])
 def test_fused_norms_follow_the_flag_and_default_to_cuda_only(small_corpus, tmp_path, flag, fused):
     """fuse_non_mlp None (the default) fuses when training on CUDA (here: CPU, so not); True / False force it."""

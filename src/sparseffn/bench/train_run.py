@@ -196,7 +196,7 @@ def mode_rows(meta: dict, cfg: TrainRunBenchConfig, mode: str, l1: float, metric
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     evals = {r["step"]: r["eval_ce"] for r in records if r.get("kind") == "eval"}
     warm = sum(r["seconds"] for r in records if r.get("kind") == "warm" and not r.get("background"))
-    background = sum(r["seconds"] for r in records if r.get("kind") == "warm" and r.get("background"))
+    background = sum(r.get("seconds", 0.0) for r in records if r.get("kind") == "warm" and r.get("background"))
     common = dict(meta, model=cfg.model, mode=mode, l1_coeff=l1, tokens_per_step=cfg.batch_size * cfg.seq_len,
                   process="own" if cfg.processes else "shared")
     rows = []

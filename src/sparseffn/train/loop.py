@@ -532,8 +532,7 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
                 run.publish(info)  # the first checkpoint: the new run replaces the old one (if any)
                 barrier(info)
                 metrics_path = out / "metrics.jsonl"
-            if warming is not None and warming.poll():
-                _warmed(warming.seconds, warming.calls, True, done, metrics_path, info, say)
+            if warming is not None and _warm_done(warming, done, metrics_path, info, say):
                 warming = None
             window_start += time.perf_counter() - aside
             bar.update(1)
@@ -593,6 +592,22 @@ def _warm_in_background(mlps: list) -> bool:
     """Whether the kernels are warmed in a child process: on CUDA (the child shares the GPU; on a CPU
     there is nothing to compile ahead)."""
     return next(mlps[0].parameters()).is_cuda
+
+
+def _warm_done(warming, step: int, metrics_path: Path, info: DistInfo, say: Callable[[str], None]) -> bool:
+    """Whether the background warm-up has ended, said and recorded when it has. A failed one does not stop
+    the run (it only saves compilation: layers that switch compile their kernels, as without it); its error
+    is said and written to the `warm` row."""
+    try:
+        if not warming.poll():
+            return False
+    except RuntimeError as error:
+        say(f"{error}\nthe run goes on; layers that switch to the sparse kernels compile them then")
+        if info.is_main:
+            append_row(metrics_path, {"kind": "warm", "step": step, "background": True, "error": str(error)[-2000:]})
+        return True
+    _warmed(warming.seconds, warming.calls, True, step, metrics_path, info, say)
+    return True
 
 
 def _warmed(seconds: float, calls: list, background: bool, step: int, metrics_path: Path, info: DistInfo,
