@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from sparseffn._child_env import child_env
 from sparseffn.bench.common import pyplot, save_figure, write_csv
 from sparseffn.bench.timing import device_slug, run_metadata
 
@@ -156,14 +156,10 @@ def _in_process(train_cfg, log: Callable[[str], None]) -> tuple[Path, float]:
 
 def _in_own_process(train_cfg, log: Callable[[str], None]) -> tuple[Path, float]:
     """Train in a fresh Python process (`_child`); its output lines go to `log`."""
-    import sparseffn
-
     out = Path(train_cfg.out_dir)
     config_path, result_path = out.with_suffix(".config.json"), out.with_suffix(".result.json")
     train_cfg.save(config_path)
-    env = dict(os.environ)  # the child imports this very sparseffn
-    source = str(Path(sparseffn.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH", "")) if p)
+    env = child_env()  # the child imports this very sparseffn
     env["PYTHONUNBUFFERED"] = "1"
     code = f"from sparseffn.bench.train_run import _child; _child({str(config_path)!r}, {str(result_path)!r})"
     tail: deque[str] = deque(maxlen=1)

@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from sparseffn._child_env import child_env
 from sparseffn.nn.projections import is_plain
 from sparseffn.nn.sparse_mlp import SparseMLP
 from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp
@@ -89,7 +90,7 @@ class BackgroundWarm:
         self._started = time.perf_counter()
         self._stderr = tempfile.TemporaryFile()
         self._process = subprocess.Popen([sys.executable, "-m", "sparseffn.nn.warm"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.DEVNULL, stderr=self._stderr)
+                                         stdout=subprocess.DEVNULL, stderr=self._stderr, env=child_env())
         try:
             self._process.stdin.write(json.dumps([run for _, run in planned]).encode())  # the child reads to EOF
             self._process.stdin.close()
