@@ -26,8 +26,9 @@ def corpus(tmp_path):
 @pytest.mark.parametrize("processes", [True, False], ids=["own-process", "one-process"])
 def test_train_run_bench_on_cpu(tmp_path, corpus, processes):
     modes = ["auto", "dense", "no-l1"] if processes else ["auto", "dense"]
+    profile = "" if processes else "3-4"  # --profile-steps: each mode's profile kept beside the CSV
     cfg = TrainRunBenchConfig(**TINY, data=str(corpus), processes=processes, modes=",".join(modes),
-                              out_dir=str(tmp_path))
+                              out_dir=str(tmp_path), profile_steps=profile)
     lines = []
     rows = run_train_run_bench(cfg, log=lines.append)
     steps = [r for r in rows if r["kind"] == "step"]
@@ -47,6 +48,9 @@ def test_train_run_bench_on_cpu(tmp_path, corpus, processes):
     assert ("Final held-out CE against λ = 0: auto" in table) is processes
     assert "no sparse phase" in table and "nan" not in table
     assert plot_train_run(written, tmp_path / "train_run.png").exists()
+    kept = sorted(p.name for p in (tmp_path / "cpu").glob("train_run_profile_*.txt"))
+    assert kept == ([] if processes else ["train_run_profile_tiny_auto.txt", "train_run_profile_tiny_dense.txt"])
+    assert all((tmp_path / "cpu" / name).read_text().startswith("optimizer steps 3-4: wall") for name in kept)
 
 
 def _row(mode, step, tps, sparse, layers=4):
@@ -85,3 +89,5 @@ def test_paper_regime_lambda_per_size_and_bad_flags():
         TrainRunBenchConfig(modes="auto,fast")
     with pytest.raises(ValueError, match="--sparse-share"):
         TrainRunBenchConfig(sparse_share=0)
+    with pytest.raises(ValueError, match="--profile-steps"):
+        TrainRunBenchConfig(profile_steps="4")

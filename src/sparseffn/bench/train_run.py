@@ -35,6 +35,7 @@ import torch
 from sparseffn._child_env import child_env
 from sparseffn.bench.common import pyplot, save_figure, write_csv
 from sparseffn.bench.timing import device_slug, run_metadata
+from sparseffn.train.profiling import parse_steps
 
 # λ per model size that lands a run from initialization (8 x 2048 tokens per step, lr 1e-3, λ ramped over
 # 100 steps) at 0.3-1% active MLP units per token after the ramp, and under auto mode's switch to the
@@ -75,6 +76,7 @@ class TrainRunBenchConfig:
     fuse_non_mlp: bool | None = None  # None: the training default (fused norms/RoPE on CUDA)
     warm_kernels: bool = True
     compile_non_mlp: bool = False  # torch.compile of every norm and attention module (both modes)
+    profile_steps: str = ""  # "A-B": each mode's steps A..B under torch.profiler (train_run_profile_<model>_<mode>.txt)
     seed: int = 0
     out_dir: str = "benchmarks/results"
     git_sha: str = ""
@@ -88,6 +90,7 @@ class TrainRunBenchConfig:
                              f"{', '.join(PAPER_REGIME_L1)}); give --l1-coeff")
         if self.l1_coeff is not None and not (self.l1_coeff >= 0 and math.isfinite(self.l1_coeff)):
             raise ValueError(f"--l1-coeff must be a finite number >= 0, got {self.l1_coeff}")
+        parse_steps(self.profile_steps)
         if not 0.0 < self.sparse_share <= 1.0:
             raise ValueError(f"--sparse-share must lie in (0, 1], got {self.sparse_share}")
         for name in ("table_window", "log_interval", "steps"):
@@ -120,6 +123,9 @@ def run_train_run_bench(cfg: TrainRunBenchConfig, device: torch.device | None = 
                 f"{'own process' if cfg.processes else 'this process'}")
             metrics_path, seconds = (_in_process if not cfg.processes else _in_own_process)(train_cfg, log)
             rows += mode_rows(meta, cfg, mode, train_cfg.sparsity.l1_coeff, metrics_path, seconds)
+            if cfg.profile_steps:
+                _keep_profile(metrics_path.parent / "profile.txt", path.parent / f"train_run_profile_{cfg.model}_{mode}.txt",
+                              log)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             write_csv(rows, path, CSV_FIELDS)
@@ -129,6 +135,18 @@ def run_train_run_bench(cfg: TrainRunBenchConfig, device: torch.device | None = 
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
+
+
+def _keep_profile(profile: Path, kept: Path, log: Callable[[str], None]) -> None:
+    """Copy a run's profile.txt out of the temporary run directory and show its summary lines."""
+    if not profile.is_file():
+        raise RuntimeError(f"bench train-run: --profile-steps was given but the run wrote no {profile.name} (are the "
+                           f"steps within --steps?)")
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(profile, kept)
+    log(f"profile: {kept}")
+    for line in profile.read_text().split("\n\n")[:2]:
+        log(line)
 
 
 def _train_config(cfg: TrainRunBenchConfig, mode: str, device: torch.device, out: Path):
@@ -142,7 +160,7 @@ def _train_config(cfg: TrainRunBenchConfig, mode: str, device: torch.device, out
         batch_size=cfg.batch_size, steps=cfg.steps, lr=cfg.lr, log_interval=cfg.log_interval,
         eval_interval=cfg.eval_interval, eval_batches=cfg.eval_batches, checkpoint_interval=0, keep_checkpoints=1,
         seed=cfg.seed, device=device.type, out_dir=str(out), fuse_non_mlp=cfg.fuse_non_mlp,
-        warm_kernels=cfg.warm_kernels, compile_non_mlp=cfg.compile_non_mlp,
+        warm_kernels=cfg.warm_kernels, compile_non_mlp=cfg.compile_non_mlp, profile_steps=cfg.profile_steps,
         sparsity=SparsityConfig(l1_coeff=l1, l1_warmup_steps=cfg.l1_warmup_steps, mode=sparse_mode),
     )
 

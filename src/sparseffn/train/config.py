@@ -21,6 +21,7 @@ from sparseffn.models.config import ACTIVATIONS, L1_SCHEDULES
 from sparseffn.models.config import MODES as SPARSE_MODES
 from sparseffn.models.saved_files import read_json_object
 from sparseffn.train.durable import write_durably
+from sparseffn.train.profiling import parse_steps
 
 # The training recipe `sparseffn train` starts from: λ = 1.5e-2 ramped linearly over the first 300
 # steps took `20m` (1500 steps of 4096 tokens) to 99.02% zeros at +0.99% held-out CE against λ = 0
@@ -73,6 +74,7 @@ class TrainConfig:
     fuse_non_mlp: bool | None = None  # models.fuse_non_mlp_: fused RMSNorm / RoPE kernels; None = on CUDA
     warm_kernels: bool = True  # compile the sparse kernels auto-mode layers may switch to before they switch
     compile_non_mlp: bool = False  # torch.compile each norm and attention module (models.compile_non_mlp_)
+    profile_steps: str = ""  # "A-B": profile optimizer steps A..B (1-based) into RUN_DIR/profile.txt (train/profiling.py)
     seed: int = 0
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bf16 autocast on cuda, fp32 on cpu; or "float32" / "bfloat16"
@@ -123,6 +125,9 @@ class TrainConfig:
         for name in ("dense", "warm_kernels", "compile_non_mlp", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.profile_steps, str):
+            raise TypeError(f"TrainConfig.profile_steps must be a str, got {type(self.profile_steps).__name__}")
+        parse_steps(self.profile_steps)
         if self.fuse_non_mlp is not None and not isinstance(self.fuse_non_mlp, bool):
             raise TypeError(f"TrainConfig.fuse_non_mlp must be None or a bool, got {type(self.fuse_non_mlp).__name__}")
         for name in ("distill_weight", "distill_temperature"):
@@ -228,6 +233,8 @@ FIELD_HELP = {
                     "training step 1.35x); not given: on when training on CUDA",
     "compile_non_mlp": "torch.compile each norm and attention module in place (the MLPs stay eager; compiles for "
                        "tens of seconds at the first step)",
+    "profile_steps": "A-B: run optimizer steps A through B (1-based) under torch.profiler and write where their time "
+                     "went (wall and kernel time per step, kernels grouped and the top ones) to RUN_DIR/profile.txt",
     "warm_kernels": "compile the sparse kernels that auto-mode layers may switch to, at the run's shapes, before "
                     "they switch (on CUDA in a child process beside the first steps, else before the first step; "
                     "without it the step of the switch pays the compilation)",

@@ -74,6 +74,7 @@ from sparseffn.train.distributed import (
 from sparseffn.train.distill import Distiller
 from sparseffn.train.durable import fsync_file, remove_orphans, write_durably
 from sparseffn.train.eval import EvalResult, autocast_context, evaluate, model_overrides
+from sparseffn.train.profiling import StepProfiler, parse_steps
 from sparseffn.train.init_from import (build_run_model, check_init_from, init_format, init_from_dense, model_source,
                                         tokenizer_file)
 from sparseffn.train.metrics import append_row, truncate_metrics
@@ -426,6 +427,9 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
     ddp = info.enabled and not fsdp
     last_row, final_eval, stopped, completed_steps = None, None, False, start
     window_tokens, window_start = 0, time.perf_counter()
+    steps_to_profile = parse_steps(cfg.profile_steps)
+    profiler = StepProfiler(steps_to_profile, device) if (
+        steps_to_profile and info.is_main) else None
 
     def dead_frac_now(step: int) -> float:
         return sum(f * h for f, h in zip(dead.dead_frac(step), hidden)) / max(sum(hidden), 1)
@@ -435,6 +439,8 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
     try:
         for step in range(start, cfg.steps):
             done = completed_steps = step + 1  # optimizer steps completed after this one
+            if profiler is not None:
+                profiler.before(step)
             log_now = done % cfg.log_interval == 0 or done == cfg.steps
             track = (log_now or track_every_step) and stats is not None
             lam = 0.0 if cfg.dense else l1_coeff_at(step, cfg.sparsity.l1_coeff, cfg.sparsity.l1_warmup_steps,
@@ -514,6 +520,8 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
                 append_row(metrics_path, {"kind": "reinit", "step": done, "reinit": reinit})
 
             aside = time.perf_counter()  # evaluation, calibration and checkpoints stay out of the tokens/s windows
+            if profiler is not None and (written := profiler.after(done, run.path, final=done == cfg.steps)):
+                say(f"profile of steps {profiler.first}-{min(done, profiler.last)}: {written}")
             if done == cfg.steps and cfg.calibrate_nnz is not None:
                 _calibrate(model, cfg, sampler, info, fsdp, say)
             if (cfg.eval_interval and done % cfg.eval_interval == 0) or done == cfg.steps:
@@ -546,6 +554,8 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
             stats.remove()
         if warming is not None:  # the run ended before the child did: nothing left to warm for
             warming.stop()
+        if profiler is not None:
+            profiler.close()
 
     model_dir = None
     if not stopped:
