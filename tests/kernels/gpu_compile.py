@@ -36,7 +36,7 @@ REQUIRED = {
     "twell_train._twell_train_backward_kernel",
     "unit_grads._unit_histogram_kernel", "unit_grads._block_prefix_kernel", "unit_grads._unit_offsets_kernel",
     "unit_grads._unit_scatter_kernel",
-    "unit_grads._unit_weight_grads_kernel",
+    "unit_grads._unit_weight_grads_kernel", "unit_grads._unit_spill_grads_kernel",
     "convert._convert_kernel",
     "dense_rows_mlp_backward._dense_rows_mlp_backward_dx_kernel",
     "dense_rows_mlp_backward._dense_rows_mlp_backward_dw_kernel",

@@ -393,6 +393,31 @@ def test_unit_weight_grads_hot_units_wide_range(dtype, gated, config):
     _assert_grads(outs, prob, gated)
 
 
+@pytest.mark.parametrize("config", HOT_CONFIGS[:1], ids=["2units"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_hot_units_spill_past_the_cap(gated, config):
+    """Entries of a unit past cap_entries are summed in chunks by the spill kernel and added to the rows
+    the main kernel stored (several chunks per hot unit, one unit in several programs' turns); in
+    deterministic mode nothing spills and the bits repeat."""
+    m, d, h, tile, slots = 72, 48, 64, 32, 8
+    prob = _grad_problem(m, d, h, tile, slots, torch.bfloat16, gated, seed=5, hot=(0, 1, 2, 40), spread=30)
+    by_unit = _by_unit(prob, gated, h, tile, False)
+    offsets = by_unit.offsets.cpu()
+    capped = dataclasses.replace(config, cap_entries=16)
+    assert int((offsets[1:] - offsets[:-1]).max()) > 2 * capped.cap_entries  # two or more chunks spill
+    _assert_grads(_run_grads(prob, gated, by_unit, config=capped), prob, gated)
+    m_, n_tiles, _ = prob["values"].shape
+    outs = []
+    for _ in range(2):
+        grads = [torch.full((h, d), float("nan"), device=DEVICE) for _ in range(3)]
+        unit_weight_grads(prob["x"].to(DEVICE), prob["dy"].to(DEVICE), by_unit, n_tiles=n_tiles, slots=slots,
+                          gated=gated, grad_gate_out=grads[0] if gated else None, grad_up_out=grads[1],
+                          grad_down_t_out=grads[2], config=capped, deterministic=True)
+        outs.append([g.cpu() for g in grads[0 if gated else 1:]])
+    _assert_grads(outs[0] if gated else [None] + outs[0], prob, gated)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_single_entry_units_are_exact_to_fp32_rounding(dtype):
     """A unit with one entry e gets c_e * x[m_e] up to the fp32 roundings of h = p u and of the
@@ -513,6 +538,8 @@ def test_config_validation_and_default():
         UnitGradsConfig(units_per_program=3)
     with pytest.raises(ValueError, match="max_regs"):
         UnitGradsConfig(max_regs=300)
+    with pytest.raises(ValueError, match="cap_entries must be a multiple of block_e"):
+        UnitGradsConfig(block_e=8, cap_entries=12)
     assert default_unit_grads_config(2048) == UnitGradsConfig(
         block_e=8, block_d=1024, num_warps=4, num_stages=1, units_per_program=4, max_regs=None)
     # a slice of up to 1024 columns, one warp per 256 of them: the threads span the slice
@@ -533,7 +560,7 @@ def test_compile_specs_cover_launcher_variants():
     specs = compile_specs(with_options=True)
     names = {fn.__name__ for fn, *_ in specs}
     assert names == {"_unit_histogram_kernel", "_block_prefix_kernel", "_unit_offsets_kernel", "_unit_scatter_kernel",
-                     "_unit_weight_grads_kernel"}
+                     "_unit_weight_grads_kernel", "_unit_spill_grads_kernel"}
     assert {(c["SERIAL"], c["COEFFICIENTS"]) for fn, _, c, _ in specs if "SERIAL" in c} == {
         (serial, n) for serial in (True, False) for n in (0, 1, 2)}
     grads = {(s["x_ptr"], s["entries_ptr"], c["GATED"], c["ALIGNED"], c["SHARED_ROWS"])

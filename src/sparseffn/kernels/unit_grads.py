@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import DTYPES, cdiv, check_matrix, next_power_of_2
+from sparseffn.kernels._runtime import DTYPES, cdiv, check_matrix, next_power_of_2, num_sms
 from sparseffn.kernels.configs.unit_grads import UnitGradsConfig, default_unit_grads_config
 from sparseffn.kernels.launch import Launcher
 from sparseffn.kernels.twell_train import _check, _check_gated
@@ -54,6 +54,8 @@ _ORDER_STEP = 512
 # one launch); above it from torch's cumsum + stable argsort, whose GPU time does not grow with H but
 # which costs ~8 torch calls of host work per step (docs/kernel-notes.md).
 _RANK_MAX_UNITS = 8192
+_NO_CAP = 2**31 - 1  # the main kernel's cap when nothing spills (one value: no new specialization)
+_SPILL_PROGRAMS_PER_SM = 4  # programs of the spill kernel per SM and D slice: each walks chunks in turn
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,10 +221,49 @@ _unit_scatter_launch = Launcher(_unit_scatter_kernel)
 
 
 @triton.jit
+def _entries_step(x_ptr, dy_ptr, dg_ptr, h_ptr, du_ptr, entries_ptr, e0, end, offs_d, mask_d, stride_xm, stride_dym,
+                  acc_first, acc_up, acc_down, GATED: tl.constexpr, ALIGNED: tl.constexpr,
+                  SHARED_ROWS: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The accumulators plus entries e0 .. min(e0 + BLOCK_E, end) of one unit in the D slice offs_d
+    (`_unit_weight_grads_kernel` says what is gathered and summed)."""
+    lanes = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    live = e0 + lanes < end  # [BLOCK_E]
+    m = tl.load(entries_ptr + e0 + lanes, mask=live, other=0)  # [BLOCK_E] tokens
+    if SHARED_ROWS:
+        row = m.to(tl.int32) * stride_xm  # [BLOCK_E] int32
+        x_rows = x_ptr + row
+        dy_rows = dy_ptr + row
+    else:
+        x_rows = x_ptr + m.to(tl.int64) * stride_xm  # [BLOCK_E]
+        dy_rows = dy_ptr + m.to(tl.int64) * stride_dym
+    if ALIGNED:
+        x_rows = tl.multiple_of(x_rows, 16)
+        dy_rows = tl.multiple_of(dy_rows, 16)
+    # [BLOCK_E, BLOCK_D] gathered token rows, fp32. EVEN_D: no mask at all; a dead lane (m = 0
+    # from the masked entry load) gathers row 0, which its zero coefficients cancel
+    if EVEN_D:
+        xv = tl.load(x_rows[:, None] + offs_d[None, :]).to(tl.float32)
+        dyv = tl.load(dy_rows[:, None] + offs_d[None, :]).to(tl.float32)
+    else:
+        rmask = live[:, None] & mask_d[None, :]  # [BLOCK_E, BLOCK_D]
+        xv = tl.load(x_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
+        dyv = tl.load(dy_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
+    # [BLOCK_E] fp32 coefficients, stored in entry order: contiguous per unit
+    dg = tl.load(dg_ptr + e0 + lanes, mask=live, other=0.0)
+    h = tl.load(h_ptr + e0 + lanes, mask=live, other=0.0)
+    acc_first += tl.sum(dg[:, None] * xv, 0)
+    if GATED:
+        du = tl.load(du_ptr + e0 + lanes, mask=live, other=0.0)
+        acc_up += tl.sum(du[:, None] * xv, 0)
+    acc_down += tl.sum(h[:, None] * dyv, 0)
+    return acc_first, acc_up, acc_down
+
+
+@triton.jit
 def _unit_weight_grads_kernel(
     x_ptr, dy_ptr, dg_ptr, h_ptr, du_ptr, offsets_ptr, entries_ptr, order_ptr,
     grad_gate_ptr, grad_up_ptr, grad_down_ptr,
-    D, H, n_groups,
+    D, H, n_groups, cap,
     stride_xm, stride_dym, stride_gg, stride_gu, stride_gd,
     GATED: tl.constexpr,          # three gradients from (dg, du, h = p u); False: two from (dg, h = p)
     ALIGNED: tl.constexpr,        # D % 8 == 0, 16-byte aligned bases and row strides of x, dy
@@ -234,7 +275,8 @@ def _unit_weight_grads_kernel(
     UNITS: tl.constexpr,          # units per program (snake over the hottest-first order)
 ):
     """Program (g, s): the units at sorted positions g, 2G-1-g, 2G+g, 4G-1-g, ... (G = n_groups: a
-    snake over rounds of G, so every program gets one unit of each round) in D slice s.
+    snake over rounds of G, so every program gets one unit of each round) in D slice s, each unit's
+    first `cap` entries (the rest, of the few hottest units, spill to `_unit_spill_grads_kernel`).
 
     Units run hottest first (most entries first, ties by id); the order must be exact (coarser
     orders measured slower: docs/kernel-notes.md). The program walks all its units'
@@ -263,6 +305,7 @@ def _unit_weight_grads_kernel(
     unit_of = tl.load(order_ptr + pos, mask=has, other=0).to(tl.int64)  # [UNITS] unit ids
     start_of = tl.load(offsets_ptr + unit_of, mask=has, other=0)  # [UNITS] index dtype
     end_of = tl.load(offsets_ptr + unit_of + 1, mask=has, other=0)
+    end_of = start_of + tl.minimum(end_of - start_of, cap)  # entries past the cap: _unit_spill_grads_kernel
     # a unit without entries takes one empty step (it stores its zeros); absent slots take none
     n_steps = tl.where(has, tl.maximum(tl.cdiv(end_of - start_of, BLOCK_E), 1), 0)  # [UNITS]
     last_of = tl.cumsum(n_steps, 0)  # [UNITS] one past each slot's last step
@@ -274,7 +317,6 @@ def _unit_weight_grads_kernel(
     mask_d = offs_d < D
     if ALIGNED:
         mask_d = tl.max_constancy(mask_d, 8)
-    lanes = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     acc_first = tl.zeros([BLOCK_D], dtype=tl.float32)  # [BLOCK_D] fp32: Σ dg x
     acc_up = tl.zeros([BLOCK_D], dtype=tl.float32)     # [BLOCK_D] fp32: Σ du x (gated)
     acc_down = tl.zeros([BLOCK_D], dtype=tl.float32)   # [BLOCK_D] fp32: Σ h dy
@@ -284,35 +326,9 @@ def _unit_weight_grads_kernel(
         e0 = tl.sum(tl.where(at, e0_base, 0), 0) + i * BLOCK_E
         end = tl.sum(tl.where(at, end_of, 0), 0)
         unit_done = tl.sum(tl.where(at, last_of, 0), 0) == i + 1  # the unit's last step
-        live = e0 + lanes < end  # [BLOCK_E]
-        m = tl.load(entries_ptr + e0 + lanes, mask=live, other=0)  # [BLOCK_E] tokens
-        if SHARED_ROWS:
-            row = m.to(tl.int32) * stride_xm  # [BLOCK_E] int32
-            x_rows = x_ptr + row
-            dy_rows = dy_ptr + row
-        else:
-            x_rows = x_ptr + m.to(tl.int64) * stride_xm  # [BLOCK_E]
-            dy_rows = dy_ptr + m.to(tl.int64) * stride_dym
-        if ALIGNED:
-            x_rows = tl.multiple_of(x_rows, 16)
-            dy_rows = tl.multiple_of(dy_rows, 16)
-        # [BLOCK_E, BLOCK_D] gathered token rows, fp32. EVEN_D: no mask at all; a dead lane (m = 0
-        # from the masked entry load) gathers row 0, which its zero coefficients cancel
-        if EVEN_D:
-            xv = tl.load(x_rows[:, None] + offs_d[None, :]).to(tl.float32)
-            dyv = tl.load(dy_rows[:, None] + offs_d[None, :]).to(tl.float32)
-        else:
-            rmask = live[:, None] & mask_d[None, :]  # [BLOCK_E, BLOCK_D]
-            xv = tl.load(x_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
-            dyv = tl.load(dy_rows[:, None] + offs_d[None, :], mask=rmask, other=0.0).to(tl.float32)
-        # [BLOCK_E] fp32 coefficients, stored in entry order: contiguous per unit
-        dg = tl.load(dg_ptr + e0 + lanes, mask=live, other=0.0)
-        h = tl.load(h_ptr + e0 + lanes, mask=live, other=0.0)
-        acc_first += tl.sum(dg[:, None] * xv, 0)
-        if GATED:
-            du = tl.load(du_ptr + e0 + lanes, mask=live, other=0.0)
-            acc_up += tl.sum(du[:, None] * xv, 0)
-        acc_down += tl.sum(h[:, None] * dyv, 0)
+        acc_first, acc_up, acc_down = _entries_step(
+            x_ptr, dy_ptr, dg_ptr, h_ptr, du_ptr, entries_ptr, e0, end, offs_d, mask_d, stride_xm, stride_dym,
+            acc_first, acc_up, acc_down, GATED, ALIGNED, SHARED_ROWS, EVEN_D, BLOCK_E)
         if unit_done:
             # [BLOCK_D] fp32 slices of row j
             if GATED:
@@ -327,6 +343,63 @@ def _unit_weight_grads_kernel(
 
 
 _unit_weight_grads_launch = Launcher(_unit_weight_grads_kernel)
+
+
+@triton.jit
+def _unit_spill_grads_kernel(
+    x_ptr, dy_ptr, dg_ptr, h_ptr, du_ptr, offsets_ptr, entries_ptr, order_ptr, chunk_end_ptr,
+    grad_gate_ptr, grad_up_ptr, grad_down_ptr,
+    D, H, cap, n_programs,
+    stride_xm, stride_dym, stride_gg, stride_gu, stride_gd,
+    GATED: tl.constexpr, ALIGNED: tl.constexpr, SHARED_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,          # entries per spilled chunk (a multiple of BLOCK_E)
+    SEARCH_STEPS: tl.constexpr,   # ceil(log2(H)) + 1: halvings of the binary search over ranks
+):
+    """The entries past the first `cap` of the hottest units, after `_unit_weight_grads_kernel` has
+    stored the first cap's sums: split into chunks of CHUNK entries, which programs (p, s) take in
+    turn (p, p + P, ...; P = n_programs) in D slice s and ADD to the gradient rows (fp32 atomics, so
+    the order of the chunks' additions varies from run to run: not used in deterministic mode).
+    chunk_end [H] (int64, ranks in `order`, hottest first): the cumulative number of spilled chunks
+    of ranks 0..r, so a chunk's rank is the first r with chunk_end[r] > chunk (a binary search) and
+    the number of chunks is chunk_end[H - 1], read on the device: no host synchronisation."""
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask_d = offs_d < D
+    if ALIGNED:
+        mask_d = tl.max_constancy(mask_d, 8)
+    total = tl.load(chunk_end_ptr + H - 1)
+    for c in range(pid, total, n_programs):
+        lo = c * 0  # rank search in [lo, hi]: chunk_end is non-decreasing and chunk_end[H - 1] > c
+        hi = lo + H - 1
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            right = tl.load(chunk_end_ptr + mid) <= c
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(right, hi, mid)
+        j = tl.load(order_ptr + lo).to(tl.int64)
+        start = tl.load(offsets_ptr + j)
+        end = tl.load(offsets_ptr + j + 1)
+        first_chunk = tl.load(chunk_end_ptr + lo) - (end - start - cap + CHUNK - 1) // CHUNK
+        e_first = start + cap + (c - first_chunk) * CHUNK
+        e_end = tl.minimum(end, e_first + CHUNK)
+        acc_first = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc_down = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for e0 in range(e_first, e_end, BLOCK_E):
+            acc_first, acc_up, acc_down = _entries_step(
+                x_ptr, dy_ptr, dg_ptr, h_ptr, du_ptr, entries_ptr, e0, e_end, offs_d, mask_d, stride_xm,
+                stride_dym, acc_first, acc_up, acc_down, GATED, ALIGNED, SHARED_ROWS, EVEN_D, BLOCK_E)
+        if GATED:
+            tl.atomic_add(grad_gate_ptr + j * stride_gg + offs_d, acc_first, mask=mask_d, sem="relaxed")
+            tl.atomic_add(grad_up_ptr + j * stride_gu + offs_d, acc_up, mask=mask_d, sem="relaxed")
+        else:
+            tl.atomic_add(grad_up_ptr + j * stride_gu + offs_d, acc_first, mask=mask_d, sem="relaxed")
+        tl.atomic_add(grad_down_ptr + j * stride_gd + offs_d, acc_down, mask=mask_d, sem="relaxed")
+
+
+_unit_spill_grads_launch = Launcher(_unit_spill_grads_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -516,6 +589,11 @@ def _unit_grads_constexprs(config: UnitGradsConfig, d: int, *, gated: bool, alig
                 BLOCK_E=config.block_e, BLOCK_D=config.block_d, UNITS=config.units_per_program)
 
 
+def _search_steps(h: int) -> int:
+    """Halvings that narrow a range of h ranks to one, plus one."""
+    return max(1, (h - 1).bit_length()) + 1
+
+
 def _unit_grads_options(config: UnitGradsConfig) -> dict[str, object]:
     options: dict[str, object] = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if config.max_regs is not None:
@@ -535,9 +613,12 @@ def unit_weight_grads(
     grad_up_out: torch.Tensor,
     grad_down_t_out: torch.Tensor,
     config: UnitGradsConfig | None = None,
+    deterministic: bool = False,
 ) -> None:
     """Overwrite the fp32 [H, D] weight gradients from `slots_by_unit`'s result, built with the
-    coefficients (the math: module docstring; the kernel: `_unit_weight_grads_kernel`). Non-gated:
+    coefficients (the math: module docstring; the kernels: `_unit_weight_grads_kernel`, and
+    `_unit_spill_grads_kernel` for the entries of hot units past `config.cap_entries`, whose fp32
+    atomic additions vary the last bits from run to run unless `deterministic`). Non-gated:
     `grad_gate_out` must be None and grad_up_out receives the first weight's gradient. `config`
     overrides `default_unit_grads_config(D)`. No host synchronisation."""
     gated = _check_gated(gated)
@@ -573,7 +654,7 @@ def unit_weight_grads(
     if config is not None and not isinstance(config, UnitGradsConfig):
         raise TypeError(f"config must be a UnitGradsConfig or None, got {type(config).__name__}")
     launch_unit_weight_grads(x, dy, by_unit, gated=gated, grad_gate_out=grad_gate_out, grad_up_out=grad_up_out,
-                             grad_down_t_out=grad_down_t_out, config=config)
+                             grad_down_t_out=grad_down_t_out, config=config, deterministic=bool(deterministic))
 
 
 def launch_unit_weight_grads(
@@ -586,6 +667,7 @@ def launch_unit_weight_grads(
     grad_up_out: torch.Tensor,
     grad_down_t_out: torch.Tensor,
     config: UnitGradsConfig | None = None,
+    deterministic: bool = False,
 ) -> None:
     """`unit_weight_grads` on arguments that meet its contract, unchecked: for the training op, which
     built by_unit and the gradient buffers and whose token-major backward launch checked x and dy."""
@@ -606,13 +688,26 @@ def launch_unit_weight_grads(
         return
     shared_rows = x.stride(0) == dy.stride(0) and m * x.stride(0) < 2**31
     n_groups = cdiv(h, config.units_per_program)
-    grid = (n_groups, cdiv(d, config.block_d))
-    _unit_weight_grads_launch[grid](
-        x, dy, coef[0], coef[1], coef[2] if gated else coef[0], offsets, entries, order,
-        grad_gate_out if gated else grad_up_out, grad_up_out, grad_down_t_out,
-        d, h, n_groups,
-        x.stride(0), dy.stride(0), (grad_gate_out if gated else grad_up_out).stride(0),
-        grad_up_out.stride(0), grad_down_t_out.stride(0),
-        **_unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=shared_rows),
-        **_unit_grads_options(config),
+    slices = cdiv(d, config.block_d)
+    # a unit has at most M entries (one per token): below the cap none spills
+    spill = not deterministic and m > config.cap_entries
+    cap = config.cap_entries if spill else _NO_CAP
+    grad_first = grad_gate_out if gated else grad_up_out
+    args = (x, dy, coef[0], coef[1], coef[2] if gated else coef[0], offsets, entries, order)
+    strides = (x.stride(0), dy.stride(0), grad_first.stride(0), grad_up_out.stride(0), grad_down_t_out.stride(0))
+    constexprs = _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=shared_rows)
+    _unit_weight_grads_launch[(n_groups, slices)](
+        *args, grad_first, grad_up_out, grad_down_t_out, d, h, n_groups, cap, *strides,
+        **constexprs, **_unit_grads_options(config),
     )
+    if spill:
+        # spilled chunks per rank (hottest first), cumulative: device tensors, no synchronisation
+        n = (offsets[1:] - offsets[:-1])[order.long()]
+        chunk_end = torch.cumsum(torch.div(n - cap + config.cap_entries - 1, config.cap_entries,
+                                           rounding_mode="floor").clamp_min_(0), 0)
+        programs = max(1, _SPILL_PROGRAMS_PER_SM * num_sms(x.device) // slices) if x.is_cuda else 4
+        _unit_spill_grads_launch[(programs, slices)](
+            *args, chunk_end, grad_first, grad_up_out, grad_down_t_out, d, h, cap, programs, *strides,
+            **{k: v for k, v in constexprs.items() if k != "UNITS"}, CHUNK=config.cap_entries,
+            SEARCH_STEPS=_search_steps(h), **_unit_grads_options(config),
+        )

@@ -174,7 +174,7 @@ def _train_backward(
     grad_up = torch.empty(h, d, dtype=torch.float32, device=x.device)
     grad_down_t = torch.empty(h, d, dtype=torch.float32, device=x.device)
     launch_unit_weight_grads(x, dy, by_unit, gated=gated, grad_gate_out=grad_gate, grad_up_out=grad_up,
-                             grad_down_t_out=grad_down_t)
+                             grad_down_t_out=grad_down_t, deterministic=deterministic)
     del by_unit
     # the overflow rows in ascending order (the weight gradients add them in row order): the first
     # gemm_rows as GEMMs, the rest through the Triton kernels

@@ -9,7 +9,8 @@ from sparseffn.kernels.configs.unit_grads import default_unit_grads_config
 from sparseffn.kernels.unit_grads import (_ORDER_STEP, _ORDER_UNITS, _PREFIX_BLOCKS, _PREFIX_UNITS, _SLOT_WARPS,
                                           _block_prefix_kernel, _slot_blocks, _unit_grads_constexprs,
                                           _unit_grads_options, _unit_histogram_kernel, _unit_offsets_kernel,
-                                          _unit_scatter_kernel, _unit_weight_grads_kernel)
+                                          _unit_scatter_kernel, _unit_spill_grads_kernel,
+                                          _unit_weight_grads_kernel, _search_steps)
 
 
 def compile_specs(with_options: bool = False):
@@ -52,17 +53,21 @@ def compile_specs(with_options: bool = False):
                 {"num_warps": _SLOT_WARPS})
     for ty, gated, (d, aligned), index in itertools.product(
             TL_DTYPES.values(), (True, False), ((2048, True), (100, False)), ("i32", "i64")):
-        signature = {
+        inputs = {
             "x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "dg_ptr": "*fp32", "h_ptr": "*fp32",
             "du_ptr": "*fp32", "offsets_ptr": f"*{index}",
             "entries_ptr": f"*{index}", "order_ptr": "*i32",
-            "grad_gate_ptr": "*fp32", "grad_up_ptr": "*fp32", "grad_down_ptr": "*fp32",
-            "D": "i32", "H": "i32", "n_groups": "i32",
-            "stride_xm": "i32", "stride_dym": "i32", "stride_gg": "i32", "stride_gu": "i32",
-            "stride_gd": "i32",
         }
+        outputs = {"grad_gate_ptr": "*fp32", "grad_up_ptr": "*fp32", "grad_down_ptr": "*fp32"}
+        strides = {"stride_xm": "i32", "stride_dym": "i32", "stride_gg": "i32", "stride_gu": "i32", "stride_gd": "i32"}
         config = default_unit_grads_config(d)
-        add(_unit_weight_grads_kernel, signature,
-            _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=aligned),
-            _unit_grads_options(config))
+        constexprs = _unit_grads_constexprs(config, d, gated=gated, aligned=aligned, shared_rows=aligned)
+        add(_unit_weight_grads_kernel,
+            {**inputs, **outputs, "D": "i32", "H": "i32", "n_groups": "i32", "cap": "i32", **strides},
+            dict(constexprs), _unit_grads_options(config))
+        add(_unit_spill_grads_kernel,
+            {**inputs, "chunk_end_ptr": "*i64", **outputs, "D": "i32", "H": "i32", "cap": "i32", "n_programs": "i32",
+             **strides},
+            {**{k: v for k, v in constexprs.items() if k != "UNITS"}, "CHUNK": config.cap_entries,
+             "SEARCH_STEPS": _search_steps(5632)}, _unit_grads_options(config))
     return specs

@@ -21,11 +21,16 @@ class UnitGradsConfig:
     num_stages: int = 1
     units_per_program: int = 4   # units per program (UNITS)
     max_regs: int | None = None  # register cap per thread (ptxas .maxnreg); None: no cap
+    cap_entries: int = 256       # entries of a unit its own program sums; the rest spill in chunks of as many
+                                 # (a multiple of block_e; deterministic mode never spills)
 
     def __post_init__(self) -> None:
-        check_config_fields(self, positive=("block_e", "block_d", "num_warps", "num_stages", "units_per_program"),
+        check_config_fields(self, positive=("block_e", "block_d", "num_warps", "num_stages", "units_per_program",
+                                            "cap_entries"),
                             powers_of_two=("block_e", "block_d", "num_warps", "units_per_program"),
                             at_least=((("block_d",), 16, "two 16-byte vectors"),))
+        if self.cap_entries % self.block_e:
+            raise ValueError(f"cap_entries must be a multiple of block_e ({self.block_e}), got {self.cap_entries}")
 
 
 @functools.lru_cache(maxsize=None)  # frozen configs, built and checked once per shape
@@ -34,7 +39,8 @@ def default_unit_grads_config(d: int) -> UnitGradsConfig:
     and one warp per 256 of them (up to 4), so that each thread holds 8 columns of every entry of a
     step and the sums over entries stay in registers (warps left over for the entries would make
     the sums cross warps through shared memory on every step); 4 units per program, no pipelining
-    stages. The sweep behind it: docs/kernel-notes.md."""
+    stages; a unit's program sums its first 256 entries, the rest of a hot unit's spill (32 steps:
+    a program's 4 units take at most 128). The sweep behind it: docs/kernel-notes.md."""
     block_d = min(1024, max(16, next_power_of_2(d)))
     return UnitGradsConfig(block_e=8, block_d=block_d, num_warps=min(4, max(1, block_d // 256)), num_stages=1,
-                           units_per_program=4, max_regs=None)
+                           units_per_program=4, max_regs=None, cap_entries=256)
