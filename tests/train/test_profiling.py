@@ -27,16 +27,19 @@ def test_kernel_group_by_name():
 
 def test_report_per_step_groups_and_top_kernels():
     class Event:
-        def __init__(self, key, device_us, count):
+        def __init__(self, key, device_us, count, device="CUDA"):
             self.key, self.self_device_time_total, self.count = key, device_us, count
             self.self_cpu_time_total = 1.0
-            self.device_type = type("T", (), {"name": "CUDA"})()
+            self.device_type = type("T", (), {"name": device})()
 
-    events = [Event("_gate_twell_kernel", 3000.0, 6), Event("nvjet_gemm", 1000.0, 12)]
+    # the optimizer's annotation, recorded on the host and as a device range over its kernels, is no kernel
+    events = [Event("_gate_twell_kernel", 3000.0, 6), Event("nvjet_gemm", 1000.0, 12),
+              Event("Optimizer.step#AdamW.step", 0.0, 2, "CPU"), Event("Optimizer.step#AdamW.step", 900.0, 2)]
     text = report(events, steps=2, wall_s=0.004, title="steps 1-2")
     assert text.startswith("steps 1-2: wall 2.00 ms per step, device kernels 2.00 ms per step (2 steps)")
     assert "Triton (sparseffn) | 1.50 | 75.0%" in text and "GEMM (cuBLAS) | 0.50 | 25.0%" in text
     assert "_gate_twell_kernel | 1.500 | 3" in text and "nvjet_gemm | 0.500 | 6" in text
+    assert "Optimizer.step" not in text
 
 
 def test_a_run_writes_the_profile_of_the_chosen_steps(small_corpus, tmp_path):

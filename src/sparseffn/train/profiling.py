@@ -94,8 +94,11 @@ class StepProfiler:
 
 def report(events, steps: int, wall_s: float, title: str, top: int = 30) -> str:
     """The profile as text: per step, the wall time, the device-kernel time by group and the top kernels."""
+    # device-side ranges of host annotations (e.g. "Optimizer.step#AdamW.step") span kernels counted on their
+    # own: a name the host also recorded is not a kernel
+    host = {e.key for e in events if e.device_type.name == "CPU"}
     kernels = [(e.key, e.self_device_time_total, e.count) for e in events
-               if e.device_type.name != "CPU" and e.self_device_time_total > 0]
+               if e.device_type.name != "CPU" and e.self_device_time_total > 0 and e.key not in host]
     what = "device kernels"
     if not kernels:  # a CPU run: the operators' own CPU time
         kernels = [(e.key, e.self_cpu_time_total, e.count) for e in events if e.self_cpu_time_total > 0]
