@@ -354,12 +354,12 @@ def test_auto_mode_dispatches_on_measured_activity(monkeypatch):
             sparse(x)
             assert sparse.last_decision.reason.startswith("activity not measured")
             assert len(decisions) == call + 1 and decisions[-1]["expected_nnz"] is None
-            assert decisions[-1]["unmeasured"] == sparse.last_decision.reason
+            assert decisions[-1]["wait"] == sparse.last_decision.reason
         assert sparse.activity.nnz is None
         sparse(x)
         assert sparse.activity.nnz == want and 0 < want < H
         assert decisions[-1]["expected_nnz"] == want and decisions[-1]["previous"] == "dense"
-        assert decisions[-1]["unmeasured"] is None and not sparse.last_decision.reason.startswith("activity not measured")
+        assert decisions[-1]["wait"] is None and not sparse.last_decision.reason.startswith("activity not measured")
         sparse(x)
     assert len(decisions) == sparse.activity.lag + 2  # one decision per call
     assert sparse.activity.last == {"decode": "dense"} and sparse.activity.calls == sparse.activity.lag + 2

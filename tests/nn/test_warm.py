@@ -100,16 +100,41 @@ def test_background_warm_runs_the_same_calls_in_a_child(launches):
     assert job.calls == [WarmedCall("training", TOKENS, D, H, True, False, torch.bfloat16),
                          WarmedCall("inference", TOKENS, D, H, True, False, torch.bfloat16)]
     assert not launches  # none in this process
+    assert job.held == []  # a layer in sparse mode is not auto's to hold (start_warming holds auto layers)
     assert job.wait() > 0 and job.poll()
     assert start_warming([_mlp(mode="dense")], train_tokens=TOKENS) is None  # nothing to warm
 
 
-def test_background_warm_failure_raises_with_the_childs_error():
+def _failing_job(held=()):
     call = WarmedCall("training", 4, D, H, True, False, torch.bfloat16)
-    job = BackgroundWarm([(call, dict(d=D, h=H, gated=True, threshold=False, down_transposed=True, device="cpu",
-                                      tokens=4, training=True, dtype="no_such_dtype", seed=0))])
+    return BackgroundWarm([(call, dict(d=D, h=H, gated=True, threshold=False, down_transposed=True, device="cpu",
+                                       tokens=4, training=True, dtype="no_such_dtype", seed=0))], held)
+
+
+def test_background_warm_failure_raises_with_the_childs_error():
     with pytest.raises(RuntimeError, match="(?s)background kernel warm-up failed.*no_such_dtype"):
+        _failing_job().wait()
+
+
+def test_layers_stay_dense_while_the_child_compiles():
+    """The auto layers are held dense (the first rule of auto mode, with the reason) until poll() sees the
+    child finished, failed included, or the job is stopped; a hold set by someone else is left alone."""
+    from sparseffn.ops.sparse_mlp import choose_mode
+
+    held, other = _mlp(mode="auto"), _mlp(mode="auto")
+    other.activity.hold = "another reason"
+    job = _failing_job([held, other])
+    assert held.activity.hold == BackgroundWarm.HOLD and other.activity.hold == BackgroundWarm.HOLD
+    x, w = torch.zeros(4096, D, dtype=torch.bfloat16), torch.zeros(H, D, dtype=torch.bfloat16)
+    decision = choose_mode(x, w, mode="auto", expected_nnz=1.0, activity=held.activity)
+    assert (decision.mode, decision.reason) == ("dense", BackgroundWarm.HOLD)
+    with pytest.raises(RuntimeError):
         job.wait()
+    assert held.activity.hold is None and other.activity.hold is None
+    assert choose_mode(x, w, mode="auto", expected_nnz=1.0, activity=held.activity).reason != BackgroundWarm.HOLD
+    stopped = _failing_job([held])
+    stopped.stop()
+    assert held.activity.hold is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -12,7 +12,8 @@ How, without host synchronisation (a counted call: `poll`, decide, compute, mayb
     call (waiting on its event, which has completed) and folded in with weight n / (n + 1024) for a
     sample of n tokens (the first sample is taken as is): a training call's sample of thousands of
     tokens all but replaces the estimate, single-token decode samples average over ~1000 tokens.
-Until the first sample is read the estimate is None and the layer runs dense in auto mode.
+Until the first sample is read the estimate is None and the layer runs dense in auto mode; so it does
+while `hold` says why (a background kernel warm-up not finished yet).
 Counted calls are forward calls outside backward (activation-checkpoint recomputation), outside
 torch.compile tracing and outside CUDA-graph capture; so the estimate, and the decisions made from
 it, depend only on the sequence of calls: the same run decides the same way. `state_dict` (with
@@ -43,6 +44,9 @@ class Activity:
         self.calls = 0  # counted calls so far
         self.samples = 0
         self.last: dict[str, str] = {}  # kind of call -> "sparse" / "dense", the last decision
+        # while set, auto mode runs dense and gives this as the reason (nn/warm.py: the kernels the layer would
+        # switch to are still compiling in a child process); not saved: it belongs to this process
+        self.hold: str | None = None
         # a sample in flight: (call index at which it is read, host tensor [2] int64 (active, tokens),
         # CUDA event or None)
         self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None

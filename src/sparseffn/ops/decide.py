@@ -18,8 +18,8 @@ Auto mode takes the sparse path only where it was measured faster (`benchmarks/r
     of the path (`density_limit`); for decode calls, the expected union of the call's tokens' active
     units (`expected_union`: the batch's tokens together) under a fraction of H (`decode_union_limit`).
     Without an estimate the functional op assumes sparse activations; a layer passes its measured
-    activity (nn/activity.py), and runs dense until it is measured (`unmeasured`, the first rule of
-    auto mode).
+    activity (nn/activity.py), and runs dense until it is measured, or while it is held (`Activity.hold`:
+    its kernels still compiling in a background warm-up): `wait`, the first rule of auto mode.
 Hysteresis: `previous`, the path this kind of call (`call_kind`) took last time, keeps a layer that runs
 dense there until its estimate falls under HYSTERESIS x the limit, so it does not flip between paths.
 """
@@ -151,10 +151,10 @@ def _blockers(facts: CallFacts) -> list[str]:
 
 
 def decide(facts: CallFacts, mode: str = "auto", expected_nnz: float | None = None,
-           previous: str | None = None, unmeasured: str | None = None) -> ModeDecision:
+           previous: str | None = None, wait: str | None = None) -> ModeDecision:
     """The path for a call with these facts (module docstring). Raises NotImplementedError when
-    mode="sparse" cannot run, ValueError for an unknown mode. `unmeasured`: why a layer's activity has no
-    estimate yet (auto mode then runs dense and says so); None when there is one or none is kept."""
+    mode="sparse" cannot run, ValueError for an unknown mode. `wait`: why auto mode must run dense for now
+    (the layer's activity has no estimate yet, or its kernels are still compiling: it says so); None otherwise."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
@@ -164,15 +164,15 @@ def decide(facts: CallFacts, mode: str = "auto", expected_nnz: float | None = No
         if blockers:
             raise NotImplementedError(f"mode='sparse' cannot run: {'; '.join(blockers)}")
         return ModeDecision("sparse", "requested")
-    path, reason = _auto(facts, expected_nnz, previous, unmeasured)
+    path, reason = _auto(facts, expected_nnz, previous, wait)
     return ModeDecision(path, reason, call_kind(facts.training, facts.tokens))
 
 
 def _auto(facts: CallFacts, expected_nnz: float | None, previous: str | None,
-          unmeasured: str | None) -> tuple[str, str]:
+          wait: str | None) -> tuple[str, str]:
     """(path, reason) of auto mode."""
-    if unmeasured is not None:
-        return "dense", unmeasured
+    if wait is not None:
+        return "dense", wait
     blockers = _blockers(facts)
     if blockers:
         return "dense", blockers[0]

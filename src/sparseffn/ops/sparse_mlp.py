@@ -68,6 +68,7 @@ class MeasuredActivity(Protocol):
     last: dict[str, str]  # kind of call (decide.call_kind) -> the path it took last time
     period: int  # a sample every `period` counted calls ...
     lag: int  # ... read `lag` calls later
+    hold: str | None  # while set, why auto mode runs dense regardless (kernels still compiling in a warm-up)
 
 
 def choose_mode(
@@ -100,7 +101,7 @@ def choose_mode(
     d = x.shape[-1] if x.dim() else 0
     tokens = x.numel() // max(d, 1)
     training = needs_grad or return_l1
-    unmeasured = None
+    wait = None
     compiling = torch.compiler.is_compiling()
     if activity is not None and mode == "auto":
         if not compiling:
@@ -108,14 +109,15 @@ def choose_mode(
         if expected_nnz is None:
             expected_nnz = activity.nnz
             if expected_nnz is None:
-                unmeasured = (f"activity not measured yet (sampled every {activity.period} calls, "
-                              f"read {activity.lag} calls later)")
+                wait = (f"activity not measured yet (sampled every {activity.period} calls, "
+                        f"read {activity.lag} calls later)")
+        wait = activity.hold or wait
     traced = tokens <= DECODE_MAX_TOKENS and mode == "auto" and call_traced(x)
     # traced by torch.compile the decision is evaluated once, at trace time, into constants: the
     # memos (which dynamo would warn about and bypass) are skipped
     decision = _decision.__wrapped__ if compiling else _decision
     return decision(mode, d, tokens, x.dtype, x.device, _capability(x.device, compiling), up_weight.shape[0],
-                    training, down_t_ready, traced, expected_nnz, previous, unmeasured)
+                    training, down_t_ready, traced, expected_nnz, previous, wait)
 
 
 def _capability(device: torch.device, compiling: bool) -> tuple[int, int]:
@@ -131,7 +133,7 @@ _REQUESTED_DENSE = ModeDecision("dense", "requested")
 
 @functools.lru_cache(maxsize=4096)
 def _decision(mode, d, tokens, dtype, device, cap, h, training, down_t_ready, traced, expected_nnz,
-              previous, unmeasured) -> ModeDecision:
+              previous, wait) -> ModeDecision:
     """`decide` memoized on what it looks at (a decode step asks the same question every call; the
     facts and rules cost more host time than the decode kernels' launches)."""
     facts = CallFacts(
@@ -141,7 +143,7 @@ def _decision(mode, d, tokens, dtype, device, cap, h, training, down_t_ready, tr
         interpreted=device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1",
         down_t_ready=down_t_ready, traced=traced,
     )
-    return decide(facts, mode, expected_nnz, previous, unmeasured)
+    return decide(facts, mode, expected_nnz, previous, wait)
 
 
 @torch.library.custom_op("sparseffn::twell_mlp", mutates_args=())
