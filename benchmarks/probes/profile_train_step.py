@@ -4,7 +4,8 @@ Usage: python benchmarks/probes/profile_train_step.py [nnz] [model] [batch]. The
 with fp32 weights and trained under bf16 autocast with fused AdamW, fused norms/RoPE, 2048-token sequences (the
 training loop's set-up); per-unit thresholds are calibrated to `nnz` active units per token (default 6, the
 activity of `bench train-run`'s late sparse phase at 2b). For each mode: wall time per step, GPU kernel time per
-step, the kernels grouped (sparseffn's Triton kernels, GEMMs, attention, optimizer, the rest) and the top kernels.
+step, the kernels grouped (train/profiling.py's groups) and the top kernels. A real run profiles itself with
+`--profile-steps` (its activity is skewed across units; this calibrated one's is not).
 """
 
 import sys
@@ -15,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from sparseffn.models import (SparsityConfig, build_model, calibrate_thresholds, collect_l1, fuse_non_mlp_,
                               sparse_mlps)
+from sparseffn.train.profiling import kernel_group
 
 nnz = float(sys.argv[1]) if len(sys.argv) > 1 else 6.0
 name = sys.argv[2] if len(sys.argv) > 2 else "2b"
@@ -41,19 +43,6 @@ def step():
     optimizer.zero_grad(set_to_none=True)
 
 
-def category(kernel: str) -> str:
-    k = kernel.lower()
-    if "adam" in k or "multi_tensor" in k:
-        return "optimizer"
-    if "gemm" in k or "sm90_xmma" in k or "cutlass" in k or "nvjet" in k:
-        return "gemm (cuBLAS)"
-    if "flash" in k or "fmha" in k or "attention" in k or "cudnn" in k:
-        return "attention"
-    if "_kernel" in k and not k.startswith("void"):
-        return "triton (sparseffn)"
-    return "elementwise/other"
-
-
 print(f"{name}, batch {batch}x2048, calibrated mean {mean:.2f} active units per token")
 for mode in ("auto", "dense"):
     for mlp in mlps:
@@ -74,7 +63,7 @@ for mode in ("auto", "dense"):
     total = sum(e.self_device_time_total for e in events) / 3
     groups: dict[str, float] = {}
     for e in events:
-        groups[category(e.key)] = groups.get(category(e.key), 0.0) + e.self_device_time_total / 3
+        groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + e.self_device_time_total / 3
     print(f"\n== {mode}: wall {1e3 * wall:.1f} ms/step, GPU kernels {total / 1e3:.1f} ms/step")
     for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {g:24s} {t / 1e3:8.2f} ms  {100 * t / total:5.1f}%")
