@@ -15,10 +15,9 @@ and the caller rounds. Two steps, no host synchronisation (fixed-size buffers, c
      the weight-gradient coefficients moved into entry order in the same pass, and the units'
      order hottest first. deterministic=True orders each unit's entries by token.
   2. `unit_weight_grads`: per unit and D slice, an fp32 sum over the unit's entries on CUDA cores,
-     gathering x / dy rows, stored (no scratch). A unit's program sums its first `cap_entries` (256);
-     the rest of a hotter unit's spill in chunks of as many to `_unit_spill_grads_kernel`, which adds
-     them with fp32 atomics (a real L1 run's activity is skewed: one program per hot unit set the
-     pace). Deterministic mode never spills: each unit's sum stays in one program, in token order.
+     gathering x / dy rows; past `cap_entries` (256) a hot unit's entries spill in chunks to
+     `_unit_spill_grads_kernel`, whose fp32 atomics add them (trained activity is skewed: one program
+     per hot unit set the pace). Deterministic mode never spills.
 Why CUDA cores and not tensor cores: the work is ~3 FMAs per gathered element, so the per-step
 index work and the gathers set the pace (docs/design.md, "Training").
 
