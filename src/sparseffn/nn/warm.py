@@ -93,13 +93,13 @@ class BackgroundWarm:
     def __init__(self, planned: list[tuple[WarmedCall, dict]], held: Sequence[SparseMLP] = ()) -> None:
         self.calls = [call for call, _ in planned]
         self.seconds: float | None = None
-        self.held = list(held)
-        for mlp in self.held:
-            mlp.activity.hold = self.HOLD
         self._started = time.perf_counter()
         self._stderr = tempfile.TemporaryFile()
         self._process = subprocess.Popen([sys.executable, "-m", "sparseffn.nn.warm"], stdin=subprocess.PIPE,
                                          stdout=subprocess.DEVNULL, stderr=self._stderr, env=child_env())
+        self.held = list(held)  # once there is a child whose end releases them
+        for mlp in self.held:
+            mlp.activity.hold = self.HOLD
         try:
             self._process.stdin.write(json.dumps([run for _, run in planned]).encode())  # the child reads to EOF
             self._process.stdin.close()
