@@ -3,6 +3,8 @@ carry speed, sparsity, the paths auto mode took and held-out CE; the summary ans
 layers stay dense; per-size λ defaults and bad flags."""
 
 import csv
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -24,8 +26,17 @@ def corpus(tmp_path):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("processes", [True, False], ids=["own-process", "one-process"])
-def test_train_run_bench_on_cpu(tmp_path, corpus, processes):
+def test_train_run_bench_on_cpu(tmp_path, corpus, processes, monkeypatch):
     modes = ["auto", "dense", "no-l1"] if processes else ["auto", "dense"]
+    caches = []  # each mode's process gets an empty Triton cache of its own
+    real_popen = subprocess.Popen
+
+    def popen(args, **kwargs):
+        if "sparseffn.bench.train_run" in str(args):  # a mode's process (not a git call)
+            caches.append(kwargs["env"]["TRITON_CACHE_DIR"])
+        return real_popen(args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
     profile = "" if processes else "3-4"  # --profile-steps: each mode's profile kept beside the CSV
     cfg = TrainRunBenchConfig(**TINY, data=str(corpus), processes=processes, modes=",".join(modes),
                               out_dir=str(tmp_path), profile_steps=profile)
@@ -43,6 +54,8 @@ def test_train_run_bench_on_cpu(tmp_path, corpus, processes):
     with (tmp_path / "cpu" / "train_run.csv").open() as f:
         written = list(csv.DictReader(f))
     assert len(written) == len(rows) and {r["process"] for r in written} == {"own" if processes else "shared"}
+    assert len(set(caches)) == len(caches) == (len(modes) if processes else 0)
+    assert not any(Path(c).exists() for c in caches)  # removed with the runs' temporary folder
     table = train_run_table(written, width=4)  # from the CSV's strings, as `bench report` reads it
     assert "| 0–2 |" in table and "warm-up" in table and "| 2–4 |" in table
     assert ("Final held-out CE against λ = 0: auto" in table) is processes
@@ -76,7 +89,7 @@ def test_summary_phases_when_some_layers_stay_dense():
     meta = dict(gpu="GPU", git_sha="x", model="tiny", process="own")
     table = train_run_table([dict(meta, **r) for r in dense + auto + summary], width=20, share=1.0)
     assert "no sparse phase (no window with ≥ 100% of auto's layers sparse; at most 3 of 4, at step 30)" in table
-    assert "nan" not in table and "whole-run wall time, warm-up included, 1.10x" in table
+    assert "nan" not in table and "whole-run wall time, warm-up and evaluations included, 1.10x" in table
 
 
 def test_paper_regime_lambda_per_size_and_bad_flags():

@@ -53,6 +53,22 @@ def test_grad_accumulation_and_global_batch(small_corpus, tmp_path):
     assert result.final_eval is not None and result.model_dir.is_dir()
 
 
+
+def test_a_run_without_saved_weights_publishes_its_metrics_only(small_corpus, tmp_path):
+    """save_weights=False (a measurement run): the run directory gets its config, run record and metrics at the
+    end, no checkpoint and no model; resuming it is refused by name."""
+    cfg = tiny_config(small_corpus, tmp_path / "run", steps=3, eval_interval=0, checkpoint_interval=2,
+                      save_weights=False)
+    result = train(cfg, progress=False, echo=None)
+    out = result.out_dir
+    assert result.completed and result.model_dir is None and result.final_eval is not None
+    assert {"config.json", "run.json", "metrics.jsonl"} <= {p.name for p in out.iterdir()}
+    assert not (out / "checkpoints").exists() and not (out / "model").exists() and not (out / ".staging").exists()
+    assert [r["step"] for r in read_metrics(result.metrics_path) if r["kind"] == "train"] == [1, 2, 3]
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(cfg.replace(steps=4), resume=True, progress=False, echo=None)
+
+
 def test_bad_device_is_named(small_corpus, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

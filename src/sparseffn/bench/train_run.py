@@ -9,9 +9,10 @@ Modes (`MODES`): "auto" and "dense" at the run's λ, "no-l1" (dense mode, λ = 0
 baseline. By default λ is the model size's `PAPER_REGIME_L1`: after the ramp, 0.3-1% of the MLP units
 active per token (the paper's 2B model: 29 of 5,632), not the near-zero activity of a large λ.
 
-Each mode trains in its own fresh process (`processes`), so the order of the modes does not decide
-their wall time; each run's first logging window (model build, kernel compilation and warm-up,
-allocator growth) is reported apart. CSV `train_run.csv` with the GPU name and git sha: one row per
+Each mode trains in its own fresh process (`processes`) with an empty Triton cache of its own, so neither
+the order of the modes nor what ran before on the machine decides their wall time; each run's first
+logging window (kernel compilation and warm-up, allocator growth) is reported apart. The runs write
+no checkpoint and no model (`save_weights=False`): the wall time is training and evaluation. CSV `train_run.csv` with the GPU name and git sha: one row per
 logging window and mode (tokens/s, active units per token, layers on the sparse path, held-out CE
 where evaluated) and a summary row per mode (wall time, warm-up, final held-out CE). `train_run_table`
 prints the windows side by side and the phase ratios (`summarize`).
@@ -158,7 +159,7 @@ def _train_config(cfg: TrainRunBenchConfig, mode: str, device: torch.device, out
     return TrainConfig(
         model=cfg.model, data=cfg.data or None, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len,
         batch_size=cfg.batch_size, steps=cfg.steps, lr=cfg.lr, log_interval=cfg.log_interval,
-        eval_interval=cfg.eval_interval, eval_batches=cfg.eval_batches, checkpoint_interval=0, keep_checkpoints=1,
+        eval_interval=cfg.eval_interval, eval_batches=cfg.eval_batches, checkpoint_interval=0, save_weights=False,
         seed=cfg.seed, device=device.type, out_dir=str(out), fuse_non_mlp=cfg.fuse_non_mlp,
         warm_kernels=cfg.warm_kernels, compile_non_mlp=cfg.compile_non_mlp, profile_steps=cfg.profile_steps,
         sparsity=SparsityConfig(l1_coeff=l1, l1_warmup_steps=cfg.l1_warmup_steps, mode=sparse_mode),
@@ -179,6 +180,9 @@ def _in_own_process(train_cfg, log: Callable[[str], None]) -> tuple[Path, float]
     train_cfg.save(config_path)
     env = child_env()  # the child imports this very sparseffn
     env["PYTHONUNBUFFERED"] = "1"
+    # an empty Triton cache of its own (its warm-up child inherits it): every mode compiles as on a fresh
+    # install, whatever ran before it on this machine
+    env["TRITON_CACHE_DIR"] = str(out.with_suffix(".triton-cache"))
     code = f"from sparseffn.bench.train_run import _child; _child({str(config_path)!r}, {str(result_path)!r})"
     tail: deque[str] = deque(maxlen=1)
     with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -358,10 +362,10 @@ def summary_lines(rows: list[dict], share: float = 0.9) -> list[str]:
                          if s.get("background_warm_s") not in ("", None) and float(s["background_warm_s"]) > 0
                          else "")
                       + f"; CE {_fmt(s['final_eval_ce'], '.4f')})" for mode, s in summaries.items())
+    where = "its own process with an empty Triton cache" if first.get("process") == "own" else "one process"
     lines = [f"{first['gpu']}, git {first['git_sha']}, `{first['model']}`, λ "
              f"{float(next(iter(summaries.values()))['l1_coeff']):g} ramped, {int(first['tokens_per_step']):,} tokens "
-             f"per step, same seed and data, each mode in {'its own process' if first.get('process') == 'own' else 'one process'}."
-             f" Wall time (to the end of the first window; final held-out CE): {walls}."]
+             f"per step, same seed and data, each mode in {where}, no checkpoint written. Wall time (to the end of the first window; final held-out CE): {walls}."]
     if {"auto", "dense"} <= set(summaries):
         s = summarize(rows, share)
         pct = f"{100 * share:.0f}%"
@@ -378,7 +382,7 @@ def summary_lines(rows: list[dict], share: float = 0.9) -> list[str]:
         text = (f"auto / dense tokens/s: {s['dense_phase']:.2f}x in the dense phase ({s['dense_windows']} "
                 f"window{'s' if s['dense_windows'] != 1 else ''}, every layer dense), {sparse}; {s['after_warmup']:.2f}x after the first window; slowest window "
                 f"{s['slowest']:.2f}x" + (f" (steps {slow[0]}–{slow[1]})" if slow else "")
-                + f"; whole-run wall time, warm-up included, {dense_wall / auto_wall:.2f}x.")
+                + f"; whole-run wall time, warm-up and evaluations included, {dense_wall / auto_wall:.2f}x.")
         lines += ["", text]
     if "no-l1" in summaries:
         base = float(summaries["no-l1"]["final_eval_ce"])

@@ -12,7 +12,7 @@ training kernels; inference calls of each of `eval_tokens`), it asks the decisio
 layer could take the sparse path there at all (`choose_mode` at an expected activity of one unit per
 token, the most favourable case; a dense-mode layer never can), and where it could, runs that path
 once on random tensors of the layer's shapes and layouts in the run dtype, drawn from a generator of
-its own. The launches are those of a real call of that shape (the kernels' variants
+its own so that about 1% of the units fire (`_sparse_activity_inputs`). The launches are those of a real call of that shape (the kernels' variants
 depend on shapes, dtypes and layouts, not on the values), so a later switch compiles nothing. The
 layers' state (activity, decisions, gradients) and the global RNG are untouched.
 
@@ -206,8 +206,8 @@ def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: boo
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=dtype, device=device, generator=gen) * shape[-1] ** -0.5
 
-    x = torch.randn(tokens, d, dtype=dtype, device=device, generator=gen)
-    gate, up = (draw(h, d) if gated else None), draw(h, d)
+    x, first = _sparse_activity_inputs(tokens, d, h, dtype, device, gen)
+    gate, up = (first, draw(h, d)) if gated else (None, first)
     down = draw(h, d).t() if down_transposed else draw(d, h)  # [D, H], stored as the layer stores it
     theta = torch.full((h,), 0.01, device=device) if threshold else None
     if not training:
@@ -218,6 +218,22 @@ def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: boo
     with torch.enable_grad():
         y, l1 = sparse_mlp(x, gate, up, down, theta, mode="sparse", return_l1=True)
         torch.autograd.grad((y, l1), leaves, (torch.ones_like(y), torch.ones_like(l1)))
+
+
+def _sparse_activity_inputs(tokens: int, d: int, h: int, dtype: torch.dtype, device: torch.device,
+                            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, D] and the first projection's weight [H, D] (gate, or up when not gated) with about 1%
+    of the units active per token, the activity at which layers switch, rather than the ~50% of random
+    weights: the launches are the same (which kernels run follows from shapes only), but at 50% every
+    row overflows its TwELL slots into the dense backup, seconds of GPU time that the training process
+    sharing the GPU would wait behind. The pre-activation of unit j for token t is
+    r_j . n_t - beta (e . n_t) - beta gamma (+ a term of variance ~gamma^2 / D), with r_j ~ N(0, I/D),
+    n_t ~ N(0, I) and e the unit vector along (1, ..., 1): about N(-2.7, 1.25), positive ~0.8% of the time."""
+    beta, gamma = 0.5, 5.4
+    e = torch.full((d,), d ** -0.5, device=device)
+    x = torch.randn(tokens, d, device=device, generator=gen) + gamma * e
+    first = torch.randn(h, d, device=device, generator=gen) * d ** -0.5 - beta * e
+    return x.to(dtype), first.to(dtype)
 
 
 if __name__ == "__main__":  # start_warming's child: the planned runs, as JSON on stdin

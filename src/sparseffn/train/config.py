@@ -70,6 +70,7 @@ class TrainConfig:
     log_interval: int = 10  # steps between metric rows (sparsity stats are gathered on these steps)
     checkpoint_interval: int = 500  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    save_weights: bool = True  # False: no checkpoints, no saved model (a measurement run); config, metrics kept
     activation_checkpointing: bool = False
     fuse_non_mlp: bool | None = None  # models.fuse_non_mlp_: fused RMSNorm / RoPE kernels; None = on CUDA
     warm_kernels: bool = True  # compile the sparse kernels auto-mode layers may switch to before they switch
@@ -228,6 +229,8 @@ FIELD_HELP = {
     "log_interval": "steps between metric rows (sparsity is measured on these steps)",
     "checkpoint_interval": "steps between checkpoints (0 = at the end only)",
     "keep_checkpoints": "newest checkpoints kept",
+    "save_weights": "write checkpoints and the final model (--no-save-weights: a measurement run, e.g. a benchmark "
+                    "or a sweep: the run directory keeps its config, metrics and plots, and cannot be resumed)",
     "activation_checkpointing": "recompute activations in backward (less memory)",
     "fuse_non_mlp": "fused Triton kernels for RMSNorm and RoPE (same function; dense 2B on an H200: prefill 1.4x, "
                     "training step 1.35x); not given: on when training on CUDA",

@@ -536,8 +536,9 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
                 say(f"step {done:>6}/{cfg.steps}  {loss_text}held-out ce {final_eval.ce:.3f} (ppl {final_eval.ppl:.1f})"
                     + sparsity_text)
             if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
-                _save(run.path, done, cfg, wrapped, model, optimizer, scheduler, dead, sampler, info, fsdp)
-                run.publish(info)  # the first checkpoint: the new run replaces the old one (if any)
+                if cfg.save_weights:
+                    _save(run.path, done, cfg, wrapped, model, optimizer, scheduler, dead, sampler, info, fsdp)
+                run.publish(info)  # the first checkpoint (or the end of a run without): it replaces the old one
                 barrier(info)
                 metrics_path = out / "metrics.jsonl"
             if warming is not None and _warm_done(warming, done, metrics_path, info, say):
@@ -559,10 +560,11 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
 
     model_dir = None
     if not stopped:
-        model_dir = _save_final(out, model, wrapped, tokenizer, info, fsdp)
+        model_dir = _save_final(out, model, wrapped, tokenizer, info, fsdp) if cfg.save_weights else None
         if info.is_main:
             _plots(metrics_path, out / "plots", say)
-            say(f"saved the model to {model_dir} ({time.perf_counter() - started:.0f}s in all)")
+            say(f"saved the model to {model_dir} ({time.perf_counter() - started:.0f}s in all)" if cfg.save_weights else
+                f"done in {time.perf_counter() - started:.0f}s (--no-save-weights: no checkpoint or model written)")
     return TrainResult(out, metrics_path, completed_steps, not stopped, model_dir, final_eval, last_row,
                        time.perf_counter() - started, model, tokenizer, windows)
 
