@@ -99,10 +99,32 @@ def test_background_warm_runs_the_same_calls_in_a_child(launches):
     job = start_warming([mlp], train_tokens=TOKENS, eval_tokens=[TOKENS])
     assert job.calls == [WarmedCall("training", TOKENS, D, H, True, False, torch.bfloat16),
                          WarmedCall("inference", TOKENS, D, H, True, False, torch.bfloat16)]
-    assert not launches  # none in this process
+    assert not launches  # none in this process while the child compiles
     assert job.held == []  # a layer in sparse mode is not auto's to hold (start_warming holds auto layers)
     assert job.wait() > 0 and job.poll()
+    loaded = set(launches)  # then a thread ran the same calls here: the kernels are loaded in this process
+    launches.clear()
+    _real_calls(mlp)
+    assert launches and set(launches) <= loaded, set(launches) - loaded
     assert start_warming([_mlp(mode="dense")], train_tokens=TOKENS) is None  # nothing to warm
+
+
+@needs_kernels
+def test_a_failed_load_in_this_process_raises_and_releases_the_layers(monkeypatch):
+    """The child compiled (it does not see this process's patch); loading here fails: poll() raises with
+    the error and the held layers run again."""
+    import sparseffn.nn.warm as warm
+
+    def broken(**run):
+        raise OSError("no such module")
+
+    monkeypatch.setattr(warm, "_run_once", broken)
+    held = _mlp(mode="auto")  # (on a CPU auto mode plans nothing: the sparse layer's calls, auto's hold)
+    job = BackgroundWarm(warm._plan([_mlp()], TOKENS, [], None, 0), held=[held])
+    assert held.activity.hold == BackgroundWarm.HOLD
+    with pytest.raises(RuntimeError, match="loading the compiled kernels into this process.*no such module"):
+        job.wait()
+    assert held.activity.hold is None
 
 
 def _failing_job(held=()):

@@ -18,11 +18,14 @@ layers' state (activity, decisions, gradients) and the global RNG are untouched.
 
 `start_warming` does the same in a child process (`python -m sparseffn.nn.warm`, same GPU) while the
 caller goes on training: the child's launches compile the kernels into Triton's on-disk cache (its
-TRITON_CACHE_DIR, inherited), so a layer's first sparse call in the training process loads them from
-there instead of compiling them. Until the child is done (or has failed, or is stopped) the auto-mode
-layers it warms for are held dense (`Activity.hold`): a layer whose activity falls under the break-even
-meanwhile switches when the kernels are ready, instead of compiling them itself on a training step
-(measured: a `0.5b` window at 0.26x of dense when a layer switched 9 s before a slow child was done).
+TRITON_CACHE_DIR, inherited). Then a thread of the training process runs the same calls (`_load`): every
+kernel is in the cache by then, so this only loads them into the process (Triton's first launch of a
+kernel in a process: cache lookup, module load, launcher; ~0.3 s of host work for a layer's training
+call), interleaved with the training thread, which is ahead of the GPU, instead of on the step where a
+layer switches. Until both are done (or one has failed, or the job is stopped) the auto-mode layers it
+warms for are held dense (`Activity.hold`): a layer whose activity falls under the break-even meanwhile
+switches when the kernels are ready, instead of compiling them itself on a training step (measured: a
+`0.5b` window at 0.26x of dense when a layer switched 9 s before a slow child was done).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -82,17 +87,20 @@ def start_warming(mlps: Sequence[SparseMLP], *, train_tokens: int | None = None,
 
 
 class BackgroundWarm:
-    """`start_warming`'s child process. `calls`: what it runs, in order; `poll()`: whether it has
-    finished (RuntimeError with its stderr when it failed); `seconds`: from its start to when poll()
-    first saw it finished; `stop()`: end it early (the run is over). `held`: the layers held dense
-    until then (each one's `activity.hold`), released when poll() sees the child finished or failed,
-    or on stop()."""
+    """`start_warming`'s job: the child process that compiles, then the thread that loads (module
+    docstring). `calls`: what they run, in order; `poll()`: whether both have finished (RuntimeError with
+    the error when one failed); `seconds`: from the start to when poll() first saw them finished;
+    `stop()`: end it early (the run is over). `held`: the layers held dense until then (each one's
+    `activity.hold`), released when poll() sees the job finished or failed, or on stop()."""
 
-    HOLD = "the sparse kernels are still compiling in the background warm-up (nn/warm.py)"
+    HOLD = "the sparse kernels are still compiling or loading in the background warm-up (nn/warm.py)"
 
     def __init__(self, planned: list[tuple[WarmedCall, dict]], held: Sequence[SparseMLP] = ()) -> None:
         self.calls = [call for call, _ in planned]
         self.seconds: float | None = None
+        self._runs = [run for _, run in planned]
+        self._loader: threading.Thread | None = None
+        self._load_error: Exception | None = None
         self._started = time.perf_counter()
         self._stderr = tempfile.TemporaryFile()
         self._process = subprocess.Popen([sys.executable, "-m", "sparseffn.nn.warm"], stdin=subprocess.PIPE,
@@ -101,7 +109,7 @@ class BackgroundWarm:
         for mlp in self.held:
             mlp.activity.hold = self.HOLD
         try:
-            self._process.stdin.write(json.dumps([run for _, run in planned]).encode())  # the child reads to EOF
+            self._process.stdin.write(json.dumps(self._runs).encode())  # the child reads to EOF
             self._process.stdin.close()
         except BrokenPipeError:  # the child exited before reading: poll() raises with its stderr
             pass
@@ -109,21 +117,32 @@ class BackgroundWarm:
     def poll(self) -> bool:
         if self.seconds is not None:
             return True
-        code = self._process.poll()
-        if code is None:
+        if self._loader is None:
+            code = self._process.poll()
+            if code is None:
+                return False
+            self._stderr.seek(0)
+            err = self._stderr.read().decode(errors="replace")
+            self._stderr.close()
+            if code != 0:
+                self._release()
+                raise RuntimeError(f"the background kernel warm-up failed (exit {code}):\n{err[-3000:]}")
+            self._loader = threading.Thread(target=self._load, name="sparseffn-warm-load", daemon=True)
+            self._loader.start()
+        if self._loader.is_alive():
             return False
         self._release()
-        self._stderr.seek(0)
-        err = self._stderr.read().decode(errors="replace")
-        self._stderr.close()
-        if code != 0:
-            raise RuntimeError(f"the background kernel warm-up failed (exit {code}):\n{err[-3000:]}")
+        if self._load_error is not None:
+            raise RuntimeError("the background kernel warm-up failed loading the compiled kernels into this "
+                               f"process: {self._load_error!r}") from self._load_error
         self.seconds = time.perf_counter() - self._started
         return True
 
     def wait(self) -> float:
-        """Block until the child has finished; its seconds."""
+        """Block until the child and the loading thread have finished; their seconds."""
         self._process.wait()
+        self.poll()
+        self._loader.join()
         self.poll()
         return self.seconds
 
@@ -133,7 +152,19 @@ class BackgroundWarm:
             self._process.wait()
         if not self._stderr.closed:
             self._stderr.close()
+        if self._loader is not None:
+            self._loader.join()  # host work of a second or so; a thread cannot be killed
         self._release()
+
+    def _load(self) -> None:
+        """The planned calls in this process (a thread's target: an error is kept for poll())."""
+        try:
+            for run in self._runs:
+                where = torch.device(run["device"])
+                with torch.cuda.device(where) if where.type == "cuda" else nullcontext():
+                    _run_once(**run)
+        except Exception as error:  # handed to poll(), which raises it
+            self._load_error = error
 
     def _release(self) -> None:
         for mlp in self.held:
