@@ -12,9 +12,11 @@ training kernels; inference calls of each of `eval_tokens`), it asks the decisio
 layer could take the sparse path there at all (`choose_mode` at an expected activity of one unit per
 token, the most favourable case; a dense-mode layer never can), and where it could, runs that path
 once on random tensors of the layer's shapes and layouts in the run dtype, drawn from a generator of
-its own so that about 1% of the units fire (`_sparse_activity_inputs`). The launches are those of a real call of that shape (the kernels' variants
-depend on shapes, dtypes and layouts, not on the values), so a later switch compiles nothing. The
-layers' state (activity, decisions, gradients) and the global RNG are untouched.
+its own so that about 1% of the units fire (`_sparse_activity_inputs`), a training call with the
+activity expected at the break-even, as when a layer switches (its overflow rows as GEMMs). The
+launches are those of a real call of that shape (the kernels' variants depend on shapes, dtypes and
+layouts, not on the values), so a later switch compiles nothing. The layers' state (activity,
+decisions, gradients) and the global RNG are untouched.
 
 `start_warming` does the same in a child process (`python -m sparseffn.nn.warm`, same GPU) while the
 caller goes on training: the child's launches compile the kernels into Triton's on-disk cache (its
@@ -45,6 +47,7 @@ import torch
 from sparseffn._child_env import child_env
 from sparseffn.nn.projections import is_plain
 from sparseffn.nn.sparse_mlp import SparseMLP
+from sparseffn.ops.decide import train_break_even
 from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp
 
 
@@ -247,7 +250,8 @@ def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: boo
         return
     leaves = [t.requires_grad_() for t in (x, gate, up, down) if t is not None]
     with torch.enable_grad():
-        y, l1 = sparse_mlp(x, gate, up, down, theta, mode="sparse", return_l1=True)
+        y, l1 = sparse_mlp(x, gate, up, down, theta, mode="sparse", return_l1=True,
+                           expected_nnz=train_break_even(h))
         torch.autograd.grad((y, l1), leaves, (torch.ones_like(y), torch.ones_like(l1)))
 
 

@@ -119,16 +119,22 @@ def decode_union_limit(tokens: int) -> float:
     return next(f for most, f in DECODE_MAX_UNION if max(tokens, 1) <= most)
 
 
+def train_break_even(h: int) -> float:
+    """Active units per token under which a training call of an H-unit layer takes the sparse kernels
+    (TRAIN_MAX_NNZ), before hysteresis."""
+    count, fraction = TRAIN_MAX_NNZ
+    return min(count, fraction * h)
+
+
 def density_limit(facts: CallFacts) -> float:
     """Auto mode's break-even active units per token for this kind of call (for decode calls: the
     count per token at which the expected union of the call's tokens reaches `decode_union_limit`)."""
     if facts.training:
-        count, fraction = TRAIN_MAX_NNZ
-    elif facts.tokens <= DECODE_MAX_TOKENS:
+        return train_break_even(facts.h)
+    if facts.tokens <= DECODE_MAX_TOKENS:
         tokens = max(facts.tokens, 1)
         return facts.h * (1.0 - (1.0 - decode_union_limit(tokens)) ** (1.0 / tokens))  # expected_union's inverse
-    else:
-        count, fraction = PREFILL_MAX_NNZ
+    count, fraction = PREFILL_MAX_NNZ
     return min(count, fraction * facts.h)
 
 
