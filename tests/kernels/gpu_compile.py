@@ -7,8 +7,8 @@ module kernels/<op>.py, tests/kernels/compile_specs/<op>.py has `compile_specs(w
 arch=(major, minor)])`, a list of `(jit_function, signature, constexprs[, options])` covering the
 specializations its launchers use on that GPU generation, where options are the launch's compile
 options (num_warps, num_stages). Prints one line per compiled variant; exits non-zero when a variant
-fails to compile, takes more shared memory than one program may have on the target, or a required
-kernel was not compiled.
+fails to compile, takes more shared memory than one program may have on the target, or a kernel of
+sparseffn.kernels (`every_kernel`) was not compiled.
 """
 
 import importlib
@@ -29,24 +29,22 @@ from sparseffn.kernels._runtime import COMPILE_TARGETS
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: the specs beside it
 import compile_specs  # noqa: E402  (tests/kernels/compile_specs, one module per kernel module)
 
-# kernels that must be among the compiled ones (a module that stops exposing them fails the run)
-REQUIRED = {
-    "gate_twell._gate_twell_kernel", "gate_twell._pack_twell_kernel",
-    "twell_train._twell_train_forward_kernel",
-    "twell_train._twell_train_backward_kernel",
-    "unit_grads._unit_histogram_kernel", "unit_grads._block_prefix_kernel", "unit_grads._unit_offsets_kernel",
-    "unit_grads._unit_scatter_kernel",
-    "unit_grads._unit_weight_grads_kernel", "unit_grads._unit_spill_grads_kernel",
-    "convert._convert_kernel",
-    "dense_rows_mlp_backward._dense_rows_mlp_backward_dx_kernel",
-    "dense_rows_mlp_backward._dense_rows_mlp_backward_dw_kernel",
-    "rms_norm._rms_norm_forward_kernel", "rms_norm._rms_norm_backward_kernel", "rope._rope_kernel",
-    "row_split._classify_rows_kernel", "twell_up_down._twell_up_down_kernel",
-    "decode_mlp._decode_gate_up_kernel", "decode_mlp._decode_down_kernel", "decode_linear._decode_linear_kernel",
-    "decode_mlp._dense_down_kernel",
-    "decode_attn_proj._decode_qkv_rope_kernel", "decode_attn_proj._decode_out_proj_kernel",
-    "decode_attention._decode_attention_kernel",
-}
+
+
+def every_kernel() -> dict[object, str]:
+    """Every kernel of sparseffn (a @triton.jit function named *_kernel defined in a module of
+    sparseffn.kernels) -> "module.name": each must be among the compiled ones, so a kernel added
+    without a compile spec fails the run."""
+    import sparseffn.kernels
+    from triton.runtime.jit import JITFunction
+
+    found = {}
+    for info in pkgutil.iter_modules(sparseffn.kernels.__path__):
+        module = importlib.import_module(f"sparseffn.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction) and name.endswith("_kernel") and value.__module__ == module.__name__:
+                found[value] = f"{info.name}.{name}"
+    return found
 
 
 def specs_for(arch: tuple[int, int]):
@@ -73,7 +71,7 @@ def main(argv: list[str]) -> int:
         sys.exit(f"gpu_compile: {argv[0]} is not a compile target ({sorted(COMPILE_TARGETS)})")
     target = GPUTarget("cuda", arch[0] * 10 + arch[1], 32)
     limit = COMPILE_TARGETS[arch]
-    compiled, failed, names = 0, 0, set()
+    compiled, failed, done = 0, 0, set()
     for name, (fn, signature, constexprs, *options) in specs_for(arch):
         label = f"{name}.{fn.__name__} {constexprs}"
         try:
@@ -89,11 +87,11 @@ def main(argv: list[str]) -> int:
             continue
         print(f"{label}: ok ({kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared)")
         compiled += 1
-        names.add(f"{name}.{fn.__name__}")
+        done.add(fn)
     print(f"compiled {compiled} kernel variants for {target.arch} ({failed} failed)")
-    missing = REQUIRED - names
+    missing = sorted(label for fn, label in every_kernel().items() if fn not in done)
     if missing:
-        print(f"not compiled: {sorted(missing)}")
+        print(f"not compiled: {missing}")
     return 0 if compiled and not failed and not missing else 1
 
 
