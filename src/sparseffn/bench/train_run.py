@@ -12,10 +12,11 @@ active per token (the paper's 2B model: 29 of 5,632), not the near-zero activity
 Each mode trains in its own fresh process (`processes`) with an empty Triton cache of its own, so neither
 the order of the modes nor what ran before on the machine decides their wall time; each run's first
 logging window (kernel compilation and warm-up, allocator growth) is reported apart. The runs write
-no checkpoint and no model (`save_weights=False`): the wall time is training and evaluation. CSV `train_run.csv` with the GPU name and git sha: one row per
-logging window and mode (tokens/s, active units per token, layers on the sparse path, held-out CE
-where evaluated) and a summary row per mode (wall time, warm-up, final held-out CE). `train_run_table`
-prints the windows side by side and the phase ratios (`summarize`).
+no checkpoint and no model (`save_weights=False`): the wall time is training and evaluation.
+CSV `train_run.csv` with the GPU name and git sha: one row per logging window and mode (tokens/s,
+active units per token, layers on the sparse path, held-out CE where evaluated) and a summary row per
+mode (wall time, warm-up, final held-out CE). `train_run_table` prints the windows side by side and the
+phase ratios (`summarize`).
 """
 
 from __future__ import annotations
@@ -365,7 +366,8 @@ def summary_lines(rows: list[dict], share: float = 0.9) -> list[str]:
     where = "its own process with an empty Triton cache" if first.get("process") == "own" else "one process"
     lines = [f"{first['gpu']}, git {first['git_sha']}, `{first['model']}`, λ "
              f"{float(next(iter(summaries.values()))['l1_coeff']):g} ramped, {int(first['tokens_per_step']):,} tokens "
-             f"per step, same seed and data, each mode in {where}, no checkpoint written. Wall time (to the end of the first window; final held-out CE): {walls}."]
+             f"per step, same seed and data, each mode in {where}, no checkpoint written. Wall time (to the end "
+             f"of the first window; final held-out CE): {walls}."]
     if {"auto", "dense"} <= set(summaries):
         s = summarize(rows, share)
         pct = f"{100 * share:.0f}%"

@@ -563,8 +563,9 @@ def _run(cfg: TrainConfig, info: DistInfo, device: torch.device, resume: bool, p
         model_dir = _save_final(out, model, wrapped, tokenizer, info, fsdp) if cfg.save_weights else None
         if info.is_main:
             _plots(metrics_path, out / "plots", say)
-            say(f"saved the model to {model_dir} ({time.perf_counter() - started:.0f}s in all)" if cfg.save_weights else
-                f"done in {time.perf_counter() - started:.0f}s (--no-save-weights: no checkpoint or model written)")
+            seconds = time.perf_counter() - started
+            say(f"saved the model to {model_dir} ({seconds:.0f}s in all)" if cfg.save_weights else
+                f"done in {seconds:.0f}s (--no-save-weights: no checkpoint or model written)")
     return TrainResult(out, metrics_path, completed_steps, not stopped, model_dir, final_eval, last_row,
                        time.perf_counter() - started, model, tokenizer, windows)
 
