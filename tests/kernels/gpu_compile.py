@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a scrip
 import compile_specs  # noqa: E402  (tests/kernels/compile_specs, one module per kernel module)
 
 
-
 def every_kernel() -> dict[object, str]:
     """Every kernel of sparseffn (a @triton.jit function named *_kernel defined in a module of
     sparseffn.kernels) -> "module.name": each must be among the compiled ones, so a kernel added

@@ -53,7 +53,6 @@ def test_grad_accumulation_and_global_batch(small_corpus, tmp_path):
     assert result.final_eval is not None and result.model_dir.is_dir()
 
 
-
 def test_a_run_without_saved_weights_publishes_its_metrics_only(small_corpus, tmp_path):
     """save_weights=False (a measurement run): the run directory gets its config, run record and metrics at the
     end, no checkpoint and no model; resuming it is refused by name."""

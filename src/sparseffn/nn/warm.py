@@ -162,10 +162,7 @@ class BackgroundWarm:
     def _load(self) -> None:
         """The planned calls in this process (a thread's target: an error is kept for poll())."""
         try:
-            for run in self._runs:
-                where = torch.device(run["device"])
-                with torch.cuda.device(where) if where.type == "cuda" else nullcontext():
-                    _run_once(**run)
+            _run_planned(self._runs)
         except Exception as error:  # handed to poll(), which raises it
             self._load_error = error
 
@@ -271,9 +268,13 @@ def _sparse_activity_inputs(tokens: int, d: int, h: int, dtype: torch.dtype, dev
     return x.to(dtype), first.to(dtype)
 
 
-if __name__ == "__main__":  # start_warming's child: the planned runs, as JSON on stdin
-    for run in json.loads(sys.stdin.read()):
+def _run_planned(runs: list[dict]) -> None:
+    """`_run_once` for each planned run, each on its own device (the child, and the loading thread)."""
+    for run in runs:
         where = torch.device(run["device"])
-        if where.type == "cuda" and where.index is not None:
-            torch.cuda.set_device(where)
-        _run_once(**run)
+        with torch.cuda.device(where) if where.type == "cuda" else nullcontext():
+            _run_once(**run)
+
+
+if __name__ == "__main__":  # start_warming's child: the planned runs, as JSON on stdin
+    _run_planned(json.loads(sys.stdin.read()))
