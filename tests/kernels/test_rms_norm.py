@@ -219,13 +219,35 @@ def test_op_leading_dims_autograd_and_hf_module():
 
 def test_op_rstd_is_not_differentiable():
     x, w = _problem(3, 64, fp32, fp32)
-    y, rstd = rms_norm_op(x.requires_grad_(), w, EPS)
+    y, rstd = rms_norm_op(x.requires_grad_(), w, EPS, None)
     assert y.requires_grad and not rstd.requires_grad
 
 
-def test_op_passes_opcheck():
-    x, w = _problem(5, 96, bf16, bf16, seed=2)
-    torch.library.opcheck(rms_norm_op, (x.requires_grad_(), w.requires_grad_(), EPS))
+@pytest.mark.parametrize("dtype,out_dtype", [(bf16, None), (fp32, bf16)], ids=["bf16", "fp32_to_bf16"])
+def test_op_passes_opcheck(dtype, out_dtype):
+    x, w = _problem(5, 96, dtype, dtype, seed=2)
+    torch.library.opcheck(rms_norm_op, (x.requires_grad_(), w.requires_grad_(), EPS, out_dtype))
+
+
+def test_out_dtype_rounds_the_fp32_result_once():
+    """fp32 x and weight with a bf16 output (autocast): the fp32 result rounded once (to nearest on
+    the GPU; the interpreter truncates: one bf16 ulp), and bf16 gradients of y give the same dx and
+    dweight as those gradients in fp32."""
+    x, w = _problem(6, 96, fp32, fp32, seed=5)
+    y32, _ = rms_norm_forward(x, w, EPS)
+    y16, rstd = rms_norm_forward(x, w, EPS, out_dtype=bf16)
+    assert y16.dtype == bf16
+    if ON_GPU:
+        assert torch.equal(y16, y32.to(bf16))
+    else:
+        assert ((y16.float() - y32).abs() <= y32.abs() * 2 ** -7).all()
+    dy = torch.randn(6, 96, generator=torch.Generator().manual_seed(6), device=x.device).to(bf16)
+    assert all(torch.equal(a, b) for a, b in zip(rms_norm_backward(dy, x, w, rstd),
+                                                 rms_norm_backward(dy.float(), x, w, rstd)))
+    with pytest.raises(TypeError, match="out_dtype"):
+        rms_norm_forward(x, w, EPS, out_dtype=torch.float64)
+    with pytest.raises(TypeError, match="out_dtype"):
+        rms_norm(x, w, EPS, out_dtype=torch.int32)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the eager fallback serves CPU tensors without the interpreter")

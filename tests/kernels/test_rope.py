@@ -187,13 +187,28 @@ def test_apply_rope_autocast_dtypes():
     assert q_out.dtype == k_out.dtype == fp32
     q_out.sum().backward()
     assert qr.grad.dtype == bf16
+    # asked for bf16 outputs (what attention casts them to under autocast): the fp32 ones rounded once
+    # (to nearest on the GPU, truncated by the interpreter), gradients still bf16
+    q16, k16 = apply_rope(qr, k, cos, sin, out_dtype=bf16)
+    assert q16.dtype == k16.dtype == bf16
+    for got, want in ((q16, q_out), (k16, k_out)):
+        if DEVICE == "cuda":
+            assert torch.equal(got, want.to(bf16))
+        else:
+            assert ((got.float() - want).abs() <= want.abs() * 2 ** -7).all()
+    qr.grad = None
+    q16.float().sum().backward()
+    assert qr.grad.dtype == bf16
+    with pytest.raises(TypeError, match="out_dtype"):
+        apply_rope(q, k, cos, sin, out_dtype=torch.int8)
 
 
-def test_op_passes_opcheck():
+@pytest.mark.parametrize("out_dtype", [None, bf16])
+def test_op_passes_opcheck(out_dtype):
     gen = torch.Generator().manual_seed(4)
     q, k = _qk(2, 3, 1, 5, 96, bf16, "bshd", gen)
-    cos, sin = _cos_sin(2, 5, 96, bf16, True, gen)
-    torch.library.opcheck(rope_op, (q.requires_grad_(), k.requires_grad_(), cos, sin))
+    cos, sin = _cos_sin(2, 5, 96, fp32 if out_dtype else bf16, True, gen)
+    torch.library.opcheck(rope_op, (q.requires_grad_(), k.requires_grad_(), cos, sin, out_dtype))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the eager fallback serves CPU tensors without the interpreter")

@@ -216,6 +216,50 @@ def test_bf16_model_stays_within_rounding_of_hf():
     assert err <= 2 * err_hf + torch.finfo(torch.bfloat16).eps * ref.abs().max().item()
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _training_step(model, ids, autocast=True):
+    """Logits and parameter gradients (fp32) of one training step of `model`, under bf16 autocast."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=ids).logits
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+    return logits.detach().float(), {name: p.grad.float() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["llama_mlp", "sparse_mlp"])
+def test_autocast_training_gets_autocast_outputs_and_hf_gradients(sparse, calls):
+    """Under autocast the decoder layers' norms and the RoPE of an uncached call return bf16 (their
+    consumers cast to it anyway), the final norm keeps fp32; logits and every gradient stay as close
+    to the fp32 model's as twice Hugging Face's under autocast (STYLE's rule, by relative norm)."""
+    plain = tiny_lm("llama").to(DEVICE)
+    if sparse:
+        sparsify_(plain)
+    model = fuse_non_mlp_(copy.deepcopy(plain))
+    marked = [name for name, m in model.named_modules() if isinstance(m, FusedRMSNorm) and m.autocast_output]
+    assert marked == [f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
+    dtypes = {}
+    hooks = [m.register_forward_hook(lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype))
+             for name, m in model.named_modules() if isinstance(m, FusedRMSNorm)]
+    ids = token_ids(length=16, seed=1).to(DEVICE)
+    truth = _training_step(copy.deepcopy(plain), ids, autocast=False)
+    hf = _training_step(plain, ids)
+    fused = _training_step(model, ids)
+    for hook in hooks:
+        hook.remove()
+    assert calls == {"rms_norm": 5, "apply_rope": 2}
+    assert dtypes == {**{name: torch.bfloat16 for name in marked}, "model.norm": torch.float32}
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(fused[0], truth[0]) <= 2 * rel(hf[0], truth[0]) + 1e-3
+    for name, grad in fused[1].items():
+        assert rel(grad, truth[1][name]) <= 2 * rel(hf[1][name], truth[1][name]) + 1e-2, name
+
+
 def test_bf16_decode_steps_project_q_k_v_in_one_launch(monkeypatch):
     """A cached step of one or two tokens (eval, no grad) computes q, k and v in one launch
     (ops.decode_linear); its logits are no further from the fp32 model's than 2x HF's bf16 model's."""

@@ -82,7 +82,7 @@ def test_fused_non_mlp_trains_the_same(small_corpus, tmp_path, monkeypatch):
     from sparseffn.models import load_pretrained
 
     calls = []
-    monkeypatch.setattr(fused_nn, "rms_norm", lambda *a, _f=fused_nn.rms_norm: calls.append(1) or _f(*a))
+    monkeypatch.setattr(fused_nn, "rms_norm", lambda *a, _f=fused_nn.rms_norm, **k: calls.append(1) or _f(*a, **k))
     cfg = tiny_config(small_corpus, tmp_path / "plain", steps=3, eval_interval=0, checkpoint_interval=0)
     a = _rows(train(cfg, progress=False, echo=None))
     fused = train(cfg.replace(out_dir=str(tmp_path / "fused"), fuse_non_mlp=True), progress=False, echo=None)

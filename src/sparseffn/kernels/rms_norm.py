@@ -5,8 +5,8 @@ Math (Hugging Face LlamaRMSNorm semantics), for x [M, D] and weight [D]:
     xf   = x in fp32
     rstd = 1 / sqrt(mean_j(xf²) + eps)                fp32 [M], saved for backward
     n    = (xf * rstd) rounded to x.dtype             as HF rounds before the weight product
-    y    = weight * n                                 fp32 product rounded once to
-                                                      out dtype = torch.promote_types(weight.dtype, x.dtype)
+    y    = weight * n                                 fp32 product rounded once to the out dtype:
+                                                      torch.promote_types(weight.dtype, x.dtype) by default
 
 rstd uses a correctly rounded sqrt and division (sqrt_rn, div_rn); given rstd, y equals HF's y bit
 for bit, and rstd differs from HF's only by summation order and torch.rsqrt's rounding.
@@ -172,20 +172,30 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, config: RMSNormConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out_dtype: torch.dtype | None = None,
+    config: RMSNormConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [M, D], rstd fp32 [M]) for x [M, D] (any row stride), weight [D]; module docstring.
 
-    y is contiguous, of dtype torch.promote_types(weight.dtype, x.dtype). eps: a finite number >= 0.
+    y is contiguous, of `out_dtype` (None: torch.promote_types(weight.dtype, x.dtype); another dtype
+    rounds the fp32 product once to it). eps: a finite number >= 0.
     """
     _check_x_weight(x, weight, config)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < float("inf"):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if out_dtype is None:
+        out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out_dtype not in NORM_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     m, d = x.shape
     x = _rows(x)
     weight = weight.contiguous()
     config = config or default_config(d, cuda=x.is_cuda)
-    y = torch.empty((m, d), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    y = torch.empty((m, d), dtype=out_dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return y, rstd

@@ -8,8 +8,9 @@ and likewise c1, c2, s1, s2 of cos and sin at the token's (b, s):
 
 The backward is the transpose of the forward's per-pair 2 x 2 map, i.e. the forward with (s1, s2)
 replaced by (-s2, -s1). cos and sin are read at all d positions (nothing assumes c1 == c2). All in
-fp32, rounded once to the output dtype torch.promote_types(x.dtype, cos.dtype), as Hugging Face's
-`apply_rotary_pos_emb` gives (e.g. fp32 for bf16 q under autocast with fp32 cos).
+fp32, rounded once to the output dtype: torch.promote_types(x.dtype, cos.dtype) by default, as Hugging
+Face's `apply_rotary_pos_emb` gives (e.g. fp32 for bf16 q under autocast with fp32 cos), or the one
+asked for (under autocast, the autocast dtype attention casts q and k to).
 
 Layout. Any strides with a contiguous last dimension (the launchers copy otherwise): q and k are
 usually the [B, H, S, d] transposed views of [B, S, H, d] projections, and cos / sin are often
@@ -195,13 +196,23 @@ def _launch(q, k, cos, sin, q_out, k_out, config, backward):
 
 
 def rope_forward(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, config: RopeConfig | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    config: RopeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_out, k_out): q [B, Hq, S, d] and k [B, Hk, S, d] rotated by cos / sin [B, S, d] (module
-    docstring), in torch.promote_types(q.dtype, cos.dtype, sin.dtype) and q's / k's memory layouts."""
+    docstring), in `out_dtype` (None: torch.promote_types(q.dtype, cos.dtype, sin.dtype)) and q's / k's
+    memory layouts."""
     _check_inputs(q, k, cos, sin, config)
+    if out_dtype is None:
+        out_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
+    if out_dtype not in ROPE_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     q, k, cos, sin = map(_unit_last, (q, k, cos, sin))
-    out_dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
     q_out, k_out = empty_like_layout(q, out_dtype), empty_like_layout(k, out_dtype)
     _launch(q, k, cos, sin, q_out, k_out, config, backward=False)
     return q_out, k_out

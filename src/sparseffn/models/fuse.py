@@ -8,6 +8,9 @@ patched):
   * every attention whose class's `forward` is LlamaAttention's, in a module whose rotary and eager
     attention functions are Llama's too, gets the fused-RoPE forward (`nn.fuse_attention_rope_`),
     which at one or two tokens per call also computes q, k and v in one launch (`ops.decode_linear`).
+A decoder layer whose forward is LlamaDecoderLayer's gets autocast outputs on its norms where their
+consumers are known to cast (`FusedRMSNorm.autocast_output`, nn/fused.py): the norm before a fused
+attention, and the norm before an MLP that is a SparseMLP or computes LlamaMLP's forward.
 Everything else is left alone and reported: Gemma's norms scale by (1 + weight), OLMo2's multiply
 before casting, Cohere and StableLM use LayerNorm, Qwen3 normalizes q and k, Mistral passes sliding
 windows; the kernels compute none of these. `fusion_plan(model)` lists, per module, what would be
@@ -31,6 +34,7 @@ import warnings
 from torch import nn
 
 from sparseffn.nn.fused import FusedRMSNorm, fuse_attention_rope_, has_fused_rope, unfuse_attention_rope_
+from sparseffn.nn.sparse_mlp import SparseMLP
 
 _ATTENTION_HELPERS = ("apply_rotary_pos_emb", "rotate_half", "eager_attention_forward", "repeat_kv")
 
@@ -135,6 +139,7 @@ def fuse_non_mlp_(model: nn.Module) -> nn.Module:
     norms = _replace_children(model, lambda m: FusedRMSNorm.from_hf(m) if id(m) in norm_ids else None)
     for module in attentions:
         fuse_attention_rope_(module)
+    _set_autocast_outputs(model)
     skipped = [(n, cls, a) for n, cls, a in plan if a not in ("fuse", "already fused")]
     if norms == 0 and not attentions:
         if _is_fused(model):
@@ -144,6 +149,20 @@ def fuse_non_mlp_(model: nn.Module) -> nn.Module:
     if skipped:
         warnings.warn(f"fuse_non_mlp_ skipped {_describe(skipped)}", stacklevel=2)
     return model
+
+
+def _set_autocast_outputs(model: nn.Module) -> None:
+    """Autocast outputs on the norms of Llama decoder layers whose consumers cast them (module docstring)."""
+    llama = _llama()
+    for layer in model.modules():
+        if not _same_forward(type(layer), llama.LlamaDecoderLayer):
+            continue
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        pre, post = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+        if isinstance(pre, FusedRMSNorm) and attn is not None and has_fused_rope(attn):
+            pre.autocast_output = True
+        if isinstance(post, FusedRMSNorm) and (isinstance(mlp, SparseMLP) or _same_forward(type(mlp), llama.LlamaMLP)):
+            post.autocast_output = True
 
 
 def _describe(skipped) -> str:

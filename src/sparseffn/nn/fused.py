@@ -4,6 +4,16 @@
 the same `weight` Parameter and `variance_epsilon` attribute, so state dicts are unchanged, and the
 same function through `ops.rms_norm` (one kernel forward, one backward, instead of ~7 each).
 
+Under autocast (training with fp32 weights), Hugging Face's norm and RoPE return fp32, which every
+projection and the attention then cast to bf16, each on its own: per layer five casts of a [tokens, D]
+activation forward, five back, and three fp32 sums of their gradients. Where the consumers are known
+to cast, the fused modules return autocast's dtype directly (the same values, rounded once as the
+cast would): a norm with `autocast_output` set (`models.fuse_non_mlp_` sets it on a decoder layer's
+norm before its fused attention, and before an MLP that only projects its input), and the fused
+attention's RoPE when no cache is passed (a cache keeps Hugging Face's dtype: a static cache's
+buffers have the model's). The backward then adds the projections' input gradients in bf16 where
+Hugging Face adds them in fp32.
+
 `fuse_attention_rope_(attn)` gives one `LlamaAttention` instance a forward that does what
 transformers 5.24's `LlamaAttention.forward` does with `ops.apply_rope` in place of
 `apply_rotary_pos_emb` (one kernel for q and k instead of ~10 elementwise ops and 2 concatenations):
@@ -33,7 +43,7 @@ from torch import nn
 
 from sparseffn.nn.projections import is_plain
 from sparseffn.ops.decode_linear import decode_projections
-from sparseffn.ops.fused_norm_rope import apply_rope, rms_norm
+from sparseffn.ops.fused_norm_rope import apply_rope, autocast_output_dtype, rms_norm
 
 _UNSET = object()  # `cache` not passed at all (distinct from cache=None, as transformers tells them apart)
 _ATTENTION_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "config", "scaling",
@@ -43,19 +53,25 @@ _ATTENTION_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_i
 class FusedRMSNorm(nn.Module):
     """y = weight * (x.float() * rsqrt(mean(x², -1) + variance_epsilon)).to(x.dtype), fused.
 
-    Output dtype torch.promote_types(weight.dtype, x.dtype), as Hugging Face's. `from_hf` shares the
-    Hugging Face module's Parameter and remembers the module (a plain attribute, not a submodule:
-    the state dict holds only `weight`) so that `to_hf` can put it back.
+    Output dtype torch.promote_types(weight.dtype, x.dtype), as Hugging Face's; with `autocast_output`
+    set (off by default), autocast's dtype under autocast where that would be fp32 (module docstring).
+    `from_hf` shares the Hugging Face module's Parameter and remembers the module (a plain attribute,
+    not a submodule: the state dict holds only `weight`) so that `to_hf` can put it back.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, device=None, dtype=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
+        self.autocast_output = False
         self._hf_norm = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        out_dtype = None
+        if self.autocast_output:
+            natural = torch.promote_types(self.weight.dtype, hidden_states.dtype)
+            out_dtype = autocast_output_dtype(hidden_states, natural)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, out_dtype=out_dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -130,7 +146,10 @@ def _llama_attention_forward_fused_rope(
     query, key, value = (t.view(heads_shape).transpose(1, 2) for t in qkv)
 
     cos, sin = position_embeddings
-    query, key = apply_rope(query, key, cos, sin)
+    # without a cache (training) q and k go only to attention, which casts them to autocast's dtype
+    out_dtype = None if cache is not None else autocast_output_dtype(
+        query, torch.promote_types(query.dtype, torch.promote_types(cos.dtype, sin.dtype)))
+    query, key = apply_rope(query, key, cos, sin, out_dtype=out_dtype)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
 

@@ -13,9 +13,9 @@ from Hugging Face's by rounding only.
 Ops (`torch.library`, with fake implementations and registered autograd, so torch.compile and
 activation checkpointing see ordinary differentiable ops):
 
-    sparseffn::rms_norm(x, weight, eps) -> (y, rstd)          rstd fp32 [...], not differentiable
+    sparseffn::rms_norm(x, weight, eps, out_dtype) -> (y, rstd)   rstd fp32 [...], not differentiable
     sparseffn::rms_norm_backward(dy, x, weight, rstd) -> (dx, dweight)
-    sparseffn::rope(q, k, cos, sin) -> (q_out, k_out)          cos / sin get no gradient
+    sparseffn::rope(q, k, cos, sin, out_dtype) -> (q_out, k_out)   cos / sin get no gradient
     sparseffn::rope_backward(dq_out, dk_out, cos, sin, dtype) -> (dq, dk)
 
 Paths. CUDA tensors of bf16 / fp16 / fp32 run the kernels; so do CPU tensors under
@@ -83,14 +83,18 @@ def rope_reference(
     return outs[0], outs[1]
 
 
-def _rms_norm_eager(x, weight, eps):
+def _norm_dtype(x, weight, out_dtype):
+    return torch.promote_types(weight.dtype, x.dtype) if out_dtype is None else out_dtype
+
+
+def _rms_norm_eager(x, weight, eps, out_dtype):
     """(y, rstd) with the kernel's math and rounding points; x [..., D]."""
     xf = x.float().contiguous()  # contiguous outputs, as the kernels (and the fake) give
     rstd = 1.0 / torch.sqrt(xf.pow(2).mean(-1) + eps)  # correctly rounded sqrt and division, as the kernel
     n = (xf * rstd.unsqueeze(-1)).to(x.dtype)
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    ct = torch.float64 if out_dtype == torch.float64 else torch.float32  # the product is exact in ct
-    return (weight.to(ct) * n.to(ct)).to(out_dtype), rstd
+    natural = torch.promote_types(weight.dtype, x.dtype)
+    ct = torch.float64 if natural == torch.float64 else torch.float32  # the product is exact in ct
+    return (weight.to(ct) * n.to(ct)).to(_norm_dtype(x, weight, out_dtype)), rstd
 
 
 def _rms_norm_backward_eager(dy, x, weight, rstd):
@@ -127,17 +131,19 @@ def _rope_eager(q, k, cos, sin, out_dtype, backward):
 
 
 @torch.library.custom_op("sparseffn::rms_norm", mutates_args=())
-def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [..., D] in promote_types(weight, x), rstd fp32 [...]) for x [..., D], weight [D]."""
-    if not _kernels_run(x, weight, dtypes=NORM_DTYPES):
-        return _rms_norm_eager(x, weight, eps)
-    y, rstd = rms_norm_forward(x.reshape(-1, x.shape[-1]), weight, eps)
+def rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [..., D] in out_dtype (None: promote_types(weight, x)), rstd fp32 [...]) for x [..., D], weight [D]."""
+    if not _kernels_run(x, weight, dtypes=NORM_DTYPES) or _norm_dtype(x, weight, out_dtype) not in NORM_DTYPES:
+        return _rms_norm_eager(x, weight, eps, out_dtype)
+    y, rstd = rms_norm_forward(x.reshape(-1, x.shape[-1]), weight, eps, out_dtype=out_dtype)
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps):
-    y = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+def _(x, weight, eps, out_dtype):
+    y = x.new_empty(x.shape, dtype=_norm_dtype(x, weight, out_dtype))
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
@@ -159,7 +165,7 @@ def _(dy, x, weight, rstd):
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight, _, _ = inputs
     _, rstd = output
     ctx.save_for_backward(x, weight, rstd)
     ctx.mark_non_differentiable(rstd)
@@ -168,23 +174,27 @@ def _rms_norm_setup_context(ctx, inputs, output):
 def _rms_norm_autograd(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dweight = rms_norm_backward_op(dy, x, weight, rstd)
-    return dx, dweight, None
+    return dx, dweight, None, None
 
 
 rms_norm_op.register_autograd(_rms_norm_autograd, setup_context=_rms_norm_setup_context)
 
 
 @torch.library.custom_op("sparseffn::rope", mutates_args=())
-def rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_out, k_out) for q [B, Hq, S, d], k [B, Hk, S, d], cos / sin [B, S, d] (may be expanded)."""
-    if not _kernels_run(q, k, cos, sin, dtypes=ROPE_DTYPES):
-        return _rope_eager(q, k, cos, sin, _rope_dtype(q, cos, sin), backward=False)
-    return rope_forward(q, k, cos, sin)
+def rope_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_out, k_out) in out_dtype (None: promote_types(q, cos, sin)) for q [B, Hq, S, d], k [B, Hk, S, d],
+    cos / sin [B, S, d] (may be expanded)."""
+    dtype = _rope_dtype(q, cos, sin, out_dtype)
+    if not _kernels_run(q, k, cos, sin, dtypes=ROPE_DTYPES) or dtype not in ROPE_DTYPES:
+        return _rope_eager(q, k, cos, sin, dtype, backward=False)
+    return rope_forward(q, k, cos, sin, out_dtype=dtype)
 
 
 @rope_op.register_fake
-def _(q, k, cos, sin):
-    dtype = _rope_dtype(q, cos, sin)
+def _(q, k, cos, sin, out_dtype):
+    dtype = _rope_dtype(q, cos, sin, out_dtype)
     return empty_like_layout(q, dtype), empty_like_layout(k, dtype)
 
 
@@ -203,12 +213,12 @@ def _(dq_out, dk_out, cos, sin, dtype):
     return empty_like_layout(dq_out, dtype), empty_like_layout(dk_out, dtype)
 
 
-def _rope_dtype(q, cos, sin):
-    return torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
+def _rope_dtype(q, cos, sin, out_dtype=None):
+    return torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype)) if out_dtype is None else out_dtype
 
 
 def _rope_setup_context(ctx, inputs, output):
-    q, _, cos, sin = inputs
+    q, _, cos, sin, _ = inputs
     ctx.save_for_backward(cos, sin)
     ctx.dtype = q.dtype
 
@@ -216,7 +226,7 @@ def _rope_setup_context(ctx, inputs, output):
 def _rope_autograd(ctx, dq_out, dk_out):
     cos, sin = ctx.saved_tensors
     dq, dk = rope_backward_op(dq_out, dk_out, cos, sin, ctx.dtype)
-    return dq, dk, None, None
+    return dq, dk, None, None, None
 
 
 rope_op.register_autograd(_rope_autograd, setup_context=_rope_setup_context)
@@ -226,13 +236,17 @@ rope_op.register_autograd(_rope_autograd, setup_context=_rope_setup_context)
 # public functions
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Hugging Face LlamaRMSNorm: weight * (x.float() * rstd).to(x.dtype), rstd = rsqrt(mean(x², -1) + eps).
 
     x [..., D] (the last dimension need not be contiguous: it is copied then), weight [D], eps a
-    finite number >= 0. Returns [..., D] in torch.promote_types(weight.dtype, x.dtype).
-    Differentiable in x and weight.
+    finite number >= 0. Returns [..., D] in `out_dtype`, by default torch.promote_types(weight.dtype,
+    x.dtype) as Hugging Face's; another floating dtype rounds the result once to it (what a consumer
+    that casts it would see). Differentiable in x and weight.
     """
+    _check_out_dtype(out_dtype)
     check_tensor(x, "x")
     check_tensor(weight, "weight")
     if x.dim() < 1:
@@ -245,20 +259,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     if x.shape[-1] == 0:
         raise ValueError("x must have D >= 1 columns, got D = 0")
-    y, _ = rms_norm_op(x, weight, float(eps))
+    y, _ = rms_norm_op(x, weight, float(eps), out_dtype)
     return y
 
 
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
+
+
+def autocast_output_dtype(x: torch.Tensor, natural: torch.dtype) -> torch.dtype | None:
+    """The dtype a fused module returns under autocast: autocast's lower-precision dtype where its
+    output would be fp32 (`natural`) and its consumers (projections, attention) cast it to that
+    dtype anyway; None (the natural dtype) outside autocast or for other dtypes."""
+    if natural != torch.float32 or not torch.is_autocast_enabled(x.device.type):
+        return None
+    return torch.get_autocast_dtype(x.device.type)
+
+
 def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's `apply_rotary_pos_emb(q, k, cos, sin)` (unsqueeze_dim=1), fused.
 
     q [B, Hq, S, d], k [B, Hk, S, d] (any strides, typically transposed views of [B, S, H, d]);
     cos, sin [B or 1, S, d] or [S, d] (broadcast over the batch without a copy). Returns (q_out,
-    k_out) in torch.promote_types(q.dtype, cos.dtype, sin.dtype), laid out like q and k.
-    Differentiable in q and k; cos and sin get no gradient (an error if they require one).
+    k_out) in `out_dtype`, by default torch.promote_types(q.dtype, cos.dtype, sin.dtype) as Hugging
+    Face's, laid out like q and k. Differentiable in q and k (their gradients in q's dtype); cos and
+    sin get no gradient (an error if they require one).
     """
+    _check_out_dtype(out_dtype)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         check_tensor(t, name)
         if t.device != q.device:
@@ -281,4 +311,4 @@ def apply_rope(
         if t.requires_grad and torch.is_grad_enabled():
             raise NotImplementedError(f"{name} requires grad, but apply_rope gives cos and sin no gradient")
         expanded.append(t.expand(b, s, d))
-    return rope_op(q, k, expanded[0], expanded[1])
+    return rope_op(q, k, expanded[0], expanded[1], out_dtype)

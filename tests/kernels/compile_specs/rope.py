@@ -12,14 +12,14 @@ from sparseffn.kernels.rope import ROPE_DTYPES, TL_ROPE_DTYPES, _rope_kernel
 def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for forward and backward at bf16, fp16 and
     fp32 q / k with cos / sin of the same dtype, bf16 q / k with fp32 cos / sin (autocast: fp32
-    outputs; its backward takes fp32 gradients to bf16), at Llama 2B heads (Hq 32, Hk 32 or 8, d 64),
+    outputs, or bf16 ones when asked for; the backward takes their gradients to bf16), at Llama 2B heads (Hq 32, Hk 32 or 8, d 64),
     8 heads of 128 and an odd head dim (d 96, masked halves)."""
     specs = []
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 
-    def add(hq, hk, d, x_dtype, cs_dtype, backward):
+    def add(hq, hk, d, x_dtype, cs_dtype, backward, out_dtype=None):
         config = default_config(hq, hk, d, cuda=True)
-        out_dtype = torch.promote_types(x_dtype, cs_dtype)
+        out_dtype = out_dtype or torch.promote_types(x_dtype, cs_dtype)
         in_ty, out_ty = TL_ROPE_DTYPES[out_dtype if backward else x_dtype], TL_ROPE_DTYPES[x_dtype if backward else out_dtype]
         cs_ty = TL_ROPE_DTYPES[cs_dtype]
         signature = {
@@ -47,6 +47,7 @@ def compile_specs(with_options: bool = False):
         for dtype in ROPE_DTYPES:
             add(32, 32, 64, dtype, dtype, backward)
         add(32, 32, 64, bf16, fp32, backward)
+        add(32, 32, 64, bf16, fp32, backward, bf16)
         add(32, 8, 64, bf16, bf16, backward)
         add(8, 8, 128, bf16, bf16, backward)
         add(12, 4, 96, fp16, fp16, backward)
