@@ -241,7 +241,7 @@ def test_out_dtype_rounds_the_fp32_result_once():
         assert torch.equal(y16, y32.to(bf16))
     else:
         assert ((y16.float() - y32).abs() <= y32.abs() * 2 ** -7).all()
-    dy = torch.randn(6, 96, generator=torch.Generator().manual_seed(6), device=x.device).to(bf16)
+    dy = torch.randn(6, 96, generator=torch.Generator().manual_seed(6)).to(x.device, bf16)
     assert all(torch.equal(a, b) for a, b in zip(rms_norm_backward(dy, x, w, rstd),
                                                  rms_norm_backward(dy.float(), x, w, rstd)))
     with pytest.raises(TypeError, match="out_dtype"):
