@@ -202,3 +202,26 @@ def test_graph_capture_replays_direct_launches():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(dst, src * 3)
+
+
+def test_hash_kernel_sources_hashes_every_kernel_ahead_of_its_first_launch():
+    """Outside the interpreter (a fresh process: these tests run under it) every kernel of sparseffn.kernels
+    has its source hash computed and cached, as Triton's first launch would compute it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import importlib, pkgutil\n"
+            "import sparseffn.kernels as package\n"
+            "from triton.runtime.jit import JITFunction\n"
+            "from sparseffn.kernels.launch import hash_kernel_sources\n"
+            "kernels = []\n"  # a list: a JITFunction's __hash__ would compute its source hash
+            "for info in pkgutil.iter_modules(package.__path__, 'sparseffn.kernels.'):\n"
+            "    module = importlib.import_module(info.name)\n"
+            "    kernels += [v for n, v in vars(module).items() if isinstance(v, JITFunction) and n.endswith('_kernel')]\n"
+            "assert len(kernels) > 20 and all(k.hash is None for k in kernels)\n"
+            "count = hash_kernel_sources()\n"
+            "assert count >= len(kernels) and all(len(k.hash) == 64 for k in kernels), count\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -69,6 +69,57 @@ def test_warm_launches_every_kernel_a_real_call_launches(launches, gated):
     assert launches and set(launches) <= warm_keys, set(launches) - warm_keys
 
 
+@pytest.fixture
+def overflow_ops(monkeypatch):
+    """The PyTorch ops (name, input dtypes and shapes) run inside the overflow rows' path: the row list's
+    split and spare row, the dense forward and backward of the listed rows (ops/overflow_rows.py). The
+    mode records only inside those functions (active around the whole call, it would see the sparse op
+    as one custom op)."""
+    import sparseffn.nn.warm as warm
+    import sparseffn.ops.train_mlp as train_mlp
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[tuple] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            seen.add((str(func), tuple((t.dtype, tuple(t.shape)) for t in flat if isinstance(t, torch.Tensor))))
+            return func(*args, **(kwargs or {}))
+
+    for module in (warm, train_mlp):
+        for name in ("overflow_rows_forward", "overflow_rows_backward", "row_list_split", "spare_row"):
+            def recorded(*args, _real=getattr(module, name), **kwargs):
+                with Record():
+                    return _real(*args, **kwargs)
+            monkeypatch.setattr(module, name, recorded)
+    return seen
+
+
+@needs_kernels
+@pytest.mark.parametrize("gated", [True, False])
+def test_loading_outside_triton_runs_the_overflow_path_of_a_switching_call(overflow_ops, gated):
+    """start_warming loads in this process, before the child is done, the PyTorch kernels a training call
+    at the switching activity runs for its overflow rows: the same ops on the same dtypes and shapes."""
+    from sparseffn.nn.warm import _load_outside_triton
+    from sparseffn.ops.decide import train_break_even
+    from sparseffn.ops.sparse_mlp import sparse_mlp
+
+    h = 512  # where the break-even activity sends overflow rows to the GEMMs
+    _load_outside_triton(d=D, h=h, gated=gated, threshold=True, down_transposed=True, device=DEVICE, tokens=TOKENS,
+                         training=True, dtype="bfloat16", seed=0)
+    loaded = set(overflow_ops)
+    assert loaded
+    overflow_ops.clear()
+    gen = torch.Generator().manual_seed(1)
+    x, gate, up, down_t = (torch.randn(*shape, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+                           for shape in ((TOKENS, D), (h, D), (h, D), (h, D)))
+    y, l1 = sparse_mlp(x, gate if gated else None, up, down_t.t(), torch.full((h,), 0.01, device=DEVICE),
+                       mode="sparse", return_l1=True, expected_nnz=train_break_even(h))
+    torch.autograd.grad((y.float().sum() + l1), [x, up, down_t] + ([gate] if gated else []))
+    assert overflow_ops and overflow_ops <= loaded, overflow_ops - loaded
+
+
 @needs_kernels
 def test_warm_once_per_shape_and_not_for_dense_layers(launches):
     same = [_mlp(seed=0), _mlp(seed=1)]  # one shape: warmed once

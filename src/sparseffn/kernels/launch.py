@@ -155,3 +155,24 @@ class Launcher:
             else:
                 return
         self.cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, tuple(trailing))
+
+
+def hash_kernel_sources() -> int:
+    """Compute Triton's source hash of every `@triton.jit` function of sparseffn.kernels now (it is cached
+    on the function). Triton computes it on a kernel's first launch in a process by walking the source of
+    the kernel and of everything it calls, ~7 ms a kernel on the H200's host: host work that can run
+    before the kernels are needed (nn/warm.py). Returns how many were hashed (0 under the interpreter)."""
+    import importlib
+    import pkgutil
+
+    import sparseffn.kernels as package
+
+    count = 0
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if isinstance(value, JITFunction) and value.__module__ == module.__name__:
+                value.cache_key  # noqa: B018 (a property that computes and caches the hash)
+                count += 1
+    return count
+

@@ -22,9 +22,11 @@ decisions, gradients) and the global RNG are untouched.
 caller goes on training: the child's launches compile the kernels into Triton's on-disk cache (its
 TRITON_CACHE_DIR, inherited). Then a thread of the training process runs the same calls (`_load`): every
 kernel is in the cache by then, so this only loads them into the process (Triton's first launch of a
-kernel in a process: cache lookup, module load, launcher; ~0.3 s of host work for a layer's training
-call), interleaved with the training thread, which is ahead of the GPU, instead of on the step where a
-layer switches. Until both are done (or one has failed, or the job is stopped) the auto-mode layers it
+kernel in a process: cache lookup, module load, launcher), interleaved with the training thread instead
+of on the step where a layer switches. Loading stalls the training thread's launches for part of its
+length (module loads hold the driver), so what needs no compiled kernel is loaded before the child
+is even done, while `start_warming` returns: the PyTorch kernels of the overflow rows' path and the
+warm-up's inputs (CUDA loads each on first use) and Triton's source hashes. Until both are done (or one has failed, or the job is stopped) the auto-mode layers it
 warms for are held dense (`Activity.hold`): a layer whose activity falls under the break-even meanwhile
 switches when the kernels are ready, instead of compiling them itself on a training step (measured: a
 `0.5b` window at 0.26x of dense when a layer switched 9 s before a slow child was done).
@@ -47,8 +49,12 @@ import torch
 from sparseffn._child_env import child_env
 from sparseffn.nn.projections import is_plain
 from sparseffn.nn.sparse_mlp import SparseMLP
-from sparseffn.ops.decide import train_break_even
+from sparseffn.kernels.launch import hash_kernel_sources
+from sparseffn.ops.decide import overflow_gemm_rows, train_break_even
+from sparseffn.ops.overflow_rows import overflow_rows_backward, overflow_rows_forward, row_list_split, spare_row
 from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp
+
+_OP_DEFAULTS = sparse_mlp.__kwdefaults__  # the op's TwELL tile and slots, which the warmed calls use
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,16 @@ def warm_sparse_kernels(mlps: Sequence[SparseMLP], *, train_tokens: int | None =
 def start_warming(mlps: Sequence[SparseMLP], *, train_tokens: int | None = None, eval_tokens: Sequence[int] = (),
                   dtype: torch.dtype | None = None, seed: int = 0) -> BackgroundWarm | None:
     """`warm_sparse_kernels` in a child process (module docstring), arguments alike; None when there is
-    nothing to warm."""
+    nothing to warm. Before it returns, this process does the part of the loading that needs no compiled
+    Triton kernel (`_load_outside_triton`)."""
     planned = _plan(mlps, train_tokens, eval_tokens, dtype, seed)
-    return BackgroundWarm(planned, [m for m in mlps if m.mode == "auto"]) if planned else None
+    if not planned:
+        return None
+    job = BackgroundWarm(planned, [m for m in mlps if m.mode == "auto"])
+    for _, run in planned:  # while the child starts and compiles
+        _load_outside_triton(**run)
+    hash_kernel_sources()
+    return job
 
 
 class BackgroundWarm:
@@ -233,13 +246,10 @@ def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: boo
     shards, e.g. under FSDP, while its calls see whole weights); device and dtype by name (JSON)."""
     device, dtype = torch.device(device), getattr(torch, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
-
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, dtype=dtype, device=device, generator=gen) * shape[-1] ** -0.5
-
     x, first = _sparse_activity_inputs(tokens, d, h, dtype, device, gen)
-    gate, up = (first, draw(h, d)) if gated else (None, first)
-    down = draw(h, d).t() if down_transposed else draw(d, h)  # [D, H], stored as the layer stores it
+    gate, up = (first, _draw(gen, dtype, h, d)) if gated else (None, first)
+    # [D, H], stored as the layer stores it
+    down = _draw(gen, dtype, h, d).t() if down_transposed else _draw(gen, dtype, d, h)
     theta = torch.full((h,), 0.01, device=device) if threshold else None
     if not training:
         with torch.no_grad():
@@ -266,6 +276,44 @@ def _sparse_activity_inputs(tokens: int, d: int, h: int, dtype: torch.dtype, dev
     x = torch.randn(tokens, d, device=device, generator=gen) + gamma * e
     first = torch.randn(h, d, device=device, generator=gen) * d ** -0.5 - beta * e
     return x.to(dtype), first.to(dtype)
+
+
+def _load_outside_triton(d: int, h: int, gated: bool, threshold: bool, down_transposed: bool, device: str,
+                         tokens: int, training: bool, dtype: str, seed: int) -> None:
+    """What a planned training call runs through PyTorch rather than Triton, at its shapes and dtypes: the
+    warm-up's own inputs, and the overflow rows' GEMMs, gathers and scatters (ops/overflow_rows.py, rows
+    listed here instead of by the Triton kernels). CUDA loads a kernel on its first use in a process (lazy
+    module loading): done here, before the first step, these loads leave the loading thread, where they
+    stalled the training thread's launches (a `2b` layer's training call: ~0.3 s of its ~0.6 s)."""
+    if not training:
+        return
+    device, dtype = torch.device(device), getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x, first = _sparse_activity_inputs(tokens, d, h, dtype, device, gen)
+    taken = min(overflow_gemm_rows(tokens, h, train_break_even(h), _OP_DEFAULTS["tile"], _OP_DEFAULTS["slots"]),
+                tokens)
+    if not taken:
+        return
+    gate, up = (first, _draw(gen, dtype, h, d)) if gated else (None, first)
+    down_t = _draw(gen, dtype, h, d)  # [H, D], unit stride along D, as the op reads the down weight
+    theta = torch.full((h,), 0.01, device=device) if threshold else None
+    flags = torch.zeros(tokens, dtype=torch.bool, device=device)
+    flags[:taken // 2] = True
+    ids = torch.arange(tokens, dtype=torch.int32, device=device)
+    count = torch.full((1,), taken // 2, dtype=torch.int32, device=device)
+    rows, valid, _ = row_list_split(ids, count, taken, spare_row(flags))
+    y = torch.empty_like(x)
+    row_l1 = torch.zeros(tokens, dtype=torch.float32, device=device)
+    overflow_rows_forward(x, gate, up, down_t, theta, rows, valid, y=y, row_l1=row_l1)
+    l1_grad = (row_l1.sum() / tokens).reshape(1)
+    grads = [torch.zeros(h, d, dtype=torch.float32, device=device) for _ in range(3)]
+    overflow_rows_backward(x, _draw(gen, dtype, tokens, d), gate, up, down_t, theta, l1_grad, rows, valid,
+                           dx=torch.empty_like(x), grad_gate=grads[0] if gated else None, grad_up=grads[1],
+                           grad_down_t=grads[2])
+
+
+def _draw(gen: torch.Generator, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=gen.device, generator=gen) * shape[-1] ** -0.5
 
 
 def _run_planned(runs: list[dict]) -> None:
