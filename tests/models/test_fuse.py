@@ -260,6 +260,24 @@ def test_autocast_training_gets_autocast_outputs_and_hf_gradients(sparse, calls)
         assert rel(grad, truth[1][name]) <= 2 * rel(hf[1][name], truth[1][name]) + 1e-2, name
 
 
+def test_autocast_outputs_only_while_the_projections_are_plain_linears():
+    """A projection wrapped after fusing (a hook here, a LoRA layer alike) may compute on its input before
+    casting it: the norm before it returns Hugging Face's fp32 again."""
+    model = fuse_non_mlp_(tiny_lm("llama"))
+    layer = model.model.layers[0]
+    dtypes = {}
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        getattr(layer, name).register_forward_hook(lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype))
+    ids = token_ids(length=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids)
+        assert dtypes == {"input_layernorm": torch.bfloat16, "post_attention_layernorm": torch.bfloat16}
+        layer.self_attn.k_proj.register_forward_pre_hook(lambda m, a: None)
+        layer.mlp.up_proj.register_forward_hook(lambda m, a, out: None)
+        model(input_ids=ids)
+        assert dtypes == {"input_layernorm": torch.float32, "post_attention_layernorm": torch.float32}
+
+
 def test_bf16_decode_steps_project_q_k_v_in_one_launch(monkeypatch):
     """A cached step of one or two tokens (eval, no grad) computes q, k and v in one launch
     (ops.decode_linear); its logits are no further from the fp32 model's than 2x HF's bf16 model's."""

@@ -10,7 +10,8 @@ patched):
     which at one or two tokens per call also computes q, k and v in one launch (`ops.decode_linear`).
 A decoder layer whose forward is LlamaDecoderLayer's gets autocast outputs on its norms where their
 consumers are known to cast (`FusedRMSNorm.autocast_output`, nn/fused.py): the norm before a fused
-attention, and the norm before an MLP that is a SparseMLP or computes LlamaMLP's forward.
+attention, and the norm before an MLP that is a SparseMLP or computes LlamaMLP's forward, while the
+projections reading their output are plain nn.Linear modules (checked at each call: PEFT may wrap them later).
 Everything else is left alone and reported: Gemma's norms scale by (1 + weight), OLMo2's multiply
 before casting, Cohere and StableLM use LayerNorm, Qwen3 normalizes q and k, Mistral passes sliding
 windows; the kernels compute none of these. `fusion_plan(model)` lists, per module, what would be
@@ -161,8 +162,10 @@ def _set_autocast_outputs(model: nn.Module) -> None:
         pre, post = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
         if isinstance(pre, FusedRMSNorm) and attn is not None and has_fused_rope(attn):
             pre.autocast_output = True
+            pre.autocast_consumers = [(attn, ("q_proj", "k_proj", "v_proj"))]
         if isinstance(post, FusedRMSNorm) and (isinstance(mlp, SparseMLP) or _same_forward(type(mlp), llama.LlamaMLP)):
             post.autocast_output = True
+            post.autocast_consumers = [(mlp, ("gate_proj", "up_proj"))]
 
 
 def _describe(skipped) -> str:

@@ -9,7 +9,8 @@ projection and the attention then cast to bf16, each on its own: per layer five 
 activation forward, five back, and three fp32 sums of their gradients. Where the consumers are known
 to cast, the fused modules return autocast's dtype directly (the same values, rounded once as the
 cast would): a norm with `autocast_output` set (`models.fuse_non_mlp_` sets it on a decoder layer's
-norm before its fused attention, and before an MLP that only projects its input), and the fused
+norm before its fused attention, and before an MLP that only projects its input) while the projections
+that read its output are plain nn.Linear modules, and the fused
 attention's RoPE when no cache is passed (a cache keeps Hugging Face's dtype: a static cache's
 buffers have the model's). The backward then adds the projections' input gradients in bf16 where
 Hugging Face adds them in fp32.
@@ -54,7 +55,9 @@ class FusedRMSNorm(nn.Module):
     """y = weight * (x.float() * rsqrt(mean(x², -1) + variance_epsilon)).to(x.dtype), fused.
 
     Output dtype torch.promote_types(weight.dtype, x.dtype), as Hugging Face's; with `autocast_output`
-    set (off by default), autocast's dtype under autocast where that would be fp32 (module docstring).
+    set (off by default), autocast's dtype under autocast where that would be fp32 (module docstring),
+    as long as every projection named in `autocast_consumers` ((module, attribute names) pairs, read at
+    each call) is a plain nn.Linear: a LoRA or hooked layer may compute on its input before casting it.
     `from_hf` shares the Hugging Face module's Parameter and remembers the module (a plain attribute,
     not a submodule: the state dict holds only `weight`) so that `to_hf` can put it back.
     """
@@ -64,11 +67,13 @@ class FusedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
         self.autocast_output = False
+        self.autocast_consumers: list[tuple[nn.Module, tuple[str, ...]]] = []  # a list: not submodules
         self._hf_norm = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out_dtype = None
-        if self.autocast_output:
+        if self.autocast_output and all(is_plain(getattr(owner, name)) for owner, names in self.autocast_consumers
+                                        for name in names):
             natural = torch.promote_types(self.weight.dtype, hidden_states.dtype)
             out_dtype = autocast_output_dtype(hidden_states, natural)
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, out_dtype=out_dtype)
