@@ -218,7 +218,8 @@ def test_hash_kernel_sources_hashes_every_kernel_ahead_of_its_first_launch():
             "kernels = []\n"  # a list: a JITFunction's __hash__ would compute its source hash
             "for info in pkgutil.iter_modules(package.__path__, 'sparseffn.kernels.'):\n"
             "    module = importlib.import_module(info.name)\n"
-            "    kernels += [v for n, v in vars(module).items() if isinstance(v, JITFunction) and n.endswith('_kernel')]\n"
+            "    kernels += [v for n, v in vars(module).items()\n"
+            "                if isinstance(v, JITFunction) and n.endswith('_kernel')]\n"
             "assert len(kernels) > 20 and all(k.hash is None for k in kernels)\n"
             "count = hash_kernel_sources()\n"
             "assert count >= len(kernels) and all(len(k.hash) == 64 for k in kernels), count\n")

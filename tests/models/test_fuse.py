@@ -239,7 +239,8 @@ def test_autocast_training_gets_autocast_outputs_and_hf_gradients(sparse, calls)
         sparsify_(plain)
     model = fuse_non_mlp_(copy.deepcopy(plain))
     marked = [name for name, m in model.named_modules() if isinstance(m, FusedRMSNorm) and m.autocast_output]
-    assert marked == [f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
+    assert marked == [f"model.layers.{i}.{n}" for i in range(2)
+                      for n in ("input_layernorm", "post_attention_layernorm")]
     dtypes = {}
     hooks = [m.register_forward_hook(lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype))
              for name, m in model.named_modules() if isinstance(m, FusedRMSNorm)]

@@ -5,14 +5,14 @@ the same `weight` Parameter and `variance_epsilon` attribute, so state dicts are
 same function through `ops.rms_norm` (one kernel forward, one backward, instead of ~7 each).
 
 Under autocast (training with fp32 weights), Hugging Face's norm and RoPE return fp32, which every
-projection and the attention then cast to bf16, each on its own: per layer five casts of a [tokens, D]
-activation forward, five back, and three fp32 sums of their gradients. Where the consumers are known
-to cast, the fused modules return autocast's dtype directly (the same values, rounded once as the
-cast would): a norm with `autocast_output` set (`models.fuse_non_mlp_` sets it on a decoder layer's
-norm before its fused attention, and before an MLP that only projects its input) while the projections
-that read its output are plain nn.Linear modules, and the fused
-attention's RoPE when no cache is passed (a cache keeps Hugging Face's dtype: a static cache's
-buffers have the model's). The backward then adds the projections' input gradients in bf16 where
+projection and the attention then cast to bf16, each on its own: per layer casts of the [tokens, D]
+activations for q, k and v and for the MLP, of q and k for attention, their gradients' casts back and
+fp32 sums. Where the consumers are known to cast, the fused modules return autocast's dtype directly
+(the same values, rounded once as the cast would): a norm with `autocast_output` set
+(`models.fuse_non_mlp_` sets it on a decoder layer's norm before its fused attention, and before an MLP
+that only projects its input) while the projections that read its output are plain nn.Linear modules,
+and the fused attention's RoPE when no cache is passed (a cache keeps Hugging Face's dtype: a static
+cache's buffers have the model's). The backward then adds the projections' input gradients in bf16 where
 Hugging Face adds them in fp32.
 
 `fuse_attention_rope_(attn)` gives one `LlamaAttention` instance a forward that does what

@@ -22,14 +22,14 @@ decisions, gradients) and the global RNG are untouched.
 caller goes on training: the child's launches compile the kernels into Triton's on-disk cache (its
 TRITON_CACHE_DIR, inherited). Then a thread of the training process runs the same calls (`_load`): every
 kernel is in the cache by then, so this only loads them into the process (Triton's first launch of a
-kernel in a process: cache lookup, module load, launcher), interleaved with the training thread instead
-of on the step where a layer switches. Loading stalls the training thread's launches for part of its
-length (module loads hold the driver), so what needs no compiled kernel is loaded before the child
-is even done, while `start_warming` returns: the PyTorch kernels of the overflow rows' path and the
-warm-up's inputs (CUDA loads each on first use) and Triton's source hashes. Until both are done (or one has failed, or the job is stopped) the auto-mode layers it
-warms for are held dense (`Activity.hold`): a layer whose activity falls under the break-even meanwhile
-switches when the kernels are ready, instead of compiling them itself on a training step (measured: a
-`0.5b` window at 0.26x of dense when a layer switched 9 s before a slow child was done).
+kernel in a process: cache lookup, module load, launcher), interleaved with the training thread instead of
+on the step where a layer switches. Loading stalls the training thread's launches for part of its length
+(a `2b` step lost ~0.24 s to 0.63 s of it), so what needs no compiled kernel is loaded before `start_warming` returns:
+the PyTorch kernels of the overflow rows' path and of the warm-up's inputs (CUDA loads each on first use)
+and Triton's source hashes. Until both are done (or one has failed, or the job is stopped) the auto-mode
+layers it warms for are held dense (`Activity.hold`): a layer whose activity falls under the break-even
+meanwhile switches when the kernels are ready, instead of compiling them itself on a training step
+(measured: a `0.5b` window at 0.26x of dense when a layer switched 9 s before a slow child was done).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from typing import Sequence
 import torch
 
 from sparseffn._child_env import child_env
+from sparseffn.kernels.launch import hash_kernel_sources
 from sparseffn.nn.projections import is_plain
 from sparseffn.nn.sparse_mlp import SparseMLP
-from sparseffn.kernels.launch import hash_kernel_sources
 from sparseffn.ops.decide import overflow_gemm_rows, train_break_even
 from sparseffn.ops.overflow_rows import overflow_rows_backward, overflow_rows_forward, row_list_split, spare_row
 from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp

@@ -12,7 +12,8 @@ from sparseffn.kernels.rope import ROPE_DTYPES, TL_ROPE_DTYPES, _rope_kernel
 def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) for forward and backward at bf16, fp16 and
     fp32 q / k with cos / sin of the same dtype, bf16 q / k with fp32 cos / sin (autocast: fp32
-    outputs, or bf16 ones when asked for; the backward takes their gradients to bf16), at Llama 2B heads (Hq 32, Hk 32 or 8, d 64),
+    outputs, or bf16 ones when asked for; the backward takes their gradients to bf16), at Llama 2B
+    heads (Hq 32, Hk 32 or 8, d 64),
     8 heads of 128 and an odd head dim (d 96, masked halves)."""
     specs = []
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
