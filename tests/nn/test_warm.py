@@ -178,6 +178,23 @@ def test_a_failed_load_in_this_process_raises_and_releases_the_layers(monkeypatc
     assert held.activity.hold is None
 
 
+def test_a_failed_load_outside_triton_raises_at_once_stops_the_child_and_releases_the_layers(monkeypatch):
+    """What start_warming loads before returning fails: the next poll() raises with the error (the run goes
+    on without it), the child is stopped and the held layers run again."""
+    import sparseffn.nn.warm as warm
+
+    def broken(**run):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(warm, "_load_outside_triton", broken)
+    held = _mlp(mode="auto")
+    job = BackgroundWarm(warm._plan([_mlp()], TOKENS, [], None, 0), held=[held])
+    job.load_outside_triton()
+    with pytest.raises(RuntimeError, match="loading PyTorch's kernels into this process.*out of memory"):
+        job.poll()
+    assert held.activity.hold is None and job._process.poll() is not None and job._loader is None
+
+
 def _failing_job(held=()):
     call = WarmedCall("training", 4, D, H, True, False, torch.bfloat16)
     return BackgroundWarm([(call, dict(d=D, h=H, gated=True, threshold=False, down_transposed=True, device="cpu",

@@ -96,9 +96,7 @@ def start_warming(mlps: Sequence[SparseMLP], *, train_tokens: int | None = None,
     if not planned:
         return None
     job = BackgroundWarm(planned, [m for m in mlps if m.mode == "auto"])
-    for _, run in planned:  # while the child starts and compiles
-        _load_outside_triton(**run)
-    hash_kernel_sources()
+    job.load_outside_triton()  # while the child starts and compiles
     return job
 
 
@@ -133,6 +131,10 @@ class BackgroundWarm:
     def poll(self) -> bool:
         if self.seconds is not None:
             return True
+        if self._loader is None and self._load_error is not None:  # load_outside_triton failed: no child needed
+            self.stop()
+            raise RuntimeError("the background kernel warm-up failed loading PyTorch's kernels into this process: "
+                               f"{self._load_error!r}") from self._load_error
         if self._loader is None:
             code = self._process.poll()
             if code is None:
@@ -171,6 +173,17 @@ class BackgroundWarm:
         if self._loader is not None:
             self._loader.join()  # host work of a second or so; a thread cannot be killed
         self._release()
+
+    def load_outside_triton(self) -> None:
+        """`_load_outside_triton` for each planned call and Triton's source hashes, in the calling thread
+        (module docstring); an error is kept for poll(), which raises it (the run goes on without)."""
+        try:
+            for run in self._runs:
+                with _on_device(run):
+                    _load_outside_triton(**run)
+            hash_kernel_sources()
+        except Exception as error:  # handed to poll(), which raises it
+            self._load_error = error
 
     def _load(self) -> None:
         """The planned calls in this process (a thread's target: an error is kept for poll())."""
@@ -319,9 +332,14 @@ def _draw(gen: torch.Generator, dtype: torch.dtype, *shape: int) -> torch.Tensor
 def _run_planned(runs: list[dict]) -> None:
     """`_run_once` for each planned run, each on its own device (the child, and the loading thread)."""
     for run in runs:
-        where = torch.device(run["device"])
-        with torch.cuda.device(where) if where.type == "cuda" else nullcontext():
+        with _on_device(run):
             _run_once(**run)
+
+
+def _on_device(run: dict):
+    """The planned run's device as the current one (CUDA), else nothing."""
+    where = torch.device(run["device"])
+    return torch.cuda.device(where) if where.type == "cuda" else nullcontext()
 
 
 if __name__ == "__main__":  # start_warming's child: the planned runs, as JSON on stdin
