@@ -72,8 +72,9 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out_dtype = None
-        if self.autocast_output and all(is_plain(getattr(owner, name)) for owner, names in self.autocast_consumers
-                                        for name in names):
+        # autocast first: outside it (decode) the projections are not looked at
+        if self.autocast_output and torch.is_autocast_enabled(hidden_states.device.type) and all(
+                is_plain(getattr(owner, name)) for owner, names in self.autocast_consumers for name in names):
             natural = torch.promote_types(self.weight.dtype, hidden_states.dtype)
             out_dtype = autocast_output_dtype(hidden_states, natural)
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, out_dtype=out_dtype)
