@@ -75,8 +75,7 @@ class FusedRMSNorm(nn.Module):
         # autocast first: outside it (decode) the projections are not looked at
         if self.autocast_output and torch.is_autocast_enabled(hidden_states.device.type) and all(
                 is_plain(getattr(owner, name)) for owner, names in self.autocast_consumers for name in names):
-            natural = torch.promote_types(self.weight.dtype, hidden_states.dtype)
-            out_dtype = autocast_output_dtype(hidden_states, natural)
+            out_dtype = autocast_output_dtype(hidden_states, self.weight)
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, out_dtype=out_dtype)
 
     def extra_repr(self) -> str:
@@ -153,8 +152,7 @@ def _llama_attention_forward_fused_rope(
 
     cos, sin = position_embeddings
     # without a cache (training) q and k go only to attention, which casts them to autocast's dtype
-    out_dtype = None if cache is not None else autocast_output_dtype(
-        query, torch.promote_types(query.dtype, torch.promote_types(cos.dtype, sin.dtype)))
+    out_dtype = None if cache is not None else autocast_output_dtype(query, cos, sin)
     query, key = apply_rope(query, key, cos, sin, out_dtype=out_dtype)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)

@@ -257,13 +257,7 @@ def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: boo
               tokens: int, training: bool, dtype: str, seed: int) -> None:
     """The call on random tensors of the layer's shapes and layouts (fresh ones: a layer's own weights may be
     shards, e.g. under FSDP, while its calls see whole weights); device and dtype by name (JSON)."""
-    device, dtype = torch.device(device), getattr(torch, dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x, first = _sparse_activity_inputs(tokens, d, h, dtype, device, gen)
-    gate, up = (first, _draw(gen, dtype, h, d)) if gated else (None, first)
-    # [D, H], stored as the layer stores it
-    down = _draw(gen, dtype, h, d).t() if down_transposed else _draw(gen, dtype, d, h)
-    theta = torch.full((h,), 0.01, device=device) if threshold else None
+    x, gate, up, down, theta = _call_inputs(d, h, gated, threshold, down_transposed, device, tokens, dtype, seed)
     if not training:
         with torch.no_grad():
             sparse_mlp(x, gate, up, down, theta, mode="sparse")
@@ -273,6 +267,19 @@ def _run_once(d: int, h: int, gated: bool, threshold: bool, down_transposed: boo
         y, l1 = sparse_mlp(x, gate, up, down, theta, mode="sparse", return_l1=True,
                            expected_nnz=train_break_even(h))
         torch.autograd.grad((y, l1), leaves, (torch.ones_like(y), torch.ones_like(l1)))
+
+
+def _call_inputs(d: int, h: int, gated: bool, threshold: bool, down_transposed: bool, device: str, tokens: int,
+                 dtype: str, seed: int) -> tuple[torch.Tensor, ...]:
+    """(x, gate or None, up, down [D, H] stored as the layer stores it, θ or None) of a planned call: random
+    tensors from a generator of their own, at ~1% activity (`_sparse_activity_inputs`)."""
+    device, dtype = torch.device(device), getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x, first = _sparse_activity_inputs(tokens, d, h, dtype, device, gen)
+    gate, up = (first, _draw(gen, dtype, h, d)) if gated else (None, first)
+    down = _draw(gen, dtype, h, d).t() if down_transposed else _draw(gen, dtype, d, h)
+    theta = torch.full((h,), 0.01, device=device) if threshold else None
+    return x, gate, up, down, theta
 
 
 def _sparse_activity_inputs(tokens: int, d: int, h: int, dtype: torch.dtype, device: torch.device,
@@ -300,16 +307,13 @@ def _load_outside_triton(d: int, h: int, gated: bool, threshold: bool, down_tran
     stalled the training thread's launches (a `2b` layer's training call: ~0.3 s of its ~0.6 s)."""
     if not training:
         return
-    device, dtype = torch.device(device), getattr(torch, dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x, first = _sparse_activity_inputs(tokens, d, h, dtype, device, gen)
+    x, gate, up, down, theta = _call_inputs(d, h, gated, threshold, down_transposed, device, tokens, dtype, seed)
     taken = min(overflow_gemm_rows(tokens, h, train_break_even(h), _OP_DEFAULTS["tile"], _OP_DEFAULTS["slots"]),
                 tokens)
     if not taken:
         return
-    gate, up = (first, _draw(gen, dtype, h, d)) if gated else (None, first)
-    down_t = _draw(gen, dtype, h, d)  # [H, D], unit stride along D, as the op reads the down weight
-    theta = torch.full((h,), 0.01, device=device) if threshold else None
+    device = x.device
+    down_t = down.t().contiguous()  # [H, D], unit stride along D, as the op reads it (no Triton copy here)
     flags = torch.zeros(tokens, dtype=torch.bool, device=device)
     flags[:taken // 2] = True
     ids = torch.arange(tokens, dtype=torch.int32, device=device)
@@ -320,7 +324,8 @@ def _load_outside_triton(d: int, h: int, gated: bool, threshold: bool, down_tran
     overflow_rows_forward(x, gate, up, down_t, theta, rows, valid, y=y, row_l1=row_l1)
     l1_grad = (row_l1.sum() / tokens).reshape(1)
     grads = [torch.zeros(h, d, dtype=torch.float32, device=device) for _ in range(3)]
-    overflow_rows_backward(x, _draw(gen, dtype, tokens, d), gate, up, down_t, theta, l1_grad, rows, valid,
+    # dy: any [M, D] tensor of x's dtype (values do not decide which kernels run; no draw from the global RNG)
+    overflow_rows_backward(x, x, gate, up, down_t, theta, l1_grad, rows, valid,
                            dx=torch.empty_like(x), grad_gate=grads[0] if gated else None, grad_up=grads[1],
                            grad_down_t=grads[2])
 

@@ -28,6 +28,7 @@ the eager truth the tests compare against (fp32, fp64 for fp64 inputs, no interm
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -268,13 +269,16 @@ def _check_out_dtype(out_dtype) -> None:
         raise TypeError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
 
 
-def autocast_output_dtype(x: torch.Tensor, natural: torch.dtype) -> torch.dtype | None:
-    """The dtype a fused module returns under autocast: autocast's lower-precision dtype where its
-    output would be fp32 (`natural`) and its consumers (projections, attention) cast it to that
-    dtype anyway; None (the natural dtype) outside autocast or for other dtypes."""
-    if natural != torch.float32 or not torch.is_autocast_enabled(x.device.type):
+def autocast_output_dtype(*inputs: torch.Tensor) -> torch.dtype | None:
+    """The dtype a fused op over `inputs` returns under autocast: autocast's lower-precision dtype where
+    its output would be fp32 (the inputs' promoted dtype, as rms_norm's and apply_rope's by default) and
+    its consumers (projections, attention) cast it to that dtype anyway; None (the natural dtype)
+    outside autocast or for other dtypes."""
+    device = inputs[0].device.type
+    natural = functools.reduce(torch.promote_types, (t.dtype for t in inputs))
+    if natural != torch.float32 or not torch.is_autocast_enabled(device):
         return None
-    return torch.get_autocast_dtype(x.device.type)
+    return torch.get_autocast_dtype(device)
 
 
 def apply_rope(
