@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparseffn.kernels.configs.decode_attention import AttentionConfig
-from sparseffn.kernels.decode_attention import launch_decode_attention
+from sparseffn.kernels.configs.decode_attention import AttentionConfig, attention_config
+from sparseffn.kernels.decode_attention import launch_decode_attention, num_splits
 from sparseffn.ops.decode_attention import decode_attention
 from sparseffn.ops.decode_reference import decode_attention_reference
 
@@ -98,3 +98,12 @@ def test_empty_range_is_nan():
     q, k, v, pos, _ = attention_problem(2, 2, 2, 16, 16, positions=[3, 5])
     o = decode_attention(q, k, v, pos, 0.25, torch.tensor([4, 0], device=DEVICE))
     assert torch.isnan(o[0]).all() and torch.isfinite(o[1]).all()
+
+
+def test_default_config_one_split_from_a_pair_per_sm():
+    """A (sequence, key/value head) pair per SM or more: one split of 128-slot steps; fewer: splits
+    for about 4 programs per SM (batch 1 of a 32-head model on 132 SMs: 16)."""
+    assert attention_config(132, 132) == AttentionConfig(splits=1, block_s=128)
+    assert attention_config(512, 132).splits == 1
+    assert attention_config(32, 132) == AttentionConfig()
+    assert num_splits(attention_config(32, 132), 32, 4096, 132) == 16

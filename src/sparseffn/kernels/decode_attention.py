@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import cdiv, interpreting, mma, next_power_of_2, num_sms
-from sparseffn.kernels.configs.decode_attention import AttentionConfig
+from sparseffn.kernels.configs.decode_attention import AttentionConfig, attention_config
 from sparseffn.kernels.launch import Launcher
 
 __all__ = ["group_rows", "launch_decode_attention", "num_splits"]
@@ -167,11 +167,12 @@ def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=
     zeros, at least B·Hkv of them (None: allocated here), left zero."""
     b, hq, d = q.shape
     hkv, s_max = k_cache.shape[1], k_cache.shape[2]
-    config = config or AttentionConfig()
+    sms = num_sms(q.device) if q.is_cuda else 4
+    config = config or attention_config(b * hkv, sms)
     group = hq // hkv
     g_pad = group_rows(group)
     block_d = max(16, next_power_of_2(d))
-    splits = num_splits(config, b * hkv, s_max, num_sms(q.device) if q.is_cuda else 4)
+    splits = num_splits(config, b * hkv, s_max, sms)
     o = torch.empty((b, hq * d), dtype=q.dtype, device=q.device)
     if splits > 1:
         parts = torch.empty(b * hkv * splits * g_pad * block_d, dtype=torch.float32, device=q.device)

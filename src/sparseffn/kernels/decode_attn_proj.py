@@ -256,9 +256,9 @@ _qkv_launch = Launcher(_decode_qkv_rope_kernel)
 _out_launch = Launcher(_decode_out_proj_kernel)
 
 
-def _config(m: int, device: torch.device, config: ProjectionConfig | None) -> tuple[int, ProjectionConfig]:
+def _config(m: int, device: torch.device, config: ProjectionConfig | None, qkv: bool) -> tuple[int, ProjectionConfig]:
     mp = m_pad(m)
-    config = config or projection_config(mp, capability(device))
+    config = config or projection_config(mp, capability(device), qkv)
     if mp >= 16 and config.block_n < 16:
         raise ValueError(f"config.block_n must be >= 16 for {m} tokens (tl.dot), got {config.block_n}")
     return mp, config
@@ -272,7 +272,7 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
     head_dim = cos_table.shape[1]
     hq, hkv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
     q = torch.empty((m, hq, head_dim), dtype=hidden.dtype, device=hidden.device)
-    mp, config = _config(m, hidden.device, config)
+    mp, config = _config(m, hidden.device, config, qkv=True)
     pairs = config.block_n // 2
     half = head_dim // 2
     grid = (cdiv(hq * half, pairs) + 2 * cdiv(hkv * half, pairs),)
@@ -298,7 +298,7 @@ def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: Projecti
     n = wo.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=attn.dtype, device=attn.device)
-    mp, config = _config(m, attn.device, config)
+    mp, config = _config(m, attn.device, config, qkv=False)
     _out_launch[(cdiv(n, config.block_n),)](
         attn, wo, bo, residual, out, m, n, k, attn.stride(0), wo.stride(0), residual.stride(0), out.stride(0),
         HAS_BIAS=bo is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,

@@ -77,7 +77,7 @@ def launch_dense_mlp_rows_down(x, first_weight, up_weight, down_weight, threshol
     if h == 0:
         return y.copy_(x) if residual else y.zero_()
     mp = m_pad(m)
-    config = config or default_config(mp, capability(x.device))
+    config = config or default_config(mp, capability(x.device), dense=True)
     hidden = torch.empty((m, h), dtype=x.dtype, device=x.device)
     flags = torch.empty(h, dtype=torch.int32, device=x.device)  # K1 writes them; nothing reads them here
     launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, h, 1, flags, flags, 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparseffn.kernels._runtime import TL_DTYPES
-from sparseffn.kernels.configs.decode_attention import AttentionConfig
+from sparseffn.kernels.configs.decode_attention import AttentionConfig, attention_config
 from sparseffn.kernels.decode_attention import _decode_attention_kernel, group_rows
 
 
@@ -13,13 +13,13 @@ def compile_specs(with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants `launch_decode_attention`
     uses with its default config: bf16 / fp16, head dims 64 and 128, no GQA (one query row) and
     GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions),
-    1, 2 and 16 splits (the combine's width)."""
-    cfg = AttentionConfig()
+    1, 2 and 16 splits (the combine's width); one split with the config of a pair per SM or more."""
     specs = []
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
         for head_dim, group, pos_ty, with_from, splits_pad in ((64, 1, "i64", False, 16), (64, 4, "i64", True, 2),
                                                                (128, 1, "i32", True, 1), (128, 32, "i32", False, 16)):
+            cfg = attention_config(132, 132) if splits_pad == 1 else AttentionConfig()
             sig = {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "pos_ptr": f"*{pos_ty}",
                    "from_ptr": f"*{pos_ty}" if with_from else "constexpr", "o_ptr": f"*{ty}", "part_ptr": "*fp32",
                    "stat_ptr": "*fp32", "count_ptr": "*i32", "HQ": "i32", "HKV": "i32", "SPLITS": "i32",

@@ -12,9 +12,9 @@ from sparseffn.kernels.decode_mlp import PADDED_TOKENS
 
 def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants the launchers use on a GPU of
-    capability `arch`: bf16 / fp16, every padded token count with its default config, head dims 64
-    and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit rotary tables, D in one
-    step or several."""
+    capability `arch`: bf16 / fp16, every padded token count with its default configs (q/k/v's and
+    o_proj's), head dims 64 and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit
+    rotary tables, D in one step or several."""
     specs = []
 
     def add(fn, signature, constexprs, config):
@@ -27,7 +27,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
         for mp in PADDED_TOKENS:
-            cfg = projection_config(mp, arch)
+            cfg, out_cfg = projection_config(mp, arch, qkv=True), projection_config(mp, arch, qkv=False)
             for head_dim, bias, pos_ty, table_ty in ((64, False, "i64", "fp32"), (128, True, "i32", ty)):
                 sig = {"x_ptr": f"*{ty}", "norm_ptr": f"*{ty}", "wq_ptr": f"*{ty}", "wk_ptr": f"*{ty}",
                        "wv_ptr": f"*{ty}", "cos_ptr": f"*{table_ty}", "sin_ptr": f"*{table_ty}",
@@ -50,9 +50,9 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 sig = {"a_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}" if bias else "constexpr",
                        "r_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
                        "stride_w": "i32", "stride_rm": "i32", "stride_ym": "i32"}
-                cx = {"HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                cx = {"HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": out_cfg.block_n, "BLOCK_K": out_cfg.block_k,
                       "DOT_IN_FP32": False}
                 if not bias:
                     cx["b_ptr"] = None
-                add(_decode_out_proj_kernel, sig, cx, cfg)
+                add(_decode_out_proj_kernel, sig, cx, out_cfg)
     return specs

@@ -16,7 +16,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants the launchers use on a GPU of
     capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
-    relu / silu K1) at 1 and 16 tokens."""
+    relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -28,7 +28,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
         for mp in PADDED_TOKENS:
-            cfg = default_config(mp, arch)
+            cfg, dense_cfg = default_config(mp, arch), default_config(mp, arch, dense=True)
             variants = [(True, False, "sparse", False), (True, True, "sparse", False), (False, True, "sparse", False)]
             if mp in ENGINE_TOKENS:
                 variants += [(True, True, "sparse", True), (True, True, "relu", True), (True, False, "silu", True)]
@@ -40,29 +40,32 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                        "h_ptr": f"*{ty}", "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32",
                        "H": "i32", "n_counts": "i32", "eps": "fp32", "stride_xm": "i32", "stride_fh": "i32",
                        "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32"}
+                k1 = cfg if act == "sparse" else dense_cfg
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "ACT": ACTS[act], "NORM": norm, "M_PAD": mp,
-                      "BLOCK_H": cfg.block_h, "BLOCK_K": cfg.block_k, "DOT_IN_FP32": False}
+                      "BLOCK_H": k1.block_h, "BLOCK_K": k1.block_k, "DOT_IN_FP32": False}
                 if not has_threshold:
                     cx["threshold_ptr"] = None
                 if not norm:
                     cx["norm_ptr"] = None
-                add(_decode_gate_up_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
-            for residual in (False, True) if mp in ENGINE_TOKENS else (False,):
+                add(_decode_gate_up_kernel, sig, cx, k1.gate_warps, k1.gate_stages)
+            # (residual, config): the public op's; the engine's sparse and dense (every unit) down kernels
+            downs = [(False, cfg)] + ([(True, cfg), (True, dense_cfg)] if mp in ENGINE_TOKENS else [])
+            for residual, k2 in downs:
                 sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
                        "y_ptr": f"*{ty}", "res_ptr": f"*{ty}" if residual else "constexpr", "part_ptr": "*fp32",
                        "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32", "stride_dh": "i32", "stride_ym": "i32",
                        "stride_rm": "i32"}
-                cx = {"M_PAD": mp, "ROWS": down_rows(mp), "SPLIT": cfg.split, "BLOCK_S": cfg.block_s,
-                      "BLOCK_D": down_block(cfg, 2048, 132), "PREFIX": cfg.prefix, "RESIDUAL": residual,
+                cx = {"M_PAD": mp, "ROWS": down_rows(mp), "SPLIT": k2.split, "BLOCK_S": k2.block_s,
+                      "BLOCK_D": down_block(k2, 2048, 132), "PREFIX": k2.prefix, "RESIDUAL": residual,
                       "DOT_IN_FP32": False}
                 if not residual:
                     cx["res_ptr"] = None
-                add(_decode_down_kernel, sig, cx, cfg.down_warps, cfg.down_stages)
+                add(_decode_down_kernel, sig, cx, k2.down_warps, k2.down_stages)
             if mp in ENGINE_TOKENS:
                 sig = {"h_ptr": f"*{ty}", "down_ptr": f"*{ty}", "res_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32",
                        "D": "i32", "H": "i32", "stride_hm": "i32", "stride_dd": "i32", "stride_rm": "i32",
                        "stride_ym": "i32"}
-                cx = {"M_PAD": mp, "BLOCK_D": cfg.block_h if mp < 16 else 16, "BLOCK_K": cfg.block_k, "RESIDUAL": True,
-                      "DOT_IN_FP32": False}
-                add(_dense_down_kernel, sig, cx, cfg.gate_warps, cfg.gate_stages)
+                cx = {"M_PAD": mp, "BLOCK_D": dense_cfg.block_h if mp < 16 else 16, "BLOCK_K": dense_cfg.block_k,
+                      "RESIDUAL": True, "DOT_IN_FP32": False}
+                add(_dense_down_kernel, sig, cx, dense_cfg.gate_warps, dense_cfg.gate_stages)
     return specs

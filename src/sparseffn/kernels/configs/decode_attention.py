@@ -44,16 +44,26 @@ class AttentionConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER) -> ProjectionConfig:
-    """One or two tokens: two units per program and whole-row steps (decode_linear's CUDA-core
-    shape: many small programs keep rows in flight, the loop is not pipelined). 16 to 64 padded
-    tokens: tl.dot tiles of 16 units, so a 2048-unit o_proj still has a program per SM (each
-    streams its rows through a 4-stage pipeline, enough bytes in flight for its SM's share of the
-    bandwidth), pipelined within the target's shared memory."""
+def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool = True) -> ProjectionConfig:
+    """The q/k/v kernel's config (qkv) or o_proj's. One or two tokens: two units per program and
+    whole-row steps (decode_linear's CUDA-core shape: many small programs keep rows in flight, the
+    loop is not pipelined); o_proj at one token in two steps (its rows are half q/k/v's share of a
+    program's bytes). 16 to 64 padded tokens: tl.dot tiles of 16 units, so a 2048-unit o_proj still
+    has a program per SM (each streams its rows through a 4-stage pipeline, enough bytes in flight
+    for its SM's share of the bandwidth); q/k/v at 16 tokens (6144 units) 32-unit tiles in 3 stages.
+    Pipelined within the target's shared memory. From the captured engine step's sweep on the H200
+    (decode_engine_sweep.csv)."""
     if m_padded <= 2:
-        return ProjectionConfig(block_n=2, block_k=2048)
-    block_n, block_k = 16, 256
+        return ProjectionConfig(block_n=2, block_k=1024 if (m_padded == 1 and not qkv) else 2048)
+    block_n, block_k, stages = (32, 256, 3) if (qkv and m_padded == 16) else (16, 256, 4)
     stage = (block_n + m_padded) * block_k * 2  # 16-bit tiles of one pipeline stage
-    stages = max(1, min(4, (shared_memory_limit(arch) - 8 * 1024) // stage))
+    stages = max(1, min(stages, (shared_memory_limit(arch) - 8 * 1024) // stage))
     return ProjectionConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
 
+
+def attention_config(programs: int, sms: int) -> AttentionConfig:
+    """The split-KV attention's default config for `programs` (sequence, key/value head) pairs on a
+    GPU of `sms` SMs: with a pair per SM or more, one split of 128-slot steps (no combine; at batch 16
+    on the 2b model 1.4x faster than two splits of 64); fewer pairs, AttentionConfig() (about 4
+    programs per SM)."""
+    return AttentionConfig(splits=1, block_s=128) if programs >= sms else AttentionConfig()

@@ -1,0 +1,129 @@
+"""Launch configs of the fused decode engine's kernels, swept inside the captured step (H200 probe,
+bench only): the `bench decode-model` 2b model, one kernel's config varied at a time with the others
+at their defaults, each variant a fresh CapturedDecoder(engine="fused") whose step is timed (median
+of the replays' CUDA events) and profiled per kernel (decode_step.py's `kernel_us`). A CSV row per
+variant and kernel, written as it goes, so a run cut short keeps what it measured.
+
+    python benchmarks/probes/decode_engine_sweep.py OUT_CSV [batches, default 1,16] [kernels, default all]
+
+kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj.
+"""
+
+import dataclasses
+import sys
+import time
+
+import torch
+
+import sparseffn.ops.decode_attention as attention_ops
+import sparseffn.ops.decode_block as block_ops
+from decode_step import kernel_us
+from sparseffn.bench.common import write_csv
+from sparseffn.bench.decode_model import DecodeModelBenchConfig, build_bench_model
+from sparseffn.bench.timing import run_metadata
+from sparseffn.kernels.configs.decode_attention import AttentionConfig, ProjectionConfig, projection_config
+from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config
+from sparseffn.models.generate import CapturedDecoder
+
+NEW = 40  # generated tokens per variant: the replays timed
+REPLAYS = 20  # decode_step.py's profiled replays
+OVERRIDE: dict[str, object] = {}  # kernel -> the config its launches take while a variant runs
+
+
+def _patch() -> None:
+    """Route the engine's launches through OVERRIDE (the ops modules look their launchers up per call)."""
+    qkv, out, attn, mlp = (attention_ops.launch_decode_qkv_rope, attention_ops.launch_decode_out_proj,
+                           attention_ops.launch_decode_attention, block_ops.launch_decode_mlp)
+    attention_ops.launch_decode_qkv_rope = lambda *a, **k: qkv(*a, **k, config=OVERRIDE.get("qkv"))
+    attention_ops.launch_decode_out_proj = lambda *a, **k: out(*a, **k, config=OVERRIDE.get("out_proj"))
+    attention_ops.launch_decode_attention = lambda *a, **k: attn(*a, **k, config=OVERRIDE.get("attention"))
+
+    def mlp_launch(*args, **kwargs):
+        which = "mlp_sparse" if kwargs.get("act", "sparse") == "sparse" else "mlp_dense"
+        return mlp(*args, **kwargs, config=OVERRIDE.get(which))
+
+    block_ops.launch_decode_mlp = mlp_launch
+
+
+def _variants(kernel: str, batch: int) -> list:
+    """The configs tried for one kernel at one batch size (the default first)."""
+    mp = 1 if batch == 1 else (2 if batch == 2 else max(16, 1 << (batch - 1).bit_length()))
+    if kernel in ("mlp_sparse", "mlp_dense"):
+        base = default_config(mp)
+        if mp == 1:
+            k1 = [dict(block_h=h, block_k=k, gate_warps=w, gate_stages=s) for h, k, w, s in
+                  ((2, 2048, 4, 1), (4, 2048, 2, 1), (4, 2048, 8, 1), (8, 2048, 4, 1), (8, 2048, 8, 1),
+                   (16, 2048, 8, 1), (4, 1024, 4, 1), (8, 1024, 4, 2), (16, 1024, 8, 2), (8, 512, 4, 3))]
+            k2 = [dict(split=s, block_d=d, down_warps=w, block_s=b) for s, d, w, b in
+                  ((1, 64, 4, 128), (2, 64, 4, 128), (8, 64, 4, 128), (4, 32, 4, 128), (4, 128, 4, 128),
+                   (4, 64, 2, 128), (4, 64, 1, 64), (8, 32, 2, 64), (16, 64, 4, 64), (4, 256, 8, 128))]
+        else:
+            k1 = [dict(block_h=h, block_k=k, gate_stages=s, gate_warps=w) for h, k, s, w in
+                  ((16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 4), (16, 512, 3, 4), (32, 512, 2, 4),
+                   (64, 256, 4, 8), (16, 128, 4, 2), (32, 256, 3, 8), (64, 128, 4, 4))]
+            k2 = [dict(split=s, block_d=d, down_stages=st, block_s=b) for s, d, st, b in
+                  ((1, 64, 2, 128), (2, 64, 2, 128), (8, 64, 2, 128), (4, 32, 2, 128), (4, 128, 2, 128),
+                   (4, 64, 3, 64), (8, 32, 2, 64))]
+        return [base] + [dataclasses.replace(base, **v) for v in k1 + k2]
+    if kernel == "attention":
+        base = AttentionConfig()
+        grid = [(s, b, w, st) for s in (4, 8, 16, 32) for b, w, st in ((32, 2, 2), (64, 4, 2), (128, 4, 2),
+                                                                      (64, 2, 3))]
+        if batch > 1:
+            grid = [(s, b, w, st) for s in (1, 2, 4, 8) for b, w, st in ((64, 4, 2), (128, 4, 2), (128, 8, 3),
+                                                                        (64, 4, 4), (256, 8, 2))]
+        return [base] + [AttentionConfig(splits=s, block_s=b, num_warps=w, num_stages=st) for s, b, w, st in grid]
+    base = projection_config(mp)
+    if mp <= 2:
+        grid = [(n, k, w, 1) for n, k, w in ((2, 2048, 2), (2, 2048, 8), (4, 2048, 4), (4, 2048, 8), (8, 2048, 8),
+                                             (2, 1024, 4), (4, 1024, 4), (2, 512, 4))]
+    else:
+        grid = [(n, k, 4, s) for n, k, s in ((16, 128, 4), (16, 512, 2), (32, 256, 3), (32, 128, 4), (64, 128, 4),
+                                             (16, 256, 3))] + [(16, 256, 8, 4)]
+    return [base] + [ProjectionConfig(block_n=n, block_k=k, num_warps=w, num_stages=s) for n, k, w, s in grid]
+
+
+KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_up", "_decode_down"),
+                "attention": ("decode_attention",), "qkv": ("qkv_rope",), "out_proj": ("out_proj",)}
+
+
+def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_dense,attention,qkv,out_proj") -> None:
+    device = torch.device("cuda")
+    cfg = DecodeModelBenchConfig(batches=batches, new_tokens=NEW + REPLAYS + 8)
+    model, layers, _, prompts = build_bench_model(cfg, device)
+    _patch()
+    meta = run_metadata(device)
+    rows = []
+    for batch, prompt in prompts.items():
+        for kernel in kernels.split(","):
+            mode = "dense" if kernel == "mlp_dense" else "auto"
+            for layer in layers:
+                layer.mode = mode
+            for i, config in enumerate(_variants(kernel, batch)):
+                OVERRIDE.clear()
+                OVERRIDE[kernel] = config
+                t0 = time.perf_counter()
+                try:
+                    decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens,
+                                              record_times=True, engine="fused")
+                    decoder.generate(prompt, NEW)
+                    step_ms = sorted(decoder.step_ms)[len(decoder.step_ms) // 2]
+                    us, _ = kernel_us(decoder._graphs[False])
+                    error = ""
+                except Exception as exc:  # a config the kernel or the GPU refuses: recorded, the sweep goes on
+                    step_ms, us, error = float("nan"), {}, f"{type(exc).__name__}: {exc}"[:200]
+                part = {n: sum(t for name, t in us.items() if n in name) for n in KERNEL_NAMES[kernel]}
+                print(f"batch {batch} {kernel} #{i} step {step_ms:.4f} ms  "
+                      + "  ".join(f"{n} {t:.1f}" for n, t in part.items())
+                      + f"  ({time.perf_counter() - t0:.1f} s) {config} {error}", flush=True)
+                for n, t in part.items():
+                    rows.append(dict(meta, batch=batch, kernel=kernel, variant=i, default=i == 0,
+                                     step_ms=round(step_ms, 4), part=n, us_per_step=round(t, 2),
+                                     config=repr(config), error=error))
+                write_csv(rows, out_csv, tuple(rows[0]))
+                decoder = None
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
