@@ -53,19 +53,21 @@ def default_config(m_padded: int, arch: tuple[int, int] = HOPPER, dense: bool = 
     long steps, since the CUDA-core loop is not software-pipelined (each step is one memory round trip;
     the sparse gate read, alone in its program, does best in two steps, the dense gate + up in one);
     more tokens: tl.dot tiles, pipelined. The down kernel splits the units into 4 to 8 spans (more
-    programs); dense (every unit summed, `act` relu / silu): 8 spans at 1 and 16 tokens."""
+    programs); dense (every unit summed, `act` relu / silu): 8 spans (measured at 1, 16 and 64 tokens)."""
     if m_padded == 1:
         config = DecodeConfig(block_h=4, block_k=2048 if dense else 1024, gate_stages=1, block_s=128, block_d=64,
-                              down_stages=1, prefix=2048, split=8 if dense else 4)
+                              down_stages=1, prefix=2048, split=4)
     elif m_padded == 2:
         config = DecodeConfig(block_h=2, block_k=2048, gate_stages=1, block_s=64, block_d=64, down_stages=1,
                               prefix=2048, split=8)
     elif m_padded == 16:
         config = DecodeConfig(block_h=64, block_k=256, gate_stages=4, block_s=128, block_d=64, down_stages=2,
-                              prefix=2048, split=8 if dense else 4)
+                              prefix=2048, split=4)
     else:
         config = DecodeConfig(block_h=64, block_k=128, gate_stages=4, block_s=128, block_d=64, down_stages=4,
                               prefix=8192, split=4)
+    if dense:
+        config = dataclasses.replace(config, split=8)
     if m_padded < 16:
         return config
     if arch >= (10, 0):  # Triton 3.6's TMEM layout pass fails on 64-unit tiles there (compile check)
