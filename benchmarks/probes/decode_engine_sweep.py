@@ -46,10 +46,11 @@ def _patch() -> None:
 
 
 def _variants(kernel: str, batch: int) -> list:
-    """The configs tried for one kernel at one batch size (the default first)."""
+    """The configs tried for one kernel at one batch size, the default first (None for attention:
+    the launcher's own choice, which depends on the batch and the GPU)."""
     mp = 1 if batch == 1 else (2 if batch == 2 else max(16, 1 << (batch - 1).bit_length()))
     if kernel in ("mlp_sparse", "mlp_dense"):
-        base = default_config(mp)
+        base = default_config(mp, dense=kernel == "mlp_dense")
         if mp == 1:
             k1 = [dict(block_h=h, block_k=k, gate_warps=w, gate_stages=s) for h, k, w, s in
                   ((2, 2048, 4, 1), (4, 2048, 2, 1), (4, 2048, 8, 1), (8, 2048, 4, 1), (8, 2048, 8, 1),
@@ -66,14 +67,14 @@ def _variants(kernel: str, batch: int) -> list:
                    (4, 64, 3, 64), (8, 32, 2, 64))]
         return [base] + [dataclasses.replace(base, **v) for v in k1 + k2]
     if kernel == "attention":
-        base = AttentionConfig()
+        base = None
         grid = [(s, b, w, st) for s in (4, 8, 16, 32) for b, w, st in ((32, 2, 2), (64, 4, 2), (128, 4, 2),
                                                                       (64, 2, 3))]
         if batch > 1:
             grid = [(s, b, w, st) for s in (1, 2, 4, 8) for b, w, st in ((64, 4, 2), (128, 4, 2), (128, 8, 3),
                                                                         (64, 4, 4), (256, 8, 2))]
         return [base] + [AttentionConfig(splits=s, block_s=b, num_warps=w, num_stages=st) for s, b, w, st in grid]
-    base = projection_config(mp)
+    base = projection_config(mp, qkv=kernel == "qkv")
     if mp <= 2:
         grid = [(n, k, w, 1) for n, k, w in ((2, 2048, 2), (2, 2048, 8), (4, 2048, 4), (4, 2048, 8), (8, 2048, 8),
                                              (2, 1024, 4), (4, 1024, 4), (2, 512, 4))]
