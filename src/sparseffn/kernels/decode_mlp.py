@@ -374,7 +374,7 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
         return y.copy_(x) if residual else y.zero_()
     mp = m_pad(m)
     if config is None:
-        config = default_config(mp, capability(x.device), dense=act != "sparse")
+        config = default_config(mp, capability(x.device), dense=act != "sparse", norm=norm_weight is not None)
     elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
     config = fitted(config, d)

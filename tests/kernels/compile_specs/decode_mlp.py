@@ -40,7 +40,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                        "h_ptr": f"*{ty}", "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32",
                        "H": "i32", "n_counts": "i32", "eps": "fp32", "stride_xm": "i32", "stride_fh": "i32",
                        "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32"}
-                k1 = cfg if act == "sparse" else dense_cfg
+                k1 = dense_cfg if act != "sparse" else default_config(mp, arch, norm=norm)
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "ACT": ACTS[act], "NORM": norm, "M_PAD": mp,
                       "BLOCK_H": k1.block_h, "BLOCK_K": k1.block_k, "DOT_IN_FP32": False}
                 if not has_threshold:
