@@ -52,10 +52,10 @@ def default_config(m_padded: int, arch: tuple[int, int] = HOPPER, dense: bool = 
     (decode_engine_sweep.csv), with its pipeline stages cut to fit the shared memory of a GPU of
     capability `arch` (and 32-unit tiles from sm_100 on). One or two tokens: few units per program and
     long steps, since the CUDA-core loop is not software-pipelined (each step is one memory round trip;
-    the sparse gate read with the norm fused (`norm`, the engine's) does best in two steps, without it
-    and the dense gate + up in one);
-    more tokens: tl.dot tiles, pipelined. The down kernel splits the units into 4 to 8 spans (more
-    programs); dense (every unit summed, `act` relu / silu): 8 spans (measured at 1, 16 and 64 tokens)."""
+    at one token the sparse gate read with the norm fused, `norm` (the engine's), does best in two
+    steps, without the norm and the dense gate + up in one); more tokens: tl.dot tiles, pipelined. The
+    down kernel splits the units into 4 to 8 spans (more programs); dense (`dense`: every unit summed,
+    act relu / silu): 8 spans (measured at 1, 16 and 64 tokens)."""
     if m_padded == 1:
         config = DecodeConfig(block_h=4, block_k=1024 if (norm and not dense) else 2048, gate_stages=1, block_s=128,
                               block_d=64, down_stages=1, prefix=2048, split=4)
