@@ -6,7 +6,8 @@ variant and kernel, written as it goes, so a run cut short keeps what it measure
 
     python benchmarks/probes/decode_engine_sweep.py OUT_CSV [batches, default 1,16] [kernels, default all]
 
-kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj.
+kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sparse_one_token and
+mlp_dense_one_token sweep only the one-token fields (DecodeConfig.stream / fold) at batch 1.
 """
 
 import dataclasses
@@ -49,6 +50,17 @@ def _variants(kernel: str, batch: int) -> list:
     """The configs tried for one kernel at one batch size, the default first (None for attention:
     the launcher's own choice, which depends on the batch and the GPU)."""
     mp = 1 if batch == 1 else (2 if batch == 2 else max(16, 1 << (batch - 1).bit_length()))
+    if kernel.endswith("_one_token"):
+        if mp != 1:
+            return []
+        dense = kernel.startswith("mlp_dense")
+        base = default_config(1, dense=dense, norm=True)
+        one = [dict(stream=True, block_h=h, block_k=k) for h, k in ((4, 2048), (4, 1024), (4, 512), (8, 256))]
+        if not dense:
+            one += ([dict(fold=True, fold_k=k) for k in (2048, 1024, 512)]
+                    + [dict(stream=True, fold=True, fold_k=1024), dict(stream=True, fold=True, fold_k=512)]
+                    + [dict(fold=True, fold_k=1024, fold_cols=c, fold_chunk=p) for c, p in ((8, 2048), (32, 512))])
+        return [base] + [dataclasses.replace(base, **v) for v in one]
     if kernel in ("mlp_sparse", "mlp_dense"):
         base = default_config(mp, dense=kernel == "mlp_dense")
         if mp == 1:
@@ -85,6 +97,8 @@ def _variants(kernel: str, batch: int) -> list:
 
 
 KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_up", "_decode_down"),
+                "mlp_sparse_one_token": ("gate_up", "_decode_down", "fold_reduce"),
+                "mlp_dense_one_token": ("gate_up", "_decode_down"),
                 "attention": ("decode_attention",), "qkv": ("qkv_rope",), "out_proj": ("out_proj",)}
 
 
@@ -97,12 +111,12 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
     rows = []
     for batch, prompt in prompts.items():
         for kernel in kernels.split(","):
-            mode = "dense" if kernel == "mlp_dense" else "auto"
+            mode = "dense" if kernel.startswith("mlp_dense") else "auto"
             for layer in layers:
                 layer.mode = mode
             for i, config in enumerate(_variants(kernel, batch)):
                 OVERRIDE.clear()
-                OVERRIDE[kernel] = config
+                OVERRIDE[kernel.removesuffix("_one_token")] = config
                 t0 = time.perf_counter()
                 try:
                     decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens,

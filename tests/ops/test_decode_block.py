@@ -102,6 +102,44 @@ def test_sixteen_tokens_split_spans_and_ungated():
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+ONE_TOKEN = {
+    "fold_one_step": DecodeConfig(block_h=8, block_k=32, fold=True, fold_k=64, fold_cols=16, fold_chunk=4),
+    "fold_steps": DecodeConfig(block_h=8, block_k=32, fold=True, fold_k=16, fold_cols=16, fold_chunk=4),
+    "stream": DecodeConfig(block_h=8, block_k=16, block_s=16, block_d=32, prefix=64, split=2, stream=True),
+    "stream_fold": DecodeConfig(block_h=8, block_k=16, stream=True, fold=True, fold_k=16, fold_cols=16),
+}
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("name", ONE_TOKEN)
+def test_one_token_variants_with_norm_and_residual(gated, name):
+    """The one-token fields (config.fold: the down product folded into K1; config.stream: the streamed
+    loops, the norm's pass behind the first tile) under the fused norm and residual: fp32 tightly, bf16
+    under the rule."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x, nw, gate, up, down, theta = _problem(1, 48, 80, dtype, seed=12, gated=gated)
+        y = launch_decode_mlp(x, gate if gated else up, up if gated else None, down.t().contiguous(), theta,
+                              norm_weight=nw, eps=EPS, residual=True, config=ONE_TOKEN[name])
+        ref = _reference(x, nw, gate, up, down, theta, "relu")
+        if dtype == torch.float32:
+            assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+        else:
+            torch_err = (_torch_same_dtype(x, nw, gate, up, down, theta, "relu").double() - ref).abs().max()
+            ulp = torch.finfo(torch.bfloat16).eps
+            assert (y.double() - ref).abs().max() <= 2 * torch_err + 4 * ulp * ref.abs().max()
+
+
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_one_token_streamed_dense(act):
+    """The dense MLP (every unit, act relu / silu) with the streamed K1 loops, fp32 against fp64."""
+    x, nw, gate, up, down, theta = _problem(1, 48, 80, torch.float32, seed=13, threshold=act == "relu")
+    config = DecodeConfig(block_h=8, block_k=16, block_s=16, block_d=32, prefix=64, split=2, stream=True)
+    y = launch_decode_mlp(x, gate, up, down.t().contiguous(), theta, norm_weight=nw, eps=EPS, residual=True,
+                          act=act, config=config)
+    ref = _reference(x, nw, gate, up, down, theta, act)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_sparse_skips_inactive_units_yet_equals_dense_relu():
     """No unit active: the sparse block returns x itself; the dense relu block agrees."""
     x, nw, gate, up, down, _ = _problem(2, 48, 80, torch.float32, seed=9)

@@ -161,8 +161,10 @@ def _decision_under_capture(x: torch.Tensor, up: torch.Tensor, expected_nnz: flo
         return choose_mode(x, up, expected_nnz=expected_nnz, down_t_ready=True).mode
 
 
-def _sweep_grids(m: int) -> tuple[list[dict], list[dict]]:
-    """The gate-kernel and down-kernel parameter changes `sweep_configs` tries at m tokens."""
+def _sweep_grids(m: int) -> dict[str, list[dict]]:
+    """The parameter changes `sweep_configs` tries at m tokens, per part: the gate kernel's, the down
+    kernel's, and at one token the one-token fields (stream: the streamed K1 loops; fold: the down
+    product in K1 and the reduce)."""
     if m == 1:
         gate = [dict(block_h=bh, block_k=bk, gate_warps=w, gate_stages=1)
                 for bh, bk, w in itertools.product((4, 8), (1024, 2048), (4, 8)) if bh * bk <= 16384]
@@ -178,7 +180,14 @@ def _sweep_grids(m: int) -> tuple[list[dict], list[dict]]:
                 for bh, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4))]
         down = [dict(split=sp, block_d=bd, block_s=128)
                 for sp, bd in itertools.product((1, 2, 4, 8), (32, 64, 128))]
-    return gate, down
+    grids = {"gate": gate, "down": down}
+    if m == 1:
+        grids["one_token"] = (
+            [dict(stream=True, block_h=bh, block_k=bk) for bh, bk in ((4, 2048), (4, 1024), (4, 512), (8, 256))]
+            + [dict(fold=True, fold_k=fk) for fk in (2048, 1024, 512)]
+            + [dict(fold=True, fold_cols=c, fold_chunk=p) for c, p in ((8, 2048), (32, 512))]
+            + [dict(stream=True, fold=True, block_k=1024, fold_k=1024)])
+    return grids
 
 
 def sweep_configs(d: int = 2048, h: int = 5632, tokens: str = "1,2,4,16,32,64", target_nnz: float = 29,
@@ -191,8 +200,8 @@ def sweep_configs(d: int = 2048, h: int = 5632, tokens: str = "1,2,4,16,32,64", 
         mlp = synthetic_mlp(m, d, h, target_nnz, dtype=torch.bfloat16, device=device, seed=0)
         down_t = mlp.down_weight.t().contiguous()
         base = default_config(m_pad(m))
-        gate_grid, down_grid = _sweep_grids(m)
-        for part, grid in (("gate", gate_grid), ("down", down_grid)):
+        grids = _sweep_grids(m)
+        for part, grid in grids.items():
             for change in grid:
                 config = dataclasses.replace(base, **change)
                 try:
@@ -207,8 +216,8 @@ def sweep_configs(d: int = 2048, h: int = 5632, tokens: str = "1,2,4,16,32,64", 
                 rows.append(dict(m=m, part=part, us=round(us, 2), error="", **dataclasses.asdict(config)))
         best = {part: min((r for r in rows if r["m"] == m and r["part"] == part and not r["error"]),
                           key=lambda r: r["us"])
-                for part in ("gate", "down")}
-        log(f"M={m}: default {base}; best gate {best['gate']}; best down {best['down']}")
+                for part in grids}
+        log(f"M={m}: default {base}; " + "; ".join(f"best {part} {row}" for part, row in best.items()))
         del mlp
     return rows
 

@@ -14,9 +14,12 @@ from sparseffn.kernels._runtime import HOPPER, check_config_fields, shared_memor
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch parameters. K1: block_h units per program, block_k columns per step, gate_warps /
-    gate_stages. K2: block_s list entries per step, block_d output columns per program (None: enough
+    gate_stages, stream (one token only: the next weight tile loaded while the current one is reduced,
+    decode_mlp._streamed_dot). K2: block_s list entries per step, block_d output columns per program (None: enough
     programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step, split spans
-    of the units per column block."""
+    of the units per column block. fold (one token only): K1 also reads the up and down rows of its
+    active units, fold_k columns per step, and writes its program's share of y; a reduce kernel of
+    fold_cols columns per program (down_warps) sums the shares, fold_chunk programs' at a time."""
 
     block_h: int = 16
     block_k: int = 256
@@ -28,12 +31,20 @@ class DecodeConfig:
     down_stages: int = 3
     prefix: int = 4096  # flags per step of K2's compaction
     split: int = 1  # K2's programs per column block, each over one span of the units
+    stream: bool = False  # one token: K1's loops keep the next weight tile in flight
+    fold: bool = False  # one token: the down product in K1, the shares summed by the fold reduce
+    fold_k: int = 4096
+    fold_cols: int = 16
+    fold_chunk: int = 1024
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
-                                            "down_warps", "down_stages", "prefix", "split"),
-                            powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix"),
-                            at_least=((("block_k", "block_s"), 16, "tl.dot"), (("block_h",), 2, "a 2-D tile")))
+                                            "down_warps", "down_stages", "prefix", "split", "fold_k", "fold_cols",
+                                            "fold_chunk"),
+                            powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix",
+                                           "fold_k", "fold_cols", "fold_chunk"),
+                            at_least=((("block_k", "block_s"), 16, "tl.dot"),
+                                      (("block_h",), 2, "a 2-D tile")), flags=("stream", "fold"))
         if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
                                          or self.block_d < 16 or self.block_d & (self.block_d - 1)):
             raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")

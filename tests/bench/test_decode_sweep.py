@@ -1,0 +1,22 @@
+"""bench.decode's config sweep grids: every change is a valid DecodeConfig on its token count's default,
+and the one-token fields are swept at one token only (the launchers reject them elsewhere)."""
+
+import dataclasses
+
+import pytest
+
+from sparseffn.bench.decode import _sweep_grids
+from sparseffn.kernels.configs.decode_mlp import default_config
+from sparseffn.kernels.decode_mlp import m_pad
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 64])
+def test_sweep_grids_are_valid_configs(m):
+    grids = _sweep_grids(m)
+    assert set(grids) == ({"gate", "down", "one_token"} if m == 1 else {"gate", "down"})
+    base = default_config(m_pad(m))
+    for part, grid in grids.items():
+        assert grid, part
+        for change in grid:
+            config = dataclasses.replace(base, **change)  # runs DecodeConfig's checks
+            assert (config.stream or config.fold) == (part == "one_token")
