@@ -6,8 +6,9 @@ variant and kernel, written as it goes, so a run cut short keeps what it measure
 
     python benchmarks/probes/decode_engine_sweep.py OUT_CSV [batches, default 1,16] [kernels, default all]
 
-kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sparse_one_token and
-mlp_dense_one_token sweep only the one-token fields (DecodeConfig.stream / fold) at batch 1.
+kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sparse_one_token,
+mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
+(DecodeConfig.stream / fold, ProjectionConfig.stream) at batch 1.
 """
 
 import dataclasses
@@ -53,6 +54,10 @@ def _variants(kernel: str, batch: int) -> list:
     if kernel.endswith("_one_token"):
         if mp != 1:
             return []
+        if kernel in ("qkv_one_token", "out_proj_one_token"):
+            base = projection_config(1, qkv=kernel == "qkv_one_token")
+            return [base] + [ProjectionConfig(block_n=n, block_k=k, stream=True)
+                             for n, k in ((2, 2048), (2, 1024), (4, 1024), (4, 512), (8, 256))]
         dense = kernel.startswith("mlp_dense")
         base = default_config(1, dense=dense, norm=True)
         one = [dict(stream=True, block_h=h, block_k=k) for h, k in ((4, 2048), (4, 1024), (4, 512), (8, 256))]
@@ -98,7 +103,8 @@ def _variants(kernel: str, batch: int) -> list:
 
 KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_up", "_decode_down"),
                 "mlp_sparse_one_token": ("gate_up", "_decode_down", "fold_reduce"),
-                "mlp_dense_one_token": ("gate_up", "_decode_down"),
+                "mlp_dense_one_token": ("gate_up", "_decode_down"), "qkv_one_token": ("qkv_rope",),
+                "out_proj_one_token": ("out_proj",),
                 "attention": ("decode_attention",), "qkv": ("qkv_rope",), "out_proj": ("out_proj",)}
 
 

@@ -33,6 +33,7 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 GIT_SHA = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip() or "unknown"  # the tree's commit (uncommitted changes not seen)
 UNALIGNED = {"M", "n_counts", "eps", "P", "HQ", "HKV"}  # arguments the JIT sees as arbitrary ints
+PROJ_TILES = ((2, 2048), (2, 1024), (4, 1024), (2, 512), (4, 512), (8, 256))  # (block_n, block_k), streamed
 # (block_h, block_k, warps, stages) of K1 at one token: the tiles decode_engine_sweep.csv measured at batch 1
 K1_TILES = ((4, 2048, 4, 1), (2, 2048, 4, 1), (4, 2048, 2, 1), (4, 2048, 8, 1), (8, 2048, 4, 1), (8, 2048, 8, 1),
             (16, 2048, 8, 1), (4, 1024, 4, 1), (8, 1024, 4, 2), (16, 1024, 8, 2), (8, 512, 4, 3), (4, 512, 4, 1),
@@ -82,6 +83,14 @@ def main(out_csv: str) -> None:
             c = dict(cx, BLOCK_H=block_h, BLOCK_K=block_k)
             label = f"tile ACT={cx['ACT']} STREAM={cx['STREAM']} BLOCK_H={block_h} BLOCK_K={block_k} stages={stages}"
             rows.append(row(fn, sig, c, dict(opt, num_warps=warps, num_stages=stages), block_h, label))
+            print(rows[-1], flush=True)
+    projections = [s for s in decode_attn_proj.compile_specs(with_options=True) if "bf16" in repr(s[1])
+                   and s[2]["M_PAD"] == 1 and not s[2]["HAS_BIAS"] and s[2]["STREAM"]]
+    for fn, sig, cx, opt in projections:  # the streamed projections over the tiles the engine sweep tries
+        for block_n, block_k in PROJ_TILES:
+            c = dict(cx, BLOCK_N=block_n, BLOCK_K=block_k)
+            label = f"tile STREAM=True BLOCK_N={block_n} BLOCK_K={block_k}"
+            rows.append(row(fn, sig, c, opt, block_n, label))
             print(rows[-1], flush=True)
     write_csv(rows, out_csv, tuple(rows[0]))
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One H200 call (<= 8 minutes) for the one-token DecodeConfig fields (stream, fold; off by default until this
-# runs): their GPU tests, the one-token read designs against cuBLAS (gemv_designs.py), the public op's config
+# One H200 call (<= 9 minutes) for the one-token config fields (DecodeConfig.stream / fold,
+# ProjectionConfig.stream; off by default until this runs): their GPU tests, the one-token read designs against cuBLAS (gemv_designs.py), the public op's config
 # sweep at one token with the one_token part (bench decode's sweep_configs), and the engine's step sweep of
 # the one-token fields at batch 1 (decode_engine_sweep.py). CSVs and logs under OUT; a summary last. The CSV
 # names carry GIT_SHA (the machine's checkout may report another HEAD in the rows' git_sha column).
@@ -14,7 +14,7 @@ stamp() { echo "[$(date +%T)] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
 stamp tests
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_mlp.py tests/ops/test_decode_block.py \
-  > "$out/tests.log" 2>&1
+  tests/kernels/test_decode_attn_proj.py > "$out/tests.log" 2>&1
 grep -E "^FAILED|^ERROR" "$out/tests.log" | cut -c1-300; tail -1 "$out/tests.log"
 stamp gemv
 timeout 120 python3 benchmarks/probes/gemv_designs.py "$out/gemv_designs_$sha.csv" > "$out/gemv.log" 2>&1
@@ -38,6 +38,6 @@ for part in ("gate", "down", "one_token"):
 PY
 echo "sweep exit $?"; grep -E "^(gate|down|one_token) |Error" "$out/sweep.log" | cut -c1-300
 stamp engine sweep
-timeout 240 python3 benchmarks/probes/decode_engine_sweep.py "$out/decode_engine_sweep_one_token_$sha.csv" 1 \
-  mlp_sparse_one_token,mlp_dense_one_token > "$out/engine_sweep.log" 2>&1
+timeout 200 python3 benchmarks/probes/decode_engine_sweep.py "$out/decode_engine_sweep_one_token_$sha.csv" 1 \
+  mlp_sparse_one_token,mlp_dense_one_token,qkv_one_token,out_proj_one_token > "$out/engine_sweep.log" 2>&1
 echo "engine sweep exit $?"; grep -E "^batch" "$out/engine_sweep.log" | cut -c1-260

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseffn.kernels.configs.decode_attention import ProjectionConfig
-from sparseffn.kernels.decode_attn_proj import launch_decode_qkv_rope
+from sparseffn.kernels.decode_attn_proj import launch_decode_out_proj, launch_decode_qkv_rope
 from sparseffn.ops.decode_attention import decode_out_proj, decode_qkv_rope
 from sparseffn.ops.decode_reference import decode_out_proj_reference, decode_qkv_rope_reference, rotate_half_rope
 
@@ -142,6 +142,16 @@ def test_qkv_rope_several_steps_over_d(b, block_n):
     check_qkv(p, q)
 
 
+@pytest.mark.parametrize("block_k", [32, 128], ids=["steps", "one_step"])
+def test_qkv_rope_streamed_at_one_token(block_k):
+    """config.stream: decode_mlp._streamed_dot's loop (rstd behind the first tile, the next step's tiles a
+    step ahead), within the same bound."""
+    p = qkv_problem(1, 80, 4, 2, 16, 12, bias=True, seed=12)
+    p["k_cache_before"], p["v_cache_before"] = p["k_cache"].clone(), p["v_cache"].clone()
+    config = ProjectionConfig(block_n=4, block_k=block_k, stream=True)
+    check_qkv(p, launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=config))
+
+
 def test_kv_write_is_exactly_the_kernels_q():
     """With wk = wq, bk = bq (Hq = Hkv) the k written into the cache is q bit for bit, and with unit
     cos and zero sin (no rotation) so is v: the write lands at [b, :, positions[b]] in q's layout."""
@@ -179,6 +189,16 @@ def check_out(y, attn, wo, bo, residual):
 def test_out_proj_matches_reference(b, bias):
     attn, wo, bo, residual = _out_problem(b, 96, 72, bias=bias, seed=b)
     check_out(decode_out_proj(attn, wo, bo, residual), attn, wo, bo, residual)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_out_proj_streamed_at_one_token(bias):
+    attn, wo, bo, residual = _out_problem(1, 96, 72, bias=bias, seed=5)
+    config = ProjectionConfig(block_n=4, block_k=32, stream=True)  # 3 steps over K = 96
+    check_out(launch_decode_out_proj(attn, wo, bo, residual, config=config), attn, wo, bo, residual)
+    with pytest.raises(ValueError, match="one-token field"):
+        attn2, wo2, bo2, residual2 = _out_problem(2, 96, 72, bias=bias, seed=5)
+        launch_decode_out_proj(attn2, wo2, bo2, residual2, config=config)
 
 
 def test_out_proj_into_the_residual_and_strided_rows():

@@ -9,7 +9,8 @@
         k_cache / v_cache [m, head, positions[m], :].
     K_o   _decode_out_proj_kernel, grid (cdiv(N, BLOCK_N),): y = residual + round(attn · wo^T (+ bo)),
         rounded (as o_proj then the residual add in Hugging Face's layer), products by
-        decode_mlp._rows_dot.
+        decode_mlp._rows_normed_dot (no norm). One token with config.stream: both kernels' products by
+        decode_mlp._streamed_dot (the same norm roundings), the next step's tiles loaded a step ahead.
 
 Why. At decode (M <= 64 tokens, one per sequence) a projection is a read of its matrix: time is the
 weight bytes over the bandwidth plus one launch, so each step's norm, bias, RoPE, cache write and
@@ -21,8 +22,8 @@ weights [N, D] unit stride along D, any row stride; cos / sin tables [S, d] any 
 stride along d; positions [M] int32 / int64; caches [B, H, S_max, d] unit stride along d. M_PAD is
 decode_mlp.m_pad(M): 1 and 2 use CUDA-core products (each weight tile loaded once, multiplied by the
 tokens), 16 / 32 / 64 tl.dot on zero-padded tokens with the units as the MMA's M dimension (as in
-_rows_dot). The norm cannot reuse _rows_dot: Llama rounds x·rstd and its product with the norm weight
-before the projection, so the x tile is transformed between its load and the product.
+decode_mlp). _normed_rows_dot normalizes each x tile between its load and the product (Llama rounds
+x·rstd and its product with the norm weight before the projection).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import triton.language as tl
 
 from sparseffn.kernels._runtime import capability, cdiv, interpreting, mma
 from sparseffn.kernels.configs.decode_attention import ProjectionConfig, projection_config
-from sparseffn.kernels.decode_mlp import _rows_dot, m_pad
+from sparseffn.kernels.decode_mlp import _rows_normed_dot, _streamed_dot, m_pad
 from sparseffn.kernels.launch import Launcher
 
 __all__ = ["launch_decode_out_proj", "launch_decode_qkv_rope"]
@@ -139,6 +140,7 @@ def _decode_qkv_rope_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_STEP: tl.constexpr,  # D <= BLOCK_K
+    STREAM: tl.constexpr,  # one token: decode_mlp._streamed_dot's loop
     DOT_IN_FP32: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -191,8 +193,12 @@ def _decode_qkv_rope_kernel(
     pair = block * PAIRS + j // 2  # [BLOCK_N]
     unit_in = pair < n_pairs
     units = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF  # [BLOCK_N] weight rows
-    acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
-                           M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+    if STREAM and M_PAD == 1:  # the same roundings of the norm (decode_mlp._normed_by)
+        acc, _ = _streamed_dot(x_ptr, w_ptr, units, unit_in, D, stride_w, norm_ptr, tl.zeros((1,), tl.float32), eps,
+                               True, True, BLOCK_N, BLOCK_K)  # [1, BLOCK_N] fp32
+    else:
+        acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
+                               M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     out_dtype = q_ptr.dtype.element_ty
@@ -235,14 +241,15 @@ def _decode_out_proj_kernel(
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STREAM: tl.constexpr,  # one token: decode_mlp._streamed_dot's loop
     DOT_IN_FP32: tl.constexpr,
 ):
     units = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     unit_in = units < N
     rows = tl.arange(0, M_PAD)
     row_in = rows < M
-    acc = _rows_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w,
-                    M_PAD, BLOCK_N, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+    acc = _rows_normed_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w, None, None,
+                           M_PAD, BLOCK_N, BLOCK_K, False, STREAM, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
@@ -261,6 +268,8 @@ def _config(m: int, device: torch.device, config: ProjectionConfig | None, qkv: 
     config = config or projection_config(mp, capability(device), qkv)
     if mp >= 16 and config.block_n < 16:
         raise ValueError(f"config.block_n must be >= 16 for {m} tokens (tl.dot), got {config.block_n}")
+    if config.stream and m != 1:
+        raise ValueError(f"config.stream is a one-token field, got {m} tokens")
     return mp, config
 
 
@@ -285,7 +294,8 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
         cos_table.stride(0), sin_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, HAS_BIAS=has_bias, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        ONE_STEP=d_model <= config.block_k, DOT_IN_FP32=interpreting(), num_warps=config.num_warps,
+        ONE_STEP=d_model <= config.block_k, STREAM=config.stream, DOT_IN_FP32=interpreting(),
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return q
@@ -301,7 +311,7 @@ def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: Projecti
     mp, config = _config(m, attn.device, config, qkv=False)
     _out_launch[(cdiv(n, config.block_n),)](
         attn, wo, bo, residual, out, m, n, k, attn.stride(0), wo.stride(0), residual.stride(0), out.stride(0),
-        HAS_BIAS=bo is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        HAS_BIAS=bo is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STREAM=config.stream,
         DOT_IN_FP32=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -94,6 +94,8 @@ def _streamed_dot(x_ptr, w_ptr, units, unit_on, D, stride_wh, norm_ptr, rstd, ep
     if NEED_RSTD:
         one = tl.arange(0, 1)
         rstd = _rows_rstd(x_ptr, one, one < 1, D, 0, eps, 1, BLOCK_K)
+    elif not NORM:
+        rstd = tl.zeros((1,), dtype=tl.float32)  # unused; returned as a tensor
     xv = tl.load(x_row + offs_k[None, :], mask=k_in[None, :], other=0.0)  # [1, BLOCK_K]
     nw = tl.load(norm_ptr + offs_k, mask=k_in, other=0.0) if NORM else None
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from sparseffn.kernels._runtime import TL_DTYPES
@@ -14,7 +16,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants the launchers use on a GPU of
     capability `arch`: bf16 / fp16, every padded token count with its default configs (q/k/v's and
     o_proj's), head dims 64 and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit
-    rotary tables, D in one step or several."""
+    rotary tables, D in one step or several; at one token also the streamed loops (config.stream)."""
     specs = []
 
     def add(fn, signature, constexprs, config):
@@ -37,22 +39,27 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                              "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh", "stride_vs"):
                     sig[name] = "i32"
                 one_step = (mp <= 2) == (head_dim == 64)  # D = 2048 fits a step at 1-2 tokens; both forms compiled
-                cx = {"HEAD_DIM": head_dim, "HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": cfg.block_n,
-                      "BLOCK_K": cfg.block_k, "ONE_STEP": one_step, "DOT_IN_FP32": False}
-                for name in ("bq_ptr", "bk_ptr", "bv_ptr"):
-                    if bias:
-                        sig[name] = f"*{ty}"
-                    else:
-                        cx[name] = None
-                sig = {name: sig.get(name, "constexpr") for name in _decode_qkv_rope_kernel.arg_names}
-                add(_decode_qkv_rope_kernel, sig, cx, cfg)
+                for stream in (False, True) if mp == 1 else (False,):
+                    qkv_cfg = dataclasses.replace(cfg, stream=stream, block_k=1024 if stream else cfg.block_k)
+                    cx = {"HEAD_DIM": head_dim, "HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": qkv_cfg.block_n,
+                          "BLOCK_K": qkv_cfg.block_k, "ONE_STEP": one_step and not stream, "STREAM": stream,
+                          "DOT_IN_FP32": False}
+                    for name in ("bq_ptr", "bk_ptr", "bv_ptr"):
+                        if bias:
+                            sig[name] = f"*{ty}"
+                        else:
+                            cx[name] = None
+                    sig = {name: sig.get(name, "constexpr") for name in _decode_qkv_rope_kernel.arg_names}
+                    add(_decode_qkv_rope_kernel, sig, cx, qkv_cfg)
             for bias in (False, True):
                 sig = {"a_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}" if bias else "constexpr",
                        "r_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
                        "stride_w": "i32", "stride_rm": "i32", "stride_ym": "i32"}
-                cx = {"HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": out_cfg.block_n, "BLOCK_K": out_cfg.block_k,
-                      "DOT_IN_FP32": False}
-                if not bias:
-                    cx["b_ptr"] = None
-                add(_decode_out_proj_kernel, sig, cx, out_cfg)
+                for stream in (False, True) if mp == 1 else (False,):
+                    o_cfg = dataclasses.replace(out_cfg, stream=stream)
+                    cx = {"HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": o_cfg.block_n, "BLOCK_K": o_cfg.block_k,
+                          "STREAM": stream, "DOT_IN_FP32": False}
+                    if not bias:
+                        cx["b_ptr"] = None
+                    add(_decode_out_proj_kernel, dict(sig), cx, o_cfg)
     return specs

@@ -11,17 +11,21 @@ from sparseffn.kernels._runtime import HOPPER, check_config_fields, shared_memor
 @dataclass(frozen=True)
 class ProjectionConfig:
     """A decode projection's launch: block_n output units per program (the q/k/v kernel takes them as
-    block_n / 2 rotary pairs), block_k columns of D per step, num_warps, num_stages."""
+    block_n / 2 rotary pairs), block_k columns of D per step, num_warps, num_stages; stream (one token
+    only): the streamed loop of decode_mlp._streamed_dot (the next step's tiles loaded while the current
+    one is reduced)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
+    stream: bool = False
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_n", "block_k", "num_warps", "num_stages"),
                             powers_of_two=("block_n", "block_k", "num_warps"),
-                            at_least=((("block_n",), 2, "rotary pairs"), (("block_k",), 16, "tl.dot")))
+                            at_least=((("block_n",), 2, "rotary pairs"), (("block_k",), 16, "tl.dot")),
+                            flags=("stream",))
 
 
 @dataclass(frozen=True)
