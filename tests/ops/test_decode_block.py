@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseffn.kernels.configs.decode_mlp import DecodeConfig
+from sparseffn.kernels.decode_dense_mlp import launch_dense_mlp_rows_down
 from sparseffn.kernels.decode_mlp import launch_decode_mlp
 from sparseffn.ops.decode_block import decode_mlp_block
 
@@ -156,6 +157,8 @@ def test_rejects_bad_arguments():
         decode_mlp_block(x, nw, EPS, gate, up, down, None, act="gelu")
     with pytest.raises(ValueError, match="threshold needs act='relu'"):
         decode_mlp_block(x, nw, EPS, gate, up, down, theta, act="silu")
+    with pytest.raises(ValueError, match="one-token fields, got 2 tokens"):  # the dense rows path's K1 too
+        launch_dense_mlp_rows_down(x, gate, up, down, theta, act="relu", config=DecodeConfig(stream=True))
     with pytest.raises(ValueError, match="norm_weight must be"):
         decode_mlp_block(x, nw[:-1], EPS, gate, up, down)
     with pytest.raises(ValueError, match="x must be a tensor"):

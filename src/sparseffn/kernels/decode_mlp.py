@@ -515,8 +515,6 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
     config = fitted(config, d)
-    if (config.fold or config.stream) and m != 1:
-        raise ValueError(f"config.fold and config.stream are one-token fields, got {m} tokens")
     if config.fold:
         if act != "sparse":
             raise ValueError(f"config.fold is for the sparse MLP, got act {act!r}")
@@ -566,6 +564,8 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
     `counts` [n_counts]; arguments as `launch_decode_mlp`'s. down_t given (one token, config.fold): the
     folded K1, `hidden` its part [cdiv(H, block_h), D] fp32 and `flags` one per program."""
     m, d = x.shape
+    if (config.fold or config.stream) and m != 1:
+        raise ValueError(f"config.fold and config.stream are one-token fields, got {m} tokens")
     h = first_weight.shape[0]
     gated = up_weight is not None
     up = up_weight if gated else first_weight
