@@ -295,8 +295,7 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, HAS_BIAS=has_bias, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         ONE_STEP=d_model <= config.block_k, STREAM=config.stream, DOT_IN_FP32=interpreting(),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return q
 

@@ -15,11 +15,11 @@ from sparseffn.kernels._runtime import HOPPER, check_config_fields, shared_memor
 class DecodeConfig:
     """Launch parameters. K1: block_h units per program, block_k columns per step, gate_warps /
     gate_stages, stream (one token only: the next weight tile loaded while the current one is reduced,
-    decode_mlp._streamed_dot). K2: block_s list entries per step, block_d output columns per program (None: enough
-    programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step, split spans
-    of the units per column block. fold (one token only): K1 also reads the up and down rows of its
-    active units, fold_k columns per step, and writes its program's share of y; a reduce kernel of
-    fold_cols columns per program (down_warps) sums the shares, fold_chunk programs' at a time."""
+    decode_mlp._streamed_dot). K2: block_s list entries per step, block_d output columns per program
+    (None: enough programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step,
+    split spans of the units per column block. fold (one token only): K1 also reads the up and down rows
+    of its active units, fold_k columns per step, and writes its program's share of y; a reduce kernel
+    of fold_cols columns per program (down_warps) sums the shares, fold_chunk programs' at a time."""
 
     block_h: int = 16
     block_k: int = 256
