@@ -33,7 +33,7 @@ class DecodeConfig:
     split: int = 1  # K2's programs per column block, each over one span of the units
     stream: bool = False  # one token: K1's loops keep the next weight tile in flight
     fold: bool = False  # one token: the down product in K1, the shares summed by the fold reduce
-    fold_k: int = 4096
+    fold_k: int = 1024  # a D-wide step (up and down in one round trip) costs every K1 program registers
     fold_cols: int = 16
     fold_chunk: int = 1024
 
