@@ -8,7 +8,8 @@ variant and kernel, written as it goes, so a run cut short keeps what it measure
 
 kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sparse_one_token,
 mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
-(DecodeConfig.stream / fold, ProjectionConfig.stream) at batch 1.
+(DecodeConfig.stream / fold, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
+DecodeConfig.compact_up from batch 3.
 """
 
 import dataclasses
@@ -24,7 +25,7 @@ from sparseffn.bench.common import write_csv
 from sparseffn.bench.decode_model import DecodeModelBenchConfig, build_bench_model
 from sparseffn.bench.timing import run_metadata
 from sparseffn.kernels.configs.decode_attention import AttentionConfig, ProjectionConfig, projection_config
-from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config
+from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config, fit_shared_memory
 from sparseffn.models.generate import CapturedDecoder
 
 NEW = 40  # generated tokens per variant: the replays timed
@@ -51,6 +52,12 @@ def _variants(kernel: str, batch: int) -> list:
     """The configs tried for one kernel at one batch size, the default first (None for attention:
     the launcher's own choice, which depends on the batch and the GPU)."""
     mp = 1 if batch == 1 else (2 if batch == 2 else max(16, 1 << (batch - 1).bit_length()))
+    if kernel == "mlp_sparse_compact":
+        if mp < 16:
+            return []
+        base = default_config(mp, norm=True)
+        return [base] + [fit_shared_memory(dataclasses.replace(base, compact_up=True, up_k=k, up_stages=st), mp)
+                         for k, st in ((1024, 2), (512, 2), (512, 3), (256, 4))]
     if kernel.endswith("_one_token"):
         if mp != 1:
             return []
@@ -104,7 +111,7 @@ def _variants(kernel: str, batch: int) -> list:
 KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_up", "_decode_down"),
                 "mlp_sparse_one_token": ("gate_up", "_decode_down", "fold_reduce"),
                 "mlp_dense_one_token": ("gate_up", "_decode_down"), "qkv_one_token": ("qkv_rope",),
-                "out_proj_one_token": ("out_proj",),
+                "out_proj_one_token": ("out_proj",), "mlp_sparse_compact": ("gate_up", "_decode_down"),
                 "attention": ("decode_attention",), "qkv": ("qkv_rope",), "out_proj": ("out_proj",)}
 
 
@@ -122,7 +129,7 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
                 layer.mode = mode
             for i, config in enumerate(_variants(kernel, batch)):
                 OVERRIDE.clear()
-                OVERRIDE[kernel.removesuffix("_one_token")] = config
+                OVERRIDE[kernel.removesuffix("_one_token").removesuffix("_compact")] = config
                 t0 = time.perf_counter()
                 try:
                     decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens,

@@ -1,5 +1,6 @@
 """bench.decode's config sweep grids: every change is a valid DecodeConfig on its token count's default,
-and the one-token fields are swept at one token only (the launchers reject them elsewhere)."""
+the one-token fields are swept at one token only and compact_up from 3 tokens (the launchers reject them
+elsewhere)."""
 
 import dataclasses
 
@@ -13,10 +14,12 @@ from sparseffn.kernels.decode_mlp import m_pad
 @pytest.mark.parametrize("m", [1, 2, 16, 64])
 def test_sweep_grids_are_valid_configs(m):
     grids = _sweep_grids(m)
-    assert set(grids) == ({"gate", "down", "one_token"} if m == 1 else {"gate", "down"})
+    extra = {"one_token"} if m == 1 else ({"compact_up"} if m >= 3 else set())
+    assert set(grids) == {"gate", "down"} | extra
     base = default_config(m_pad(m))
     for part, grid in grids.items():
         assert grid, part
         for change in grid:
             config = dataclasses.replace(base, **change)  # runs DecodeConfig's checks
             assert (config.stream or config.fold) == (part == "one_token")
+            assert config.compact_up == (part == "compact_up")

@@ -7,6 +7,8 @@ all-zero and all-active rows, thresholds, gated and non-gated, one and several s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,6 +31,8 @@ FOLD = DecodeConfig(block_h=8, block_k=64, block_s=16, fold=True, fold_k=128, fo
 FOLD_STEPS = DecodeConfig(block_h=8, block_k=64, block_s=16, fold=True, fold_k=32, fold_cols=16, fold_chunk=8)
 STREAM = DecodeConfig(block_h=8, block_k=32, block_s=16, block_d=32, prefix=64, stream=True)  # 3 steps at D = 80
 STREAM_FOLD = DecodeConfig(block_h=8, block_k=32, stream=True, fold=True, fold_k=32, fold_cols=16, fold_chunk=8)
+# 3+ tokens: the up pass over each block's active units gathered 16 at a time, in steps of up_k columns
+COMPACT = DecodeConfig(block_h=32, block_k=64, block_s=16, block_d=32, prefix=64, compact_up=True, up_k=32)
 
 
 def _problem(m, d, h, *, gated=True, dtype=torch.bfloat16, active=0.1, seed=0, threshold=False):
@@ -105,6 +109,18 @@ def test_one_token_variants_match_reference_and_repeat_bitwise(config, gated):
     assert (y.float() - plain.float()).abs().max() <= 2 * torch.finfo(x.dtype).eps * plain.float().abs().max()
 
 
+@pytest.mark.parametrize("m", [3, 16, 64])
+@pytest.mark.parametrize("active", [0.08, 0.6])
+def test_compact_up_matches_reference_and_the_masked_pass(m, active):
+    """config.compact_up: at 0.6 most 32-unit blocks have more than 16 active units (two groups)."""
+    x, gate, up, down, theta = _problem(m, 80, 200, active=active, seed=m + 20, threshold=True)
+    y = _run(x, gate, up, down, theta, COMPACT)
+    _check(y, x, gate, up, down, theta)
+    assert torch.equal(y, _run(x, gate, up, down, theta, COMPACT))
+    masked = _run(x, gate, up, down, theta, dataclasses.replace(COMPACT, compact_up=False))
+    assert (y.float() - masked.float()).abs().max() <= 2 * torch.finfo(x.dtype).eps * masked.float().abs().max()
+
+
 @pytest.mark.parametrize("active", [0.0, 1.0])
 def test_fold_no_unit_and_every_unit_active(active):
     x, gate, up, down, theta = _problem(1, 64, 96, active=active, seed=4)
@@ -165,6 +181,8 @@ def test_rejects_bad_arguments():
         decode_mlp(*(t.to(DEVICE) for t in (x, gate, up, down_t)), config=FOLD)
     with pytest.raises(TypeError, match="DecodeConfig.fold must be a bool"):
         DecodeConfig(fold=1)
+    with pytest.raises(ValueError, match="compact_up is for 3 or more tokens"):
+        decode_mlp(*(t.to(DEVICE) for t in (x, gate, up, down_t)), config=COMPACT)
 
 
 def test_m_pad_buckets():
@@ -181,10 +199,12 @@ def test_compile_specs_cover_variants():
     streamed = [s[2] for s in specs if s[2].get("STREAM")]
     assert {(c["M_PAD"], c["ACT"], c["NORM"]) for c in streamed} == {(1, 0, False), (1, 0, True), (1, 1, True),
                                                                      (1, 2, True)}
+    compact = [s[2] for s in specs if s[2].get("COMPACT_UP")]
+    assert {(c["M_PAD"], c["NORM"]) for c in compact} == {(m, n) for m in (16, 32, 64) for n in (False, True)}
     reduces = [s[2] for s in specs if s[0].__name__ == "_decode_fold_reduce_kernel"]
     assert {c["RESIDUAL"] for c in reduces} == {False, True}
     specs = [s for s in specs if s[0].__name__ != "_decode_fold_reduce_kernel"]  # the rest take M_PAD
-    fused = [s[2] for s in specs if s[2].get("NORM") or s[2].get("RESIDUAL")]
+    fused = [s[2] for s in specs if (s[2].get("NORM") or s[2].get("RESIDUAL")) and not s[2].get("COMPACT_UP")]
     assert {c["M_PAD"] for c in fused} == {1, 16} and {c.get("ACT") for c in fused} >= {0, 1, 2}
     assert {s[2]["M_PAD"] for s in specs} == {1, 2, 16, 32, 64}
     assert len({(s[0].__name__, repr(s[1]), repr(s[2])) for s in specs}) == len(specs)

@@ -130,6 +130,18 @@ def test_one_token_variants_with_norm_and_residual(gated, name):
             assert (y.double() - ref).abs().max() <= 2 * torch_err + 4 * ulp * ref.abs().max()
 
 
+@pytest.mark.parametrize("m", [3, 16])
+def test_compact_up_with_norm_and_residual(m):
+    """config.compact_up (the up pass over the gathered active units) under the fused norm and residual,
+    fp32 against fp64; at 60% active most 32-unit blocks gather two groups."""
+    x, nw, gate, up, down, theta = _problem(m, 48, 80, torch.float32, seed=14, active=0.6)
+    config = DecodeConfig(block_h=32, block_k=16, block_s=16, block_d=32, prefix=64, compact_up=True, up_k=16)
+    y = launch_decode_mlp(x, gate, up, down.t().contiguous(), theta, norm_weight=nw, eps=EPS, residual=True,
+                          config=config)
+    ref = _reference(x, nw, gate, up, down, theta, "relu")
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize("act", ["relu", "silu"])
 def test_one_token_streamed_dense(act):
     """The dense MLP (every unit, act relu / silu) with the streamed K1 loops, fp32 against fp64."""

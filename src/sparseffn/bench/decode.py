@@ -31,6 +31,8 @@ import triton
 from sparseffn.bench.common import ints, rel_err, shapes, write_csv
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.bench.timing import cuda_graphed, device_slug, median_timing, run_metadata, time_fn
+from sparseffn.kernels._runtime import capability
+from sparseffn.kernels.configs.decode_mlp import fit_shared_memory
 from sparseffn.kernels.decode_mlp import DecodeConfig, default_config, launch_decode_mlp, m_pad
 from sparseffn.ops.reference import sparse_mlp_reference
 from sparseffn.ops.sparse_mlp import choose_mode, sparse_mlp
@@ -163,8 +165,8 @@ def _decision_under_capture(x: torch.Tensor, up: torch.Tensor, expected_nnz: flo
 
 def _sweep_grids(m: int) -> dict[str, list[dict]]:
     """The parameter changes `sweep_configs` tries at m tokens, per part: the gate kernel's, the down
-    kernel's, and at one token the one-token fields (stream: the streamed K1 loops; fold: the down
-    product in K1 and the reduce)."""
+    kernel's, at one token the one-token fields (stream: the streamed K1 loops; fold: the down product
+    in K1 and the reduce), from 3 tokens on compact_up (K1's up pass over its gathered active units)."""
     if m == 1:
         gate = [dict(block_h=bh, block_k=bk, gate_warps=w, gate_stages=1)
                 for bh, bk, w in itertools.product((4, 8), (1024, 2048), (4, 8)) if bh * bk <= 16384]
@@ -187,6 +189,9 @@ def _sweep_grids(m: int) -> dict[str, list[dict]]:
             + [dict(fold=True, fold_k=fk) for fk in (2048, 1024, 512)]
             + [dict(fold=True, fold_cols=c, fold_chunk=p) for c, p in ((8, 2048), (32, 512))]
             + [dict(stream=True, fold=True, block_k=1024, fold_k=1024)])
+    elif m >= 3:
+        grids["compact_up"] = [dict(compact_up=True, up_k=k, up_stages=st) for k, st in ((1024, 2), (512, 2), (512, 3),
+                                                                                     (256, 4))]
     return grids
 
 
@@ -204,6 +209,8 @@ def sweep_configs(d: int = 2048, h: int = 5632, tokens: str = "1,2,4,16,32,64", 
         for part, grid in grids.items():
             for change in grid:
                 config = dataclasses.replace(base, **change)
+                if part == "compact_up":  # its own loop's stages within the GPU's shared memory
+                    config = fit_shared_memory(config, m_pad(m), capability(device))
                 try:
                     call = cuda_graphed(lambda c=config: launch_decode_mlp(
                         mlp.x, mlp.gate_weight, mlp.up_weight, down_t, None, config=c), device)

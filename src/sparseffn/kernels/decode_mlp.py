@@ -218,6 +218,40 @@ def _fold_down(x_ptr, norm_ptr, up_ptr, down_t_ptr, part_ptr, flags_ptr, units, 
                 tl.store(parts + k, tl.sum(hq * w_down.to(tl.float32), axis=0), mask=k_in)
 
 
+@triton.jit
+def _compact_up(x_ptr, up_ptr, h_ptr, units, active, rows, row_in, D, stride_xm, stride_uh, stride_hm, stride_hh,
+                norm_ptr, rstd, M_PAD: tl.constexpr, UP_K: tl.constexpr, UP_STAGES: tl.constexpr,
+                NORM: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """K1's up pass over the block's active units only (3+ tokens, config.compact_up), after relu(p) is
+    stored to h_t for every unit: the active units gathered 16 at a time (slot = rank among the block's
+    active units), u = x up^T over D in UP_K-column steps (UP_STAGES-deep pipeline; a 16-row tile lets the
+    step be long), and h_t[unit] = relu(p) ⊙ u rounded once, as the masked pass rounds it."""
+    G: tl.constexpr = 16  # gathered units per group, tl.dot's least M
+    n_active = tl.sum(active, axis=0)
+    slot = tl.cumsum(active, axis=0) - active  # [BLOCK_H] rank among the block's active units
+    g_rows = tl.arange(0, G)
+    offs_k = tl.arange(0, UP_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
+    for g0 in range(0, n_active, G):
+        pick = (slot[None, :] == (g0 + g_rows)[:, None]) & (active != 0)[None, :]  # [G, BLOCK_H] one-hot
+        units_g = tl.sum(tl.where(pick, units[None, :], 0), axis=1)  # [G] the group's units
+        valid = (g0 + g_rows) < n_active  # [G]
+        w_rows = up_ptr + units_g.to(tl.int64)[:, None] * stride_uh  # [G, 1]
+        acc_t = tl.zeros((G, M_PAD), dtype=tl.float32)  # [G, M_PAD] u^T
+        for k0 in tl.range(0, D, UP_K, num_stages=UP_STAGES):
+            k = k0 + offs_k
+            k_in = k < D
+            w = tl.load(w_rows + k[None, :], mask=valid[:, None] & k_in[None, :], other=0.0)  # [G, UP_K]
+            xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, UP_K]
+            if NORM:
+                xv = _normed(xv, norm_ptr, k, k_in, rstd[:, None])
+            acc_t = mma(w, tl.trans(xv), acc_t, DOT_IN_FP32)
+        h_ptrs = h_ptr + units_g.to(tl.int64)[:, None] * stride_hh + rows[None, :] * stride_hm  # [G, M_PAD]
+        h_in = valid[:, None] & row_in[None, :]
+        hv = tl.load(h_ptrs, mask=h_in, other=0.0)  # relu(p), stored by this program before the barrier
+        tl.store(h_ptrs, (hv.to(tl.float32) * acc_t).to(h_ptr.dtype.element_ty), mask=h_in)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _decode_gate_up_kernel(
     x_ptr,  # [M, D]
@@ -251,6 +285,9 @@ def _decode_gate_up_kernel(
     STREAM: tl.constexpr,  # one token: _streamed_dot's loop
     FOLD: tl.constexpr,  # one token, sparse: flags [cdiv(H, BLOCK_H)] per program and part instead of h_t
     FOLD_K: tl.constexpr,  # the folded pass's columns per step
+    COMPACT_UP: tl.constexpr,  # 3+ tokens, sparse, gated: the up pass over the active units gathered (_compact_up)
+    UP_K: tl.constexpr,
+    UP_STAGES: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
     units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -280,7 +317,7 @@ def _decode_gate_up_kernel(
         on = ~(p <= 0) & row_in[:, None] & unit_in[None, :]  # [M_PAD, BLOCK_H] > 0 or NaN
         active = tl.max(on.to(tl.int32), axis=0)  # [BLOCK_H] 1 if any token
         h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
-        if GATED and not FOLD:  # folded: the up rows are read beside the down rows, in _fold_down
+        if GATED and not FOLD and not COMPACT_UP:  # else _fold_down or _compact_up read the up rows
             if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
                 u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
                                      norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM,
@@ -308,6 +345,10 @@ def _decode_gate_up_kernel(
         h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
         tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
         tl.store(flags_ptr + units, active, mask=unit_in)
+        if COMPACT_UP and GATED and ACT == 0 and M_PAD >= 16:
+            tl.debug_barrier()  # the h_t rows this program stored are what _compact_up reads back
+            _compact_up(x_ptr, up_ptr, h_ptr, units, active, rows, row_in, D, stride_xm, stride_uh, stride_hm,
+                        stride_hh, norm_ptr, rstd, M_PAD, UP_K, UP_STAGES, NORM, DOT_IN_FP32)
 
 
 @triton.jit
@@ -493,6 +534,8 @@ def decode_mlp(
         raise TypeError(f"config must be None or a DecodeConfig, got {type(config).__name__}")
     if config is not None and (config.fold or config.stream) and m != 1:
         raise ValueError(f"config.fold and config.stream are one-token fields, got {m} tokens")
+    if config is not None and config.compact_up and m_pad(m) < 16:
+        raise ValueError(f"config.compact_up is for 3 or more tokens (tl.dot rows), got {m}")
     return launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, config=config)
 
 
@@ -566,6 +609,8 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
     m, d = x.shape
     if (config.fold or config.stream) and m != 1:
         raise ValueError(f"config.fold and config.stream are one-token fields, got {m} tokens")
+    if config.compact_up and m_pad(m) < 16:
+        raise ValueError(f"config.compact_up is for 3 or more tokens (tl.dot rows), got {m}")
     h = first_weight.shape[0]
     gated = up_weight is not None
     up = up_weight if gated else first_weight
@@ -576,7 +621,8 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
         stride_hm, stride_hh, down_t.stride(0) if fold else 0,
         GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
         M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k, STREAM=config.stream, FOLD=fold,
-        FOLD_K=min(config.fold_k, max(16, next_power_of_2(d))),
+        FOLD_K=min(config.fold_k, max(16, next_power_of_2(d))), COMPACT_UP=config.compact_up and act == "sparse",
+        UP_K=min(config.up_k, max(16, next_power_of_2(d))), UP_STAGES=config.up_stages,
         DOT_IN_FP32=interpreting() or x.dtype == torch.float32, num_warps=config.gate_warps,
         num_stages=config.gate_stages,
     )

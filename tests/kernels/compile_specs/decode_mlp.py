@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from sparseffn.kernels._runtime import TL_DTYPES
-from sparseffn.kernels.configs.decode_mlp import default_config, down_rows
+from sparseffn.kernels.configs.decode_mlp import default_config, down_rows, fit_shared_memory
 from sparseffn.kernels.decode_dense_mlp import _dense_down_kernel
 from sparseffn.kernels.decode_mlp import (ACTS, PADDED_TOKENS, _decode_down_kernel, _decode_fold_reduce_kernel,
                                           _decode_gate_up_kernel, down_block)
@@ -21,8 +21,8 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
-    one token the one-token fields (config.fold: K1 folded and the reduce; config.stream), the public
-    op's and the engine's."""
+    one token the one-token fields (config.fold: K1 folded and the reduce; config.stream), and from 16
+    padded tokens config.compact_up, the public op's and the engine's."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -38,13 +38,19 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             variants = [(True, False, "sparse", False), (True, True, "sparse", False), (False, True, "sparse", False)]
             if mp in ENGINE_TOKENS:
                 variants += [(True, True, "sparse", True), (True, True, "relu", True), (True, False, "silu", True)]
-            variants = [v + (False, False) for v in variants]
+            variants = [v + (False, False, False) for v in variants]
             if mp == 1:  # the one-token fields (fold, stream): the public op's (no norm) and the engine's
-                variants += [(True, True, "sparse", False, True, False), (True, True, "sparse", True, True, False),
-                             (True, True, "sparse", False, False, True), (True, True, "sparse", True, False, True),
-                             (True, True, "sparse", True, True, True), (True, True, "relu", True, False, True),
-                             (True, False, "silu", True, False, True)]
-            for gated, has_threshold, act, norm, fold, stream in variants:
+                variants += [(True, True, "sparse", False, True, False, False),
+                             (True, True, "sparse", True, True, False, False),
+                             (True, True, "sparse", False, False, True, False),
+                             (True, True, "sparse", True, False, True, False),
+                             (True, True, "sparse", True, True, True, False),
+                             (True, True, "relu", True, False, True, False),
+                             (True, False, "silu", True, False, True, False)]
+            if mp >= 16:  # compact_up: the public op's and the engine's
+                variants += [(True, False, "sparse", False, False, False, True),
+                             (True, True, "sparse", True, False, False, True)]
+            for gated, has_threshold, act, norm, fold, stream, compact in variants:
                 if mp not in (1, 64) and not (gated and not has_threshold) and not norm:
                     continue
                 sig = {"x_ptr": f"*{ty}", "norm_ptr": f"*{ty}" if norm else "constexpr", "first_ptr": f"*{ty}",
@@ -55,11 +61,11 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                        "stride_fh": "i32", "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32",
                        "stride_dh": "i32"}
                 k1 = dense_cfg if act != "sparse" else default_config(mp, arch, norm=norm)
-                k1 = dataclasses.replace(k1, fold=fold, stream=stream)
+                k1 = fit_shared_memory(dataclasses.replace(k1, fold=fold, stream=stream, compact_up=compact), mp, arch)
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "ACT": ACTS[act], "NORM": norm, "M_PAD": mp,
                       "BLOCK_H": k1.block_h, "BLOCK_K": k1.block_k, "STREAM": stream, "FOLD": fold,
-                      "FOLD_K": min(k1.fold_k, D),
-                      "DOT_IN_FP32": False}
+                      "FOLD_K": min(k1.fold_k, D), "COMPACT_UP": compact, "UP_K": min(k1.up_k, D),
+                      "UP_STAGES": k1.up_stages, "DOT_IN_FP32": False}
                 for name, absent in (("threshold_ptr", not has_threshold), ("norm_ptr", not norm),
                                      ("h_ptr", fold), ("down_t_ptr", not fold), ("part_ptr", not fold)):
                     if absent:

@@ -19,7 +19,9 @@ class DecodeConfig:
     (None: enough programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step,
     split spans of the units per column block. fold (one token only): K1 also reads the up and down rows
     of its active units, fold_k columns per step, and writes its program's share of y; a reduce kernel
-    of fold_cols columns per program (down_warps) sums the shares, fold_chunk programs' at a time."""
+    of fold_cols columns per program (down_warps) sums the shares, fold_chunk programs' at a time.
+    compact_up (3+ tokens, sparse): K1's up pass over its active units gathered 16 at a time, up_k
+    columns per step, up_stages deep (decode_mlp._compact_up)."""
 
     block_h: int = 16
     block_k: int = 256
@@ -36,15 +38,18 @@ class DecodeConfig:
     fold_k: int = 1024  # a D-wide step (up and down in one round trip) costs every K1 program registers
     fold_cols: int = 16
     fold_chunk: int = 1024
+    compact_up: bool = False  # 3+ tokens: K1's up pass on its active units only, gathered
+    up_k: int = 1024
+    up_stages: int = 2
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
                                             "down_warps", "down_stages", "prefix", "split", "fold_k", "fold_cols",
-                                            "fold_chunk"),
+                                            "fold_chunk", "up_k", "up_stages"),
                             powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix",
-                                           "fold_k", "fold_cols", "fold_chunk"),
-                            at_least=((("block_k", "block_s"), 16, "tl.dot"),
-                                      (("block_h",), 2, "a 2-D tile")), flags=("stream", "fold"))
+                                           "fold_k", "fold_cols", "fold_chunk", "up_k"),
+                            at_least=((("block_k", "block_s", "up_k"), 16, "tl.dot"),
+                                      (("block_h",), 2, "a 2-D tile")), flags=("stream", "fold", "compact_up"))
         if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
                                          or self.block_d < 16 or self.block_d & (self.block_d - 1)):
             raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
@@ -85,8 +90,23 @@ def default_config(m_padded: int, arch: tuple[int, int] = HOPPER, dense: bool = 
         return config
     if arch >= (10, 0):  # Triton 3.6's TMEM layout pass fails on 64-unit tiles there (compile check)
         config = dataclasses.replace(config, block_h=32)
+    return fit_shared_memory(config, m_padded, arch)
+
+
+def fit_shared_memory(config: DecodeConfig, m_padded: int, arch: tuple[int, int] = HOPPER) -> DecodeConfig:
+    """config with the pipeline stages of its tl.dot loops (3+ tokens: K1's gate and compact-up loops, K2's
+    list loop) cut to fit the shared memory of a GPU of capability `arch`, and compact_up's step halved
+    until one stage fits."""
+    if m_padded < 16:
+        return config
     limit = shared_memory_limit(arch) - 8 * 1024  # headroom for the compiler's own scratch
     gate_stage = (config.block_h + m_padded) * config.block_k * 2  # 16-bit tiles of one pipeline stage
-    down_stage = (config.block_s * config.block_d + down_rows(m_padded) * config.block_s) * 2
+    block_d = config.block_d or 256  # None: sized by down_block at launch, at most 256 columns here
+    down_stage = (config.block_s * block_d + down_rows(m_padded) * config.block_s) * 2
+    up_k = config.up_k
+    while up_k > 16 and (16 + m_padded) * up_k * 2 > limit:  # 16 gathered units and the x tile
+        up_k //= 2
+    up_stage = (16 + m_padded) * up_k * 2
     return dataclasses.replace(config, gate_stages=max(1, min(config.gate_stages, limit // gate_stage)),
-                               down_stages=max(1, min(config.down_stages, limit // down_stage)))
+                               down_stages=max(1, min(config.down_stages, limit // down_stage)), up_k=up_k,
+                               up_stages=max(1, min(config.up_stages, limit // up_stage)))
