@@ -290,6 +290,7 @@ def _decode_gate_up_kernel(
     UP_STAGES: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
+    COMPACT: tl.constexpr = COMPACT_UP and GATED and ACT == 0 and M_PAD >= 16  # _compact_up reads the up rows
     units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     unit_in = units < H
     rows = tl.arange(0, M_PAD)  # [M_PAD]
@@ -317,7 +318,7 @@ def _decode_gate_up_kernel(
         on = ~(p <= 0) & row_in[:, None] & unit_in[None, :]  # [M_PAD, BLOCK_H] > 0 or NaN
         active = tl.max(on.to(tl.int32), axis=0)  # [BLOCK_H] 1 if any token
         h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
-        if GATED and not FOLD and not COMPACT_UP:  # else _fold_down or _compact_up read the up rows
+        if GATED and not FOLD and not COMPACT:  # else _fold_down or _compact_up read the up rows
             if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
                 u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
                                      norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM,
@@ -345,7 +346,7 @@ def _decode_gate_up_kernel(
         h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
         tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
         tl.store(flags_ptr + units, active, mask=unit_in)
-        if COMPACT_UP and GATED and ACT == 0 and M_PAD >= 16:
+        if COMPACT:
             tl.debug_barrier()  # the h_t rows this program stored are what _compact_up reads back
             _compact_up(x_ptr, up_ptr, h_ptr, units, active, rows, row_in, D, stride_xm, stride_uh, stride_hm,
                         stride_hh, norm_ptr, rstd, M_PAD, UP_K, UP_STAGES, NORM, DOT_IN_FP32)
@@ -532,10 +533,6 @@ def decode_mlp(
     check_capability(x.device)
     if config is not None and not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be None or a DecodeConfig, got {type(config).__name__}")
-    if config is not None and (config.fold or config.stream) and m != 1:
-        raise ValueError(f"config.fold and config.stream are one-token fields, got {m} tokens")
-    if config is not None and config.compact_up and m_pad(m) < 16:
-        raise ValueError(f"config.compact_up is for 3 or more tokens (tl.dot rows), got {m}")
     return launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, config=config)
 
 
