@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# One H200 call (<= 3 minutes): the GPU tests of the fused decode engine and its kernels, the dense
+# One H200 call (<= 5 minutes): the GPU tests of the fused decode engine and its kernels, the dense
 # and sparse MLP blocks against a torch F.linear chain (decode_engine_mlp.py), a per-kernel
 # profile of one captured engine step (2b, batch 1 and 16, dense vs auto; CSV), then `bench decode-model`
-# on 2b at batch 1, 4 and 16 with the engine's path ("step") beside CapturedDecoder's ("captured"),
+# on 2b at BATCHES (default 1,4,16) with the engine's path ("step") beside CapturedDecoder's ("captured"),
 # fused norms/RoPE, dense against auto. CSVs and logs under OUT; the table last (read back from the CSV,
-# so a run cut short still shows the batches it finished).
-# Usage: bash benchmarks/probes/decode_engine.sh OUT
+# so a run cut short still shows the batches it finished). GIT_SHA names the rows (the machine's checkout
+# may report another HEAD).
+# Usage: bash benchmarks/probes/decode_engine.sh OUT [BATCHES] [GIT_SHA]
 set -uo pipefail
-out=${1:?usage: bash benchmarks/probes/decode_engine.sh OUT}
+out=${1:?usage: bash benchmarks/probes/decode_engine.sh OUT [BATCHES] [GIT_SHA]}
+batches=${2:-1,4,16}
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-sha=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+sha=${3:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 stamp() { echo "[$(date +%T)] $*"; }
 nvidia-smi --query-gpu=name --format=csv,noheader
 stamp tests
@@ -25,7 +27,7 @@ timeout 50 python3 benchmarks/probes/decode_engine_profile.py "$out/decode_engin
   > "$out/profile.log" 2>&1
 echo "profile exit $?"; grep -vE "Warn|warn" "$out/profile.log" | tail -40 | cut -c1-200
 stamp bench
-timeout 80 python3 -m sparseffn bench decode-model --model 2b --batches 1,4,16 --prompt 512 --new-tokens 64 \
+timeout 150 python3 -m sparseffn bench decode-model --model 2b --batches "$batches" --prompt 512 --new-tokens 64 \
   --no-eager --non-mlp fused --step --out-dir "$out" --git-sha "$sha" > "$out/bench.log" 2>&1
 echo "bench exit $?"; grep -E "batch [0-9]+:|Error|error" "$out/bench.log" | cut -c1-600
 stamp table
