@@ -6,6 +6,8 @@ graph's replays (CUDA events): the time per launch, as the decode step sees it.
     cublas      F.linear
     k1_sparse   the decode MLP's gate kernel (norm fused, 29 active units per token), its default config
     k1_stream   the same with DecodeConfig.stream (the next tile's loads issued before the current is reduced)
+    k1_nonorm / k1_noup / k1_bare   ablations: K1 without the fused RMSNorm / without the up pass (non-gated) /
+                without both; k1_h2w8, k1_bare_h2w8: K1 and its bare form at rows_2_w8's launch shape
     rows_B      one program per B rows, the whole row in one load (one memory round trip per program)
     pers_P_B    P persistent programs, B rows per block, the next block's load issued before the
                 current block is reduced (a register double buffer)
@@ -100,11 +102,16 @@ def main(out_csv: str) -> None:
             hidden = torch.empty((n, 1), device=dev, dtype=torch.bfloat16)
             flags = torch.empty(n, device=dev, dtype=torch.int32)
             counts = torch.empty(64, device=dev, dtype=torch.int32)
-            for name, cfg in (("k1_sparse", default_config(1, norm=True)),
-                              ("k1_stream", dataclasses.replace(default_config(1, norm=True), stream=True))):
-                variants[name] = [lambda w=w, u=u, cfg=cfg: launch_gate_up(x, norm, 1e-5, w, u, theta, hidden, 1, 1,
-                                                                           flags, counts, 32, cfg, "sparse")
-                                  for w, u in zip(ws, up)]
+            base = default_config(1, norm=True)
+            rows_like = dataclasses.replace(base, block_h=2, block_k=K, gate_warps=8)
+            for name, cfg, nw, gated in (("k1_sparse", base, norm, True),
+                                         ("k1_stream", dataclasses.replace(base, stream=True), norm, True),
+                                         ("k1_nonorm", base, None, True), ("k1_noup", base, norm, False),
+                                         ("k1_bare", base, None, False), ("k1_h2w8", rows_like, norm, True),
+                                         ("k1_bare_h2w8", rows_like, None, False)):
+                variants[name] = [lambda w=w, u=u, cfg=cfg, nw=nw, gated=gated: launch_gate_up(
+                    x, nw, 1e-5, w, u if gated else None, theta, hidden, 1, 1, flags, counts, 32, cfg, "sparse")
+                    for w, u in zip(ws, up)]
         for b in (2, 4, 8):
             for warps in (4, 8):
                 variants[f"rows_{b}_w{warps}"] = [
