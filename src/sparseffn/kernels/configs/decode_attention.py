@@ -51,15 +51,18 @@ class AttentionConfig:
 def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool = True) -> ProjectionConfig:
     """The q/k/v kernel's config (qkv) or o_proj's. One or two tokens: two units per program and
     whole-row steps (decode_linear's CUDA-core shape: many small programs keep rows in flight, the
-    loop is not pipelined); o_proj at one token in two steps (6% faster in the step's sweep). 16 to
+    loop is not pipelined); o_proj at one token in two steps (6% faster in the step's sweep), q/k/v at
+    one token four units in two streamed steps (5% faster than two whole-row units). 16 to
     64 padded tokens: tl.dot tiles of 16 units, so a 2048-unit o_proj still has a program per SM
     (each streams its rows through a 4-stage pipeline, enough bytes in flight for its SM's share of
     the bandwidth); q/k/v (6144 units) in 32-unit tiles: 256-column steps in 3 stages at 16 tokens,
     128-column steps in 4 at 32 and 64 (measured at 64: 2.3x faster than 16-unit tiles). Pipelined
     within the target's shared memory. From the captured engine step's sweep on the H200
     (decode_engine_sweep.csv)."""
+    if m_padded == 1 and qkv:
+        return ProjectionConfig(block_n=4, block_k=1024, stream=True)
     if m_padded <= 2:
-        return ProjectionConfig(block_n=2, block_k=1024 if (m_padded == 1 and not qkv) else 2048)
+        return ProjectionConfig(block_n=2, block_k=1024 if m_padded == 1 else 2048)
     if not qkv:
         block_n, block_k, stages = 16, 256, 4
     else:
