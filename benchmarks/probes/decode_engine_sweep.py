@@ -8,8 +8,8 @@ variant and kernel, written as it goes, so a run cut short keeps what it measure
 
 kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sparse_one_token,
 mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
-(DecodeConfig.stream / fold, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
-DecodeConfig.compact_up from batch 3.
+(DecodeConfig.stream, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
+DecodeConfig.compact_up from batch 3, each against its other form.
 """
 
 import dataclasses
@@ -55,24 +55,25 @@ def _variants(kernel: str, batch: int) -> list:
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []
-        base = default_config(mp, norm=True)
-        return [base] + [fit_shared_memory(dataclasses.replace(base, compact_up=True, up_k=k, up_stages=st), mp)
-                         for k, st in ((1024, 2), (512, 2), (512, 3), (256, 4))]
+        base = default_config(mp, norm=True)  # compact_up, 256 columns in 4 stages
+        return [base, dataclasses.replace(base, compact_up=False)] + [
+            fit_shared_memory(dataclasses.replace(base, up_k=k, up_stages=st), mp) for k, st in ((1024, 2), (512, 3))]
     if kernel.endswith("_one_token"):
         if mp != 1:
             return []
         if kernel in ("qkv_one_token", "out_proj_one_token"):
-            base = projection_config(1, qkv=kernel == "qkv_one_token")
-            return [base] + [ProjectionConfig(block_n=n, block_k=k, stream=True)
-                             for n, k in ((2, 2048), (2, 1024), (4, 1024), (4, 512), (8, 256))]
+            qkv = kernel == "qkv_one_token"
+            base = projection_config(1, qkv=qkv)
+            grid = [ProjectionConfig(block_n=2, block_k=2048 if qkv else 1024)] + [  # unstreamed, then streamed
+                ProjectionConfig(block_n=n, block_k=k, stream=True)
+                for n, k in ((2, 2048), (2, 1024), (4, 1024), (4, 512), (8, 256))]
+            return [base] + [c for c in grid if c != base]
         dense = kernel.startswith("mlp_dense")
         base = default_config(1, dense=dense, norm=True)
-        one = [dict(stream=True, block_h=h, block_k=k) for h, k in ((4, 2048), (4, 1024), (4, 512), (8, 256))]
-        if not dense:
-            one += ([dict(fold=True, fold_k=k) for k in (2048, 1024, 512)]
-                    + [dict(stream=True, fold=True, fold_k=1024), dict(stream=True, fold=True, fold_k=512)]
-                    + [dict(fold=True, fold_k=1024, fold_cols=c, fold_chunk=p) for c, p in ((8, 2048), (32, 512))])
-        return [base] + [dataclasses.replace(base, **v) for v in one]
+        one = [dict(stream=not base.stream, block_h=4, block_k=1024), dict(stream=False, block_h=4, block_k=2048)]
+        one += [dict(stream=True, block_h=h, block_k=k) for h, k in ((4, 2048), (4, 512), (8, 256))]
+        variants = [dataclasses.replace(base, **v) for v in one]
+        return [base] + [c for i, c in enumerate(variants) if c != base and c not in variants[:i]]
     if kernel in ("mlp_sparse", "mlp_dense"):
         base = default_config(mp, dense=kernel == "mlp_dense")
         if mp == 1:
@@ -109,7 +110,7 @@ def _variants(kernel: str, batch: int) -> list:
 
 
 KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_up", "_decode_down"),
-                "mlp_sparse_one_token": ("gate_up", "_decode_down", "fold_reduce"),
+                "mlp_sparse_one_token": ("gate_up", "_decode_down"),
                 "mlp_dense_one_token": ("gate_up", "_decode_down"), "qkv_one_token": ("qkv_rope",),
                 "out_proj_one_token": ("out_proj",), "mlp_sparse_compact": ("gate_up", "_decode_down"),
                 "attention": ("decode_attention",), "qkv": ("qkv_rope",), "out_proj": ("out_proj",)}

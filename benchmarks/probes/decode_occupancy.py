@@ -72,12 +72,12 @@ def main(out_csv: str) -> None:
         if "fp16" in repr(sig) or cx.get("M_PAD") != 1 or "BLOCK_K" not in cx:
             continue
         rows_per_tile = cx.get("BLOCK_H") or cx.get("BLOCK_N") or cx.get("BLOCK_D")  # the weight rows a step reads
-        names = ("GATED", "HAS_THRESHOLD", "HAS_BIAS", "ACT", "NORM", "STREAM", "FOLD", "RESIDUAL", "BLOCK_H", "BLOCK_N", "BLOCK_D", "BLOCK_K", "ONE_STEP")
+        names = ("GATED", "HAS_THRESHOLD", "HAS_BIAS", "ACT", "NORM", "STREAM", "RESIDUAL", "BLOCK_H", "BLOCK_N", "BLOCK_D", "BLOCK_K", "ONE_STEP")
         label = " ".join(f"{k}={cx[k]}" for k in names if k in cx)
         rows.append(row(fn, sig, cx, opt, rows_per_tile, label))
         print(rows[-1], flush=True)
     engine_k1 = [s for s in decode_mlp.compile_specs(with_options=True) if s[0].__name__ == "_decode_gate_up_kernel"
-                 and "bf16" in repr(s[1]) and s[2]["M_PAD"] == 1 and s[2]["NORM"] and not s[2]["FOLD"]]
+                 and "bf16" in repr(s[1]) and s[2]["M_PAD"] == 1 and s[2]["NORM"]]
     for fn, sig, cx, opt in engine_k1:  # the engine's K1 (sparse and dense, plain and streamed) over the tiles
         for block_h, block_k, warps, stages in K1_TILES:
             c = dict(cx, BLOCK_H=block_h, BLOCK_K=block_k)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One H200 call (<= 10 minutes) for the decode config options not yet measured, off by default until this
-# runs: DecodeConfig.stream / fold and ProjectionConfig.stream (one token), DecodeConfig.compact_up (3+
-# tokens). In order of importance, each step under its own limit: their GPU tests; the engine's step sweep
-# of the one-token fields at batch 1 and of compact_up at batch 16 (decode_engine_sweep.py); the public
-# op's config sweep at 1 and 16 tokens (bench decode's sweep_configs, parts one_token / compact_up); the
-# one-token read designs against cuBLAS (gemv_designs.py). CSVs and logs under OUT. The CSV names carry
-# GIT_SHA (the machine's checkout may report another HEAD in the rows' git_sha column).
+# One GPU call (<= 10 minutes) for the decode config options, each against its other form: DecodeConfig.stream
+# and ProjectionConfig.stream (one token), DecodeConfig.compact_up (3+ tokens). In order of importance, each
+# step under its own limit: their GPU tests; the engine's step sweep of the one-token fields at batch 1 and of
+# compact_up at batch 16 (decode_engine_sweep.py); the public op's config sweep at 1 and 16 tokens (bench
+# decode's sweep_configs, parts one_token / compact_up); the one-token read designs against cuBLAS
+# (gemv_designs.py). CSVs and logs under OUT. The CSV names carry GIT_SHA (the machine's checkout may report
+# another HEAD in the rows' git_sha column).
 # Usage: bash benchmarks/probes/decode_options.sh OUT [GIT_SHA]
 set -uo pipefail
 out=${1:?usage: bash benchmarks/probes/decode_options.sh OUT [GIT_SHA]}
@@ -40,7 +40,7 @@ rows = []
 for m in (1, 16):  # the CSV is rewritten after each M (a cut-short run keeps the rest)
     rows += [dict(meta, **r) for r in sweep_configs(tokens=str(m))]
     write_csv(rows, Path(out) / f"decode_sweep_options_{sha}.csv", tuple(dict.fromkeys(k for r in rows for k in r)))
-    keys = ("block_h", "block_k", "split", "block_d", "stream", "fold", "fold_k", "compact_up", "up_k", "up_stages")
+    keys = ("block_h", "block_k", "split", "block_d", "stream", "compact_up", "up_k", "up_stages")
     for part in ("gate", "down", "one_token", "compact_up"):
         for r in sorted((r for r in rows if r["m"] == m and r["part"] == part and not r["error"]), key=lambda r: r["us"])[:2]:
             print(f"M={m} {part:10s} {r['us']:7.2f} us", {k: r[k] for k in keys})

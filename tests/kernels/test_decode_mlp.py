@@ -25,12 +25,7 @@ GPU = torch.cuda.is_available()
 SMALL = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, prefix=64)  # several steps in every loop
 LARGE = DecodeConfig(block_h=32, block_k=128, block_s=32, block_d=64)
 SPLIT = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, prefix=64, split=3)  # spans summed at the end
-# one token, the down product folded into K1: one round trip for up and down (fold_k >= D), or several
-# steps of each and several chunks of the reduce
-FOLD = DecodeConfig(block_h=8, block_k=64, block_s=16, fold=True, fold_k=128, fold_cols=32, fold_chunk=64)
-FOLD_STEPS = DecodeConfig(block_h=8, block_k=64, block_s=16, fold=True, fold_k=32, fold_cols=16, fold_chunk=8)
 STREAM = DecodeConfig(block_h=8, block_k=32, block_s=16, block_d=32, prefix=64, stream=True)  # 3 steps at D = 80
-STREAM_FOLD = DecodeConfig(block_h=8, block_k=32, stream=True, fold=True, fold_k=32, fold_cols=16, fold_chunk=8)
 # 3+ tokens: the up pass over each block's active units gathered 16 at a time, in steps of up_k columns
 COMPACT = DecodeConfig(block_h=32, block_k=64, block_s=16, block_d=32, prefix=64, compact_up=True, up_k=32)
 
@@ -97,14 +92,12 @@ def test_matches_reference(m, gated):
         assert torch.equal(y, _run(x, gate, up, down, theta, SPLIT))  # spans summed in span order
 
 
-@pytest.mark.parametrize("config", [FOLD, FOLD_STEPS, STREAM, STREAM_FOLD],
-                         ids=["fold_one_step", "fold_steps", "stream", "stream_fold"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_one_token_variants_match_reference_and_repeat_bitwise(config, gated):
+def test_streamed_one_token_matches_reference_and_repeats_bitwise(gated):
     x, gate, up, down, theta = _problem(1, 80, 200, gated=gated, active=0.08, seed=11, threshold=True)
-    y = _run(x, gate, up, down, theta, config)
+    y = _run(x, gate, up, down, theta, STREAM)
     _check(y, x, gate, up, down, theta)
-    assert torch.equal(y, _run(x, gate, up, down, theta, config))  # shares summed in program order
+    assert torch.equal(y, _run(x, gate, up, down, theta, STREAM))
     plain = _run(x, gate, up, down, theta, SMALL)  # the same units active; fp32 sums in another order
     assert (y.float() - plain.float()).abs().max() <= 2 * torch.finfo(x.dtype).eps * plain.float().abs().max()
 
@@ -119,17 +112,6 @@ def test_compact_up_matches_reference_and_the_masked_pass(m, active):
     assert torch.equal(y, _run(x, gate, up, down, theta, COMPACT))
     masked = _run(x, gate, up, down, theta, dataclasses.replace(COMPACT, compact_up=False))
     assert (y.float() - masked.float()).abs().max() <= 2 * torch.finfo(x.dtype).eps * masked.float().abs().max()
-
-
-@pytest.mark.parametrize("active", [0.0, 1.0])
-def test_fold_no_unit_and_every_unit_active(active):
-    x, gate, up, down, theta = _problem(1, 64, 96, active=active, seed=4)
-    y = _run(x, gate, up, down, theta, FOLD)
-    if active == 0.0:
-        assert torch.equal(y, torch.zeros_like(y))
-    _check(y, x, gate, up, down, theta)
-    x[0, 5] = float("nan")
-    assert torch.isnan(_run(x, gate, up, down, theta, FOLD)).all()  # every unit's p is NaN, so active
 
 
 @pytest.mark.parametrize("active", [0.0, 1.0])
@@ -177,10 +159,10 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="block_h must be >= 16"):
         x16 = torch.zeros(16, 32, dtype=x.dtype)  # 16 tokens take tl.dot
         decode_mlp(*(t.to(DEVICE) for t in (x16, gate, up, down_t)), config=DecodeConfig(block_h=8))
-    with pytest.raises(ValueError, match="one-token fields"):
-        decode_mlp(*(t.to(DEVICE) for t in (x, gate, up, down_t)), config=FOLD)
-    with pytest.raises(TypeError, match="DecodeConfig.fold must be a bool"):
-        DecodeConfig(fold=1)
+    with pytest.raises(ValueError, match="one-token field"):
+        decode_mlp(*(t.to(DEVICE) for t in (x, gate, up, down_t)), config=STREAM)
+    with pytest.raises(TypeError, match="DecodeConfig.stream must be a bool"):
+        DecodeConfig(stream=1)
     with pytest.raises(ValueError, match="compact_up is for 3 or more tokens"):
         decode_mlp(*(t.to(DEVICE) for t in (x, gate, up, down_t)), config=COMPACT)
 
@@ -192,18 +174,12 @@ def test_m_pad_buckets():
 def test_compile_specs_cover_variants():
     specs = compile_specs(with_options=True)
     names = {(s[0].fn.__name__ if hasattr(s[0], "fn") else s[0].__name__) for s in specs}
-    assert names == {"_decode_gate_up_kernel", "_decode_down_kernel", "_dense_down_kernel",
-                     "_decode_fold_reduce_kernel"}
-    folded = [s[2] for s in specs if s[2].get("FOLD")]
-    assert {(c["M_PAD"], c["NORM"]) for c in folded} == {(1, False), (1, True)}
+    assert names == {"_decode_gate_up_kernel", "_decode_down_kernel", "_dense_down_kernel"}
     streamed = [s[2] for s in specs if s[2].get("STREAM")]
     assert {(c["M_PAD"], c["ACT"], c["NORM"]) for c in streamed} == {(1, 0, False), (1, 0, True), (1, 1, True),
                                                                      (1, 2, True)}
     compact = [s[2] for s in specs if s[2].get("COMPACT_UP")]
     assert {(c["M_PAD"], c["NORM"]) for c in compact} == {(m, n) for m in (16, 32, 64) for n in (False, True)}
-    reduces = [s[2] for s in specs if s[0].__name__ == "_decode_fold_reduce_kernel"]
-    assert {c["RESIDUAL"] for c in reduces} == {False, True}
-    specs = [s for s in specs if s[0].__name__ != "_decode_fold_reduce_kernel"]  # the rest take M_PAD
     fused = [s[2] for s in specs if (s[2].get("NORM") or s[2].get("RESIDUAL")) and not s[2].get("COMPACT_UP")]
     assert {c["M_PAD"] for c in fused} == {1, 16} and {c.get("ACT") for c in fused} >= {0, 1, 2}
     assert {s[2]["M_PAD"] for s in specs} == {1, 2, 16, 32, 64}

@@ -103,24 +103,15 @@ def test_sixteen_tokens_split_spans_and_ungated():
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-ONE_TOKEN = {
-    "fold_one_step": DecodeConfig(block_h=8, block_k=32, fold=True, fold_k=64, fold_cols=16, fold_chunk=4),
-    "fold_steps": DecodeConfig(block_h=8, block_k=32, fold=True, fold_k=16, fold_cols=16, fold_chunk=4),
-    "stream": DecodeConfig(block_h=8, block_k=16, block_s=16, block_d=32, prefix=64, split=2, stream=True),
-    "stream_fold": DecodeConfig(block_h=8, block_k=16, stream=True, fold=True, fold_k=16, fold_cols=16),
-}
-
-
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("name", ONE_TOKEN)
-def test_one_token_variants_with_norm_and_residual(gated, name):
-    """The one-token fields (config.fold: the down product folded into K1; config.stream: the streamed
-    loops, the norm's pass behind the first tile) under the fused norm and residual: fp32 tightly, bf16
-    under the rule."""
+def test_streamed_one_token_with_norm_and_residual(gated):
+    """config.stream (the streamed K1 loops, the norm's pass behind the first tile) under the fused norm
+    and residual: fp32 tightly, bf16 under the rule."""
+    config = DecodeConfig(block_h=8, block_k=16, block_s=16, block_d=32, prefix=64, split=2, stream=True)
     for dtype in (torch.float32, torch.bfloat16):
         x, nw, gate, up, down, theta = _problem(1, 48, 80, dtype, seed=12, gated=gated)
         y = launch_decode_mlp(x, gate if gated else up, up if gated else None, down.t().contiguous(), theta,
-                              norm_weight=nw, eps=EPS, residual=True, config=ONE_TOKEN[name])
+                              norm_weight=nw, eps=EPS, residual=True, config=config)
         ref = _reference(x, nw, gate, up, down, theta, "relu")
         if dtype == torch.float32:
             assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -169,7 +160,7 @@ def test_rejects_bad_arguments():
         decode_mlp_block(x, nw, EPS, gate, up, down, None, act="gelu")
     with pytest.raises(ValueError, match="threshold needs act='relu'"):
         decode_mlp_block(x, nw, EPS, gate, up, down, theta, act="silu")
-    with pytest.raises(ValueError, match="one-token fields, got 2 tokens"):  # the dense rows path's K1 too
+    with pytest.raises(ValueError, match="one-token field, got 2 tokens"):  # the dense rows path's K1 too
         launch_dense_mlp_rows_down(x, gate, up, down, theta, act="relu", config=DecodeConfig(stream=True))
     with pytest.raises(ValueError, match="norm_weight must be"):
         decode_mlp_block(x, nw[:-1], EPS, gate, up, down)

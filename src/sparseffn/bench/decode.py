@@ -165,8 +165,8 @@ def _decision_under_capture(x: torch.Tensor, up: torch.Tensor, expected_nnz: flo
 
 def _sweep_grids(m: int) -> dict[str, list[dict]]:
     """The parameter changes `sweep_configs` tries at m tokens, per part: the gate kernel's, the down
-    kernel's, at one token the one-token fields (stream: the streamed K1 loops; fold: the down product
-    in K1 and the reduce), from 3 tokens on compact_up (K1's up pass over its gathered active units)."""
+    kernel's, at one token the streamed K1 loops (stream), from 3 tokens on compact_up (K1's up pass over
+    its gathered active units)."""
     if m == 1:
         gate = [dict(block_h=bh, block_k=bk, gate_warps=w, gate_stages=1)
                 for bh, bk, w in itertools.product((4, 8), (1024, 2048), (4, 8)) if bh * bk <= 16384]
@@ -184,11 +184,8 @@ def _sweep_grids(m: int) -> dict[str, list[dict]]:
                 for sp, bd in itertools.product((1, 2, 4, 8), (32, 64, 128))]
     grids = {"gate": gate, "down": down}
     if m == 1:
-        grids["one_token"] = (
-            [dict(stream=True, block_h=bh, block_k=bk) for bh, bk in ((4, 2048), (4, 1024), (4, 512), (8, 256))]
-            + [dict(fold=True, fold_k=fk) for fk in (2048, 1024, 512)]
-            + [dict(fold=True, fold_cols=c, fold_chunk=p) for c, p in ((8, 2048), (32, 512))]
-            + [dict(stream=True, fold=True, block_k=1024, fold_k=1024)])
+        grids["one_token"] = [dict(stream=True, block_h=bh, block_k=bk)
+                              for bh, bk in ((4, 2048), (4, 1024), (4, 512), (8, 256))]
     elif m >= 3:
         grids["compact_up"] = [dict(compact_up=True, up_k=k, up_stages=st) for k, st in ((1024, 2), (512, 2), (512, 3),
                                                                                      (256, 4))]

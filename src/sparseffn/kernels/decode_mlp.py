@@ -13,10 +13,6 @@ and down matrices only the rows of units some token activates.
         2. part_s = Σ over the list, BLOCK_S units at a time, h_t[j, :M] ⊗ down_t[j, cols], ascending j;
         3. SPLIT == 1: y[:, cols] = part_0. Else part_s goes to fp32 scratch and an atomic counter per
            column block; the span arriving last sums the parts in span order (deterministic) into y.
-One token (config.fold): K1's programs with an active unit also read its up and down rows (one round
-trip when D <= fold_k) and write their share of y, Σ over their units h_j ⊗ down_t[j] in fp32, to part
-[P, D] (P = cdiv(H, BLOCK_H)), flags [P] marking them; then K2' _decode_fold_reduce_kernel, grid
-(cdiv(D, fold_cols),), sums the flagged shares in program order (deterministic; no list, no atomics).
 Fused variants (the decode engine's): NORM, x is Llama's RMSNorm of x (each K1 program computes its
 rows' rstd, x being L2-resident); RESIDUAL, K2 writes x + y; ACT relu / silu, the dense MLP (every
 unit read and flagged, act(g) and u rounded as torch rounds them).
@@ -175,50 +171,6 @@ def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm
 
 
 @triton.jit
-def _fold_down(x_ptr, norm_ptr, up_ptr, down_t_ptr, part_ptr, flags_ptr, units, active, h, rstd, D, stride_xm,
-               stride_uh, stride_dh, GATED: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr,
-               FOLD_K: tl.constexpr, STREAM: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """K1's folded tail at one token (module docstring): flags[program] = any unit of the block active;
-    if so, part[program, :] = Σ_j h_j · down_t[j, :] in fp32, h = relu(p) [1, BLOCK_H] times the up
-    product (GATED), rounded to x's dtype as K2 reads h_t. D <= FOLD_K: the up and down rows and x in
-    one round trip; else the up product first, then the down rows FOLD_K columns at a time."""
-    pid = tl.program_id(0)
-    any_on = tl.max(active, axis=0)
-    tl.store(flags_ptr + pid, any_on)
-    if any_on != 0:
-        on = active != 0  # [BLOCK_H]
-        out_dtype = x_ptr.dtype.element_ty
-        hv = tl.sum(h, axis=0)  # [BLOCK_H] relu(p), the one token's row
-        offs_k = tl.arange(0, FOLD_K)
-        rows = tl.arange(0, 1)
-        d_rows = down_t_ptr + units.to(tl.int64)[:, None] * stride_dh  # [BLOCK_H, 1]
-        parts = part_ptr + pid.to(tl.int64) * D
-        if D <= FOLD_K:
-            k_in = offs_k < D
-            w_down = tl.load(d_rows + offs_k[None, :], mask=on[:, None] & k_in[None, :], other=0.0)
-            if GATED:
-                w_up = tl.load(up_ptr + units.to(tl.int64)[:, None] * stride_uh + offs_k[None, :],
-                               mask=on[:, None] & k_in[None, :], other=0.0)  # [BLOCK_H, FOLD_K]
-                xv = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=k_in[None, :], other=0.0)
-                if NORM:
-                    xv = _normed(xv, norm_ptr, offs_k, k_in, rstd[:, None])  # [1, FOLD_K]
-                hv = hv * tl.sum(w_up.to(tl.float32) * xv.to(tl.float32), axis=1)
-            hq = hv.to(out_dtype).to(tl.float32)[:, None]  # [BLOCK_H, 1]
-            tl.store(parts + offs_k, tl.sum(hq * w_down.to(tl.float32), axis=0), mask=k_in)
-        else:
-            if GATED:
-                u = _rows_normed_dot(x_ptr, up_ptr, units, on, rows, rows < 1, 1, D, stride_xm, stride_uh, norm_ptr,
-                                     rstd, 1, BLOCK_H, FOLD_K, NORM, STREAM, DOT_IN_FP32)  # [1, BLOCK_H]
-                hv = hv * tl.sum(u, axis=0)
-            hq = hv.to(out_dtype).to(tl.float32)[:, None]
-            for k0 in range(0, D, FOLD_K):
-                k = k0 + offs_k
-                k_in = k < D
-                w_down = tl.load(d_rows + k[None, :], mask=on[:, None] & k_in[None, :], other=0.0)
-                tl.store(parts + k, tl.sum(hq * w_down.to(tl.float32), axis=0), mask=k_in)
-
-
-@triton.jit
 def _compact_up(x_ptr, up_ptr, h_ptr, units, active, rows, row_in, D, stride_xm, stride_uh, stride_hm, stride_hh,
                 norm_ptr, rstd, M_PAD: tl.constexpr, UP_K: tl.constexpr, UP_STAGES: tl.constexpr,
                 NORM: tl.constexpr, DOT_IN_FP32: tl.constexpr):
@@ -262,8 +214,6 @@ def _decode_gate_up_kernel(
     h_ptr,  # out, x's dtype: h_t [H, M_PAD] (stride_hm 1, stride_hh M_PAD) or h [M, H] (H, 1)
     flags_ptr,  # [H] int32 out
     count_ptr,  # [n_counts] int32 out: zeros (K2's arrival counters)
-    down_t_ptr,  # [H, D] (FOLD), else None
-    part_ptr,  # [cdiv(H, BLOCK_H), D] fp32 out (FOLD): each program's share of y, else None
     M,
     D,
     H,
@@ -274,7 +224,6 @@ def _decode_gate_up_kernel(
     stride_uh,
     stride_hm,
     stride_hh,
-    stride_dh,
     GATED: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,
     ACT: tl.constexpr,  # 0: sparse relu (up rows of inactive units never read); 1: dense relu; 2: dense silu
@@ -283,8 +232,6 @@ def _decode_gate_up_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STREAM: tl.constexpr,  # one token: _streamed_dot's loop
-    FOLD: tl.constexpr,  # one token, sparse: flags [cdiv(H, BLOCK_H)] per program and part instead of h_t
-    FOLD_K: tl.constexpr,  # the folded pass's columns per step
     COMPACT_UP: tl.constexpr,  # 3+ tokens, sparse, gated: the up pass over the active units gathered (_compact_up)
     UP_K: tl.constexpr,
     UP_STAGES: tl.constexpr,
@@ -318,7 +265,7 @@ def _decode_gate_up_kernel(
         on = ~(p <= 0) & row_in[:, None] & unit_in[None, :]  # [M_PAD, BLOCK_H] > 0 or NaN
         active = tl.max(on.to(tl.int32), axis=0)  # [BLOCK_H] 1 if any token
         h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
-        if GATED and not FOLD and not COMPACT:  # else _fold_down or _compact_up read the up rows
+        if GATED and not COMPACT:  # else _compact_up reads the up rows
             if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
                 u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
                                      norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM,
@@ -339,17 +286,13 @@ def _decode_gate_up_kernel(
                                  rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
             h = h * u.to(out_dtype).to(tl.float32)
         active = unit_in.to(tl.int32)  # K2 then reads every unit
-    if FOLD:  # the host takes it only for ACT 0 at one token
-        _fold_down(x_ptr, norm_ptr, up_ptr, down_t_ptr, part_ptr, flags_ptr, units, active, h, rstd, D, stride_xm,
-                   stride_uh, stride_dh, GATED, NORM, BLOCK_H, FOLD_K, STREAM, DOT_IN_FP32)
-    else:
-        h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
-        tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
-        tl.store(flags_ptr + units, active, mask=unit_in)
-        if COMPACT:
-            tl.debug_barrier()  # the h_t rows this program stored are what _compact_up reads back
-            _compact_up(x_ptr, up_ptr, h_ptr, units, active, rows, row_in, D, stride_xm, stride_uh, stride_hm,
-                        stride_hh, norm_ptr, rstd, M_PAD, UP_K, UP_STAGES, NORM, DOT_IN_FP32)
+    h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
+    tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
+    tl.store(flags_ptr + units, active, mask=unit_in)
+    if COMPACT:
+        tl.debug_barrier()  # the h_t rows this program stored are what _compact_up reads back
+        _compact_up(x_ptr, up_ptr, h_ptr, units, active, rows, row_in, D, stride_xm, stride_uh, stride_hm,
+                    stride_hh, norm_ptr, rstd, M_PAD, UP_K, UP_STAGES, NORM, DOT_IN_FP32)
 
 
 @triton.jit
@@ -443,36 +386,8 @@ def _decode_down_kernel(
                                             y_ptr.dtype.element_ty), mask=out)
 
 
-@triton.jit
-def _decode_fold_reduce_kernel(
-    part_ptr,  # [P, D] fp32: the K1 programs' shares of y
-    flags_ptr,  # [P] int32: 1 where the program wrote its share
-    y_ptr,  # [1, D] out, x's dtype
-    res_ptr,  # [1, D] added to y (RESIDUAL; may be y itself), else None
-    D,
-    P,
-    BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-):
-    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    col_in = cols < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):  # in program order: deterministic
-        p = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
-        f = tl.load(flags_ptr + p, mask=p < P, other=0)
-        share = tl.load(part_ptr + p.to(tl.int64)[:, None] * D + cols[None, :],
-                        mask=(f != 0)[:, None] & col_in[None, :], other=0.0)  # [BLOCK_P, BLOCK_D]; unflagged: not read
-        acc += tl.sum(share, axis=0)
-    rows = tl.arange(0, 1)
-    out = col_in[None, :]
-    y = _plus_residual(acc[None, :], res_ptr, rows, cols, 0, out, RESIDUAL, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + cols[None, :], y, mask=out)
-
-
 _gate_up_launch = Launcher(_decode_gate_up_kernel)
 _down_launch = Launcher(_decode_down_kernel)
-_fold_reduce_launch = Launcher(_decode_fold_reduce_kernel)
 
 
 @functools.lru_cache(maxsize=256)
@@ -555,10 +470,6 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
     config = fitted(config, d)
-    if config.fold:
-        if act != "sparse":
-            raise ValueError(f"config.fold is for the sparse MLP, got act {act!r}")
-        return _launch_folded(x, first_weight, up_weight, down_t, threshold, y, config, norm_weight, eps, residual)
     block_d = down_block(config, d, num_sms(x.device) if x.is_cuda else 4)
     col_blocks = cdiv(d, block_d)
     split = min(config.split, h)
@@ -578,48 +489,27 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     return y
 
 
-def _launch_folded(x, first_weight, up_weight, down_t, threshold, y, config, norm_weight, eps, residual):
-    """`launch_decode_mlp` at one token with config.fold: K1 with its folded tail, then the fold reduce."""
-    d = x.shape[1]
-    h = first_weight.shape[0]
-    programs = cdiv(h, config.block_h)
-    parts = torch.empty((programs, d), dtype=torch.float32, device=x.device)
-    flags = torch.empty(programs, dtype=torch.int32, device=x.device)
-    launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, parts, 1, 1, flags, flags, 0, config,
-                   "sparse", down_t=down_t)
-    _fold_reduce_launch[(cdiv(d, config.fold_cols),)](
-        parts, flags, y, x if residual else None, d, programs,
-        BLOCK_D=config.fold_cols, BLOCK_P=min(config.fold_chunk, next_power_of_2(programs)), RESIDUAL=residual,
-        num_warps=config.down_warps, num_stages=1,
-    )
-    return y
-
-
 ACTS = {"sparse": 0, "relu": 1, "silu": 2}  # K1's ACT: sparse relu, or the dense MLP with this activation
 
 
 def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, stride_hm, stride_hh, flags,
-                   counts, n_counts, config, act, down_t=None) -> None:
+                   counts, n_counts, config, act) -> None:
     """K1 into `hidden` (h_t [H, M_PAD]: strides 1, M_PAD; or h [M, H]: H, 1), `flags` [H] and zeroed
-    `counts` [n_counts]; arguments as `launch_decode_mlp`'s. down_t given (one token, config.fold): the
-    folded K1, `hidden` its part [cdiv(H, block_h), D] fp32 and `flags` one per program."""
+    `counts` [n_counts]; arguments as `launch_decode_mlp`'s."""
     m, d = x.shape
-    if (config.fold or config.stream) and m != 1:
-        raise ValueError(f"config.fold and config.stream are one-token fields, got {m} tokens")
+    if config.stream and m != 1:
+        raise ValueError(f"config.stream is a one-token field, got {m} tokens")
     if config.compact_up and m_pad(m) < 16:
         raise ValueError(f"config.compact_up is for 3 or more tokens (tl.dot rows), got {m}")
     h = first_weight.shape[0]
     gated = up_weight is not None
     up = up_weight if gated else first_weight
-    fold = down_t is not None
     _gate_up_launch[(cdiv(h, config.block_h),)](
-        x, norm_weight, first_weight, up, threshold, None if fold else hidden, flags, counts, down_t,
-        hidden if fold else None, m, d, h, n_counts, float(eps), x.stride(0), first_weight.stride(0), up.stride(0),
-        stride_hm, stride_hh, down_t.stride(0) if fold else 0,
+        x, norm_weight, first_weight, up, threshold, hidden, flags, counts, m, d, h, n_counts, float(eps),
+        x.stride(0), first_weight.stride(0), up.stride(0), stride_hm, stride_hh,
         GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
-        M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k, STREAM=config.stream, FOLD=fold,
-        FOLD_K=min(config.fold_k, max(16, next_power_of_2(d))), COMPACT_UP=config.compact_up and act == "sparse",
-        UP_K=min(config.up_k, max(16, next_power_of_2(d))), UP_STAGES=config.up_stages,
-        DOT_IN_FP32=interpreting() or x.dtype == torch.float32, num_warps=config.gate_warps,
-        num_stages=config.gate_stages,
+        M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k, STREAM=config.stream,
+        COMPACT_UP=config.compact_up and act == "sparse", UP_K=min(config.up_k, max(16, next_power_of_2(d))),
+        UP_STAGES=config.up_stages, DOT_IN_FP32=interpreting() or x.dtype == torch.float32,
+        num_warps=config.gate_warps, num_stages=config.gate_stages,
     )

@@ -9,8 +9,7 @@ import torch
 from sparseffn.kernels._runtime import TL_DTYPES
 from sparseffn.kernels.configs.decode_mlp import default_config, down_rows, fit_shared_memory
 from sparseffn.kernels.decode_dense_mlp import _dense_down_kernel
-from sparseffn.kernels.decode_mlp import (ACTS, PADDED_TOKENS, _decode_down_kernel, _decode_fold_reduce_kernel,
-                                          _decode_gate_up_kernel, down_block)
+from sparseffn.kernels.decode_mlp import ACTS, PADDED_TOKENS, _decode_down_kernel, _decode_gate_up_kernel, down_block
 
 ENGINE_TOKENS = (1, 16)  # padded token counts of the decode engine's fused variants checked here
 D = 2048  # the model width the specs are built for (the 2b model's)
@@ -21,7 +20,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
-    one token the one-token fields (config.fold: K1 folded and the reduce; config.stream), and from 16
+    one token config.stream (the streamed K1), and from 16
     padded tokens config.compact_up, the public op's and the engine's."""
     specs = []
 
@@ -38,46 +37,30 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             variants = [(True, False, "sparse", False), (True, True, "sparse", False), (False, True, "sparse", False)]
             if mp in ENGINE_TOKENS:
                 variants += [(True, True, "sparse", True), (True, True, "relu", True), (True, False, "silu", True)]
-            variants = [v + (False, False, False) for v in variants]
-            if mp == 1:  # the one-token fields (fold, stream): the public op's (no norm) and the engine's
-                variants += [(True, True, "sparse", False, True, False, False),
-                             (True, True, "sparse", True, True, False, False),
-                             (True, True, "sparse", False, False, True, False),
-                             (True, True, "sparse", True, False, True, False),
-                             (True, True, "sparse", True, True, True, False),
-                             (True, True, "relu", True, False, True, False),
-                             (True, False, "silu", True, False, True, False)]
+            variants = [v + (False, False) for v in variants]
+            if mp == 1:  # config.stream: the public op's (no norm) and the engine's
+                variants += [(True, True, "sparse", False, True, False), (True, True, "sparse", True, True, False),
+                             (True, True, "relu", True, True, False), (True, False, "silu", True, True, False)]
             if mp >= 16:  # compact_up: the public op's and the engine's
-                variants += [(True, False, "sparse", False, False, False, True),
-                             (True, True, "sparse", True, False, False, True)]
-            for gated, has_threshold, act, norm, fold, stream, compact in variants:
+                variants += [(True, False, "sparse", False, False, True), (True, True, "sparse", True, False, True)]
+            for gated, has_threshold, act, norm, stream, compact in variants:
                 if mp not in (1, 64) and not (gated and not has_threshold) and not norm:
                     continue
                 sig = {"x_ptr": f"*{ty}", "norm_ptr": f"*{ty}" if norm else "constexpr", "first_ptr": f"*{ty}",
                        "up_ptr": f"*{ty}", "threshold_ptr": "*fp32" if has_threshold else "constexpr",
-                       "h_ptr": "constexpr" if fold else f"*{ty}", "flags_ptr": "*i32", "count_ptr": "*i32",
-                       "down_t_ptr": f"*{ty}" if fold else "constexpr", "part_ptr": "*fp32" if fold else "constexpr",
-                       "M": "i32", "D": "i32", "H": "i32", "n_counts": "i32", "eps": "fp32", "stride_xm": "i32",
-                       "stride_fh": "i32", "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32",
-                       "stride_dh": "i32"}
-                k1 = dense_cfg if act != "sparse" else default_config(mp, arch, norm=norm)
-                k1 = fit_shared_memory(dataclasses.replace(k1, fold=fold, stream=stream, compact_up=compact), mp, arch)
+                       "h_ptr": f"*{ty}", "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32",
+                       "H": "i32", "n_counts": "i32", "eps": "fp32", "stride_xm": "i32", "stride_fh": "i32",
+                       "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32"}
+                k1 = default_config(mp, arch, dense=act != "sparse", norm=norm)
+                k1 = fit_shared_memory(dataclasses.replace(k1, stream=stream, compact_up=compact), mp, arch)
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "ACT": ACTS[act], "NORM": norm, "M_PAD": mp,
-                      "BLOCK_H": k1.block_h, "BLOCK_K": k1.block_k, "STREAM": stream, "FOLD": fold,
-                      "FOLD_K": min(k1.fold_k, D), "COMPACT_UP": compact, "UP_K": min(k1.up_k, D),
+                      "BLOCK_H": k1.block_h, "BLOCK_K": k1.block_k, "STREAM": stream, "COMPACT_UP": compact,
+                      "UP_K": min(k1.up_k, D),
                       "UP_STAGES": k1.up_stages, "DOT_IN_FP32": False}
-                for name, absent in (("threshold_ptr", not has_threshold), ("norm_ptr", not norm),
-                                     ("h_ptr", fold), ("down_t_ptr", not fold), ("part_ptr", not fold)):
+                for name, absent in (("threshold_ptr", not has_threshold), ("norm_ptr", not norm)):
                     if absent:
                         cx[name] = None
                 add(_decode_gate_up_kernel, sig, cx, k1.gate_warps, k1.gate_stages)
-                if fold and not stream:  # the reduce does not depend on the K1 loop
-                    sig = {"part_ptr": "*fp32", "flags_ptr": "*i32", "y_ptr": f"*{ty}",
-                           "res_ptr": f"*{ty}" if norm else "constexpr", "D": "i32", "P": "i32"}
-                    cx = {"BLOCK_D": k1.fold_cols, "BLOCK_P": k1.fold_chunk, "RESIDUAL": norm}
-                    if not norm:
-                        cx["res_ptr"] = None
-                    add(_decode_fold_reduce_kernel, sig, cx, k1.down_warps, 1)
             # (residual, config): the public op's; the engine's sparse and dense (every unit) down kernels
             downs = [(False, cfg)] + ([(True, cfg), (True, dense_cfg)] if mp in ENGINE_TOKENS else [])
             for residual, k2 in downs:

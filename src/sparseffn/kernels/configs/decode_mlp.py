@@ -17,11 +17,8 @@ class DecodeConfig:
     gate_stages, stream (one token only: the next weight tile loaded while the current one is reduced,
     decode_mlp._streamed_dot). K2: block_s list entries per step, block_d output columns per program
     (None: enough programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step,
-    split spans of the units per column block. fold (one token only): K1 also reads the up and down rows
-    of its active units, fold_k columns per step, and writes its program's share of y; a reduce kernel
-    of fold_cols columns per program (down_warps) sums the shares, fold_chunk programs' at a time.
-    compact_up (3+ tokens, sparse): K1's up pass over its active units gathered 16 at a time, up_k
-    columns per step, up_stages deep (decode_mlp._compact_up)."""
+    split spans of the units per column block. compact_up (3+ tokens, sparse): K1's up pass over its
+    active units gathered 16 at a time, up_k columns per step, up_stages deep (decode_mlp._compact_up)."""
 
     block_h: int = 16
     block_k: int = 256
@@ -34,22 +31,17 @@ class DecodeConfig:
     prefix: int = 4096  # flags per step of K2's compaction
     split: int = 1  # K2's programs per column block, each over one span of the units
     stream: bool = False  # one token: K1's loops keep the next weight tile in flight
-    fold: bool = False  # one token: the down product in K1, the shares summed by the fold reduce
-    fold_k: int = 1024  # a D-wide step (up and down in one round trip) costs every K1 program registers
-    fold_cols: int = 16
-    fold_chunk: int = 1024
     compact_up: bool = False  # 3+ tokens: K1's up pass on its active units only, gathered
     up_k: int = 1024
     up_stages: int = 2
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
-                                            "down_warps", "down_stages", "prefix", "split", "fold_k", "fold_cols",
-                                            "fold_chunk", "up_k", "up_stages"),
+                                            "down_warps", "down_stages", "prefix", "split", "up_k", "up_stages"),
                             powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix",
-                                           "fold_k", "fold_cols", "fold_chunk", "up_k"),
+                                           "up_k"),
                             at_least=((("block_k", "block_s", "up_k"), 16, "tl.dot"),
-                                      (("block_h",), 2, "a 2-D tile")), flags=("stream", "fold", "compact_up"))
+                                      (("block_h",), 2, "a 2-D tile")), flags=("stream", "compact_up"))
         if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
                                          or self.block_d < 16 or self.block_d & (self.block_d - 1)):
             raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
