@@ -20,8 +20,8 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
-    one token config.stream (the streamed K1), and from 16
-    padded tokens config.compact_up, the public op's and the engine's."""
+    one token config.stream (the streamed K1), and from 16 padded tokens config.compact_up, the public
+    op's and the engine's."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
