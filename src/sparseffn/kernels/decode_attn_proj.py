@@ -193,8 +193,6 @@ def _decode_qkv_rope_kernel(
     pair = block * PAIRS + j // 2  # [BLOCK_N]
     unit_in = pair < n_pairs
     units = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF  # [BLOCK_N] weight rows
-    if HAS_BIAS:  # loaded before the weight stream, as the rotary entries
-        bias = tl.load(b_ptr + units, mask=unit_in, other=0.0)
     if STREAM and M_PAD == 1:  # the same roundings of the norm (decode_mlp._normed_by)
         acc, _ = _streamed_dot(x_ptr, w_ptr, units, unit_in, D, stride_w, norm_ptr, tl.zeros((1,), tl.float32), eps,
                                True, True, BLOCK_N, BLOCK_K)  # [1, BLOCK_N] fp32
@@ -202,7 +200,7 @@ def _decode_qkv_rope_kernel(
         acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
                                M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
-        acc += bias.to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     out_dtype = q_ptr.dtype.element_ty
     acc = acc.to(out_dtype).to(tl.float32)  # rounded as the projection's output
     lo, hi = tl.split(tl.reshape(acc, (M_PAD, PAIRS, 2)))  # [M_PAD, PAIRS] dims i and i + d/2
@@ -250,16 +248,13 @@ def _decode_out_proj_kernel(
     unit_in = units < N
     rows = tl.arange(0, M_PAD)
     row_in = rows < M
-    mask = row_in[:, None] & unit_in[None, :]
-    # the residual and bias loaded first: their latency hides behind the weight stream
-    r = tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + units[None, :], mask=mask, other=0.0)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + units, mask=unit_in, other=0.0)
     acc = _rows_normed_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w, None, None,
                            M_PAD, BLOCK_N, BLOCK_K, False, STREAM, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
-        acc += bias.to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
+    mask = row_in[:, None] & unit_in[None, :]
+    r = tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + units[None, :], mask=mask, other=0.0)
     y = r.to(tl.float32) + acc.to(dtype).to(tl.float32)  # [M_PAD, BLOCK_N]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + units[None, :], y.to(dtype), mask=mask)
 

@@ -55,13 +55,10 @@ def _dense_down_kernel(
     col_in = cols < D
     rows = tl.arange(0, M_PAD)  # [M_PAD]
     row_in = rows < M
-    out = row_in[:, None] & col_in[None, :]
-    r = None
-    if RESIDUAL:  # loaded first, its latency behind the weight stream
-        r = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out, other=0.0)
     acc = _rows_dot(h_ptr, down_ptr, cols, col_in, rows, row_in, M, H, stride_hm, stride_dd,
                     M_PAD, BLOCK_D, BLOCK_K, DOT_IN_FP32)  # [M_PAD, BLOCK_D] fp32
-    y = _plus_residual(acc, r, RESIDUAL, y_ptr.dtype.element_ty)
+    out = row_in[:, None] & col_in[None, :]
+    y = _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL, y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], y, mask=out)
 
 

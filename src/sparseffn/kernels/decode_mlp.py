@@ -248,8 +248,6 @@ def _decode_gate_up_kernel(
         for c0 in range(0, n_counts, 1024):
             c = c0 + tl.arange(0, 1024)
             tl.store(count_ptr + c, tl.zeros((1024,), tl.int32), mask=c < n_counts)
-    if HAS_THRESHOLD:  # loaded before the gate's pass: its latency hides behind the weight stream
-        theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
     rstd = tl.zeros((M_PAD,), dtype=tl.float32)
     if STREAM and M_PAD == 1:  # the norm's pass behind the first gate tile's load
         acc, rstd = _streamed_dot(x_ptr, first_ptr, units, unit_in, D, stride_fh, norm_ptr, rstd, eps, NORM, NORM,
@@ -261,6 +259,7 @@ def _decode_gate_up_kernel(
                                rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, False, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
     if ACT == 0:
         if HAS_THRESHOLD:
+            theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
             acc = acc - theta[None, :]
         p = acc.to(out_dtype)  # [M_PAD, BLOCK_H] rounded once, as the prefill kernels
         on = ~(p <= 0) & row_in[:, None] & unit_in[None, :]  # [M_PAD, BLOCK_H] > 0 or NaN
@@ -269,13 +268,14 @@ def _decode_gate_up_kernel(
         if GATED and not COMPACT:  # else _compact_up reads the up rows
             if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
                 u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
-                                     norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, M_PAD == 1,
-                                     DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`; streamed at one token
+                                     norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM,
+                                     DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
                 h = h * u
     else:  # dense, rounded as the torch MLP rounds: act(g) and u in x's dtype, then their product
         g = acc.to(out_dtype)  # [M_PAD, BLOCK_H]
         if HAS_THRESHOLD:
-            g = (g.to(tl.float32) - theta.to(out_dtype).to(tl.float32)[None, :]).to(out_dtype)
+            theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0).to(out_dtype)  # [BLOCK_H]
+            g = (g.to(tl.float32) - theta.to(tl.float32)[None, :]).to(out_dtype)
         gf = g.to(tl.float32)
         if ACT == 1:
             h = tl.where(gf < 0, 0.0, gf).to(out_dtype).to(tl.float32)  # relu, NaN kept
@@ -296,11 +296,12 @@ def _decode_gate_up_kernel(
 
 
 @triton.jit
-def _plus_residual(acc, r, RESIDUAL: tl.constexpr, dtype: tl.constexpr):
-    """acc [R, BLOCK_D] fp32 rounded to dtype; RESIDUAL: plus r (the residual's tile), rounded again
-    (torch's `residual + mlp(x)` in dtype)."""
+def _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL: tl.constexpr, dtype: tl.constexpr):
+    """acc [R, BLOCK_D] fp32 rounded to dtype; RESIDUAL: plus res[rows, cols], rounded again (torch's
+    `residual + mlp(x)` in dtype)."""
     y = acc.to(dtype)
     if RESIDUAL:
+        r = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
     return y
 
@@ -334,14 +335,6 @@ def _decode_down_kernel(
     span = tl.cdiv(H, SPLIT)
     lo = tl.program_id(1) * span
     hi = tl.minimum(H, lo + span)
-    cols = c_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    col_in = cols < D
-    rows = tl.arange(0, ROWS)  # [ROWS]
-    row_in = rows < M
-    out = row_in[:, None] & col_in[None, :]
-    r = None
-    if RESIDUAL:  # loaded first, its latency behind the compaction and the down rows' reads
-        r = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out, other=0.0)
     # 1. the span's active units, compacted in ascending order (the same list in every program of the span)
     n_active = tl.sum(tl.zeros((1,), tl.int32), axis=0)
     for u0 in range(lo, hi, PREFIX):
@@ -351,6 +344,10 @@ def _decode_down_kernel(
         n_active += tl.sum(f, axis=0)
     tl.debug_barrier()  # the list this program stored is what it reads below
     # 2. the span's part of y[:, cols]
+    cols = c_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    col_in = cols < D
+    rows = tl.arange(0, ROWS)  # [ROWS]
+    row_in = rows < M
     if ROWS == 1:
         acc2 = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)  # [BLOCK_S, BLOCK_D] products, summed once
     else:
@@ -371,8 +368,10 @@ def _decode_down_kernel(
     if ROWS == 1:
         acc = tl.sum(acc2, axis=0)[None, :]
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    out = row_in[:, None] & col_in[None, :]
     if SPLIT == 1:
-        tl.store(y_ptrs, _plus_residual(acc, r, RESIDUAL, y_ptr.dtype.element_ty), mask=out)
+        tl.store(y_ptrs, _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL, y_ptr.dtype.element_ty),
+                 mask=out)
     else:
         # 3. the span's partial to scratch; the last span to finish this column block sums all spans
         # in span order (deterministic whichever arrives last) and writes y
@@ -383,7 +382,8 @@ def _decode_down_kernel(
             total = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
             for t in range(SPLIT):
                 total += tl.load(parts + t * M * D, mask=out, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, _plus_residual(total, r, RESIDUAL, y_ptr.dtype.element_ty), mask=out)
+            tl.store(y_ptrs, _plus_residual(total, res_ptr, rows, cols, stride_rm, out, RESIDUAL,
+                                            y_ptr.dtype.element_ty), mask=out)
 
 
 _gate_up_launch = Launcher(_decode_gate_up_kernel)
