@@ -49,13 +49,12 @@ def _rstd(sum_sq, D, eps):
 
 @triton.jit
 def _normed_product(acc, w, xv, g, rstd, dtype, M_PAD: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """acc + the products of the w tile [BLOCK_N, BLOCK_K] with the normed x tile [M_PAD, BLOCK_K]
-    (summed over the step: acc [M_PAD, BLOCK_N] below 16 tokens, the MMA's [BLOCK_N, M_PAD] from 16):
+    """acc + the products of the w tile [BLOCK_N, BLOCK_K] with the normed x tile [M_PAD, BLOCK_K]:
     n = round(round(x · rstd) · g), Llama's rounding points."""
     n = (xv.to(tl.float32) * rstd[:, None]).to(dtype)
     n = (n.to(tl.float32) * g.to(tl.float32)[None, :]).to(dtype)  # [M_PAD, BLOCK_K] the norm's output
-    if M_PAD < 16:  # each step's products summed at once: no tile-sized accumulator (registers: occupancy)
-        acc += tl.sum(w.to(tl.float32)[None, :, :] * n.to(tl.float32)[:, None, :], axis=2)  # [M_PAD, BLOCK_N]
+    if M_PAD < 16:
+        acc += w.to(tl.float32)[None, :, :] * n.to(tl.float32)[:, None, :]  # [M_PAD, BLOCK_N, BLOCK_K]
     else:
         acc = mma(w, tl.trans(n), acc, DOT_IN_FP32)  # [BLOCK_N, M_PAD]
     return acc
@@ -74,7 +73,7 @@ def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, ep
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
     dtype = x_ptr.dtype.element_ty
     if M_PAD < 16:
-        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)  # products, summed once
     else:
         acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     if ONE_STEP:
@@ -100,7 +99,7 @@ def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, ep
             g = tl.load(norm_ptr + k, mask=k_in, other=0.0)  # [BLOCK_K]
             acc = _normed_product(acc, w, xv, g, rstd, dtype, M_PAD, DOT_IN_FP32)
     if M_PAD < 16:
-        out = acc
+        out = tl.sum(acc, axis=2)
     else:
         out = tl.trans(acc)
     return out

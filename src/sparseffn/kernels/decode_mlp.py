@@ -136,7 +136,7 @@ def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
     if M_PAD == 1:
-        acc1 = tl.zeros((BLOCK_H,), dtype=tl.float32)  # each step's products summed at once: no tile-sized accumulator
+        acc2 = tl.zeros((BLOCK_H, BLOCK_K), dtype=tl.float32)  # [BLOCK_H, BLOCK_K] products, summed once
     elif M_PAD < 16:
         acc = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
     else:
@@ -149,7 +149,7 @@ def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm
             xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [1, BLOCK_K]
             if NORM:
                 xv = _normed(xv, norm_ptr, k, k_in, rstd[:, None])
-            acc1 += tl.sum(w.to(tl.float32) * xv.to(tl.float32), axis=1)
+            acc2 += w.to(tl.float32) * xv.to(tl.float32)
         elif M_PAD < 16:
             wf = w.to(tl.float32)
             for m in tl.static_range(M_PAD):
@@ -164,7 +164,7 @@ def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm
                 xv = _normed(xv, norm_ptr, k, k_in, rstd[:, None])
             acc_t = mma(w, tl.trans(xv), acc_t, DOT_IN_FP32)
     if M_PAD == 1:
-        acc = acc1[None, :]
+        acc = tl.sum(acc2, axis=1)[None, :]
     elif M_PAD >= 16:
         acc = tl.trans(acc_t)
     return acc
