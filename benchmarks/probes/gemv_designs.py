@@ -11,6 +11,9 @@ graph's replays (CUDA events): the time per launch, as the decode step sees it.
     rows_B      one program per B rows, the whole row in one load (one memory round trip per program)
     pers_P_B    P persistent programs, B rows per block, the next block's load issued before the
                 current block is reduced (a register double buffer)
+    tma_rR_pP_sS  TMA-fed programs: the weight viewed as [N*K/256, 256] box rows, R rows a block, P
+                programs (all: one per block) looping over blocks through an S-deep pipeline of TMA
+                loads into shared memory (in-flight bytes bounded by shared memory, not registers)
 
     python benchmarks/probes/gemv_designs.py OUT_CSV
 """
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sparseffn.bench.common import write_csv
 from sparseffn.bench.timing import run_metadata
@@ -54,6 +58,17 @@ def _persistent(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, B: tl.constexpr, P: tl.
         crows = (nxt - P) * B + tl.arange(0, B)
         tl.store(y_ptr + crows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=crows < N)
         w = w_next
+
+
+@triton.jit
+def _tma(x_ptr, w_desc, y_ptr, N, K: tl.constexpr, R: tl.constexpr, BOX: tl.constexpr, P: tl.constexpr,
+         STAGES: tl.constexpr):
+    SUB: tl.constexpr = K // BOX  # box rows per weight row
+    x2 = tl.reshape(tl.load(x_ptr + tl.arange(0, K)).to(tl.float32), (SUB, BOX))
+    for blk in tl.range(tl.program_id(0), tl.cdiv(N, R), P, num_stages=STAGES):
+        w = tl.reshape(w_desc.load([blk * R * SUB, 0]).to(tl.float32), (R, SUB, BOX))
+        rows = blk * R + tl.arange(0, R)
+        tl.store(y_ptr + rows, tl.sum(tl.sum(w * x2[None, :, :], axis=2), axis=1), mask=rows < N)
 
 
 def _graph_us(fns) -> float:
@@ -122,13 +137,21 @@ def main(out_csv: str) -> None:
                 p = p_mult * sms
                 variants[f"pers_{p_mult}x_{b}"] = [
                     lambda w=w, b=b, p=p: _persistent[(p,)](x, w, y, n, K=K, B=b, P=p, num_warps=4) for w in ws]
+        box = 256  # a TMA box row: at most 256 elements
+        for r in (2, 4):
+            descs = [TensorDescriptor.from_tensor(w.view(-1, box), [r * K // box, box]) for w in ws]
+            for p_mult, stages in ((0, 1), (1, 4), (2, 4), (4, 3), (4, 4), (2, 6), (1, 8), (8, 2)):
+                p = triton.cdiv(n, r) if p_mult == 0 else p_mult * sms
+                variants[f"tma_r{r}_p{p_mult or 'all'}_s{stages}"] = [
+                    lambda d=d, p=p, r=r, stages=stages: _tma[(p,)](x, d, y, n, K=K, R=r, BOX=box, P=p, STAGES=stages)
+                    for d in descs]
         bytes_ = n * K * 2
         for name, fns in variants.items():
             try:
                 fns[0]()
                 torch.cuda.synchronize()
                 err = ""
-                if name.startswith(("rows", "pers")):
+                if name.startswith(("rows", "pers", "tma")):
                     err = f"{(y - ref).abs().max().item():.1e}"
                 us = _graph_us(fns)
                 rows.append(dict(meta, n=n, k=K, variant=name, us=round(us, 2), tb_per_s=round(bytes_ / us / 1e6, 2),
