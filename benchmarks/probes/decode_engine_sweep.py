@@ -9,7 +9,10 @@ variant and kernel, written as it goes, so a run cut short keeps what it measure
 kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sparse_one_token,
 mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
 (DecodeConfig.stream, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
-DecodeConfig.compact_up from batch 3, each against its other form.
+DecodeConfig.compact_up from batch 3, each against its other form; pdl (the sparse step, auto) and
+pdl_dense (every MLP dense) set the configs' pdl field (programmatic dependent launch) on every engine
+kernel at once, then on all but one kind, and with o_proj at one token in one K step (its weight tile
+loaded before the wait).
 """
 
 import dataclasses
@@ -24,7 +27,8 @@ from decode_step import kernel_us
 from sparseffn.bench.common import write_csv
 from sparseffn.bench.decode_model import DecodeModelBenchConfig, build_bench_model
 from sparseffn.bench.timing import run_metadata
-from sparseffn.kernels.configs.decode_attention import AttentionConfig, ProjectionConfig, projection_config
+from sparseffn.kernels.configs.decode_attention import (AttentionConfig, ProjectionConfig, attention_config,
+                                                       projection_config)
 from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config, fit_shared_memory
 from sparseffn.models.generate import CapturedDecoder
 
@@ -52,6 +56,16 @@ def _variants(kernel: str, batch: int) -> list:
     """The configs tried for one kernel at one batch size, the default first (None for attention:
     the launcher's own choice, which depends on the batch and the GPU)."""
     mp = 1 if batch == 1 else (2 if batch == 2 else max(16, 1 << (batch - 1).bit_length()))
+    if kernel in ("pdl", "pdl_dense"):  # {kernel: config} for all of them at once; the first is the defaults
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        base = {"qkv": projection_config(mp, qkv=True), "out_proj": projection_config(mp, qkv=False),
+                "attention": attention_config(batch * 32, sms),  # the 2b model: 32 key/value heads
+                "mlp_sparse": default_config(mp, norm=True), "mlp_dense": default_config(mp, dense=True, norm=True)}
+        on = {k: dataclasses.replace(c, pdl=True) for k, c in base.items()}
+        variants = [base, on] + [dict(on, **{k: base[k]}) for k in base]
+        if mp == 1:
+            variants.append(dict(on, out_proj=dataclasses.replace(on["out_proj"], block_k=2048)))
+        return variants
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []
@@ -113,7 +127,9 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "mlp_sparse_one_token": ("gate_up", "_decode_down"),
                 "mlp_dense_one_token": ("gate_up", "_decode_down"), "qkv_one_token": ("qkv_rope",),
                 "out_proj_one_token": ("out_proj",), "mlp_sparse_compact": ("gate_up", "_decode_down"),
-                "attention": ("decode_attention",), "qkv": ("qkv_rope",), "out_proj": ("out_proj",)}
+                "attention": ("decode_attention",), "qkv": ("qkv_rope",), "out_proj": ("out_proj",),
+                "pdl": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
+                "pdl_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down")}
 
 
 def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_dense,attention,qkv,out_proj") -> None:
@@ -125,12 +141,15 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
     rows = []
     for batch, prompt in prompts.items():
         for kernel in kernels.split(","):
-            mode = "dense" if kernel.startswith("mlp_dense") else "auto"
+            mode = "dense" if kernel.startswith("mlp_dense") or kernel == "pdl_dense" else "auto"
             for layer in layers:
                 layer.mode = mode
             for i, config in enumerate(_variants(kernel, batch)):
                 OVERRIDE.clear()
-                OVERRIDE[kernel.removesuffix("_one_token").removesuffix("_compact")] = config
+                if isinstance(config, dict):  # the pdl group: every kernel's config
+                    OVERRIDE.update(config)
+                else:
+                    OVERRIDE[kernel.removesuffix("_one_token").removesuffix("_compact")] = config
                 t0 = time.perf_counter()
                 try:
                     decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens,

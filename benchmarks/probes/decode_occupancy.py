@@ -72,7 +72,8 @@ def main(out_csv: str) -> None:
         if "fp16" in repr(sig) or cx.get("M_PAD") != 1 or "BLOCK_K" not in cx:
             continue
         rows_per_tile = cx.get("BLOCK_H") or cx.get("BLOCK_N") or cx.get("BLOCK_D")  # the weight rows a step reads
-        names = ("GATED", "HAS_THRESHOLD", "HAS_BIAS", "ACT", "NORM", "STREAM", "RESIDUAL", "BLOCK_H", "BLOCK_N", "BLOCK_D", "BLOCK_K", "ONE_STEP")
+        names = ("GATED", "HAS_THRESHOLD", "HAS_BIAS", "ACT", "NORM", "STREAM", "RESIDUAL", "BLOCK_H", "BLOCK_N",
+                 "BLOCK_D", "BLOCK_K", "ONE_STEP", "PDL")
         label = " ".join(f"{k}={cx[k]}" for k in names if k in cx)
         rows.append(row(fn, sig, cx, opt, rows_per_tile, label))
         print(rows[-1], flush=True)

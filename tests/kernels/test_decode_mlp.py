@@ -163,6 +163,8 @@ def test_rejects_bad_arguments():
         decode_mlp(*(t.to(DEVICE) for t in (x, gate, up, down_t)), config=STREAM)
     with pytest.raises(TypeError, match="DecodeConfig.stream must be a bool"):
         DecodeConfig(stream=1)
+    with pytest.raises(TypeError, match="DecodeConfig.pdl must be a bool"):
+        DecodeConfig(pdl=1)
     with pytest.raises(ValueError, match="compact_up is for 3 or more tokens"):
         decode_mlp(*(t.to(DEVICE) for t in (x, gate, up, down_t)), config=COMPACT)
 

@@ -1,6 +1,7 @@
 """DecodeEngine on the GPU at a realistic width: the replayed CUDA graph picks exactly the tokens the
 same engine picks eagerly (teacher-forced), dense and sparse MLPs, CUDA-core (1) and tl.dot (16) rows;
-and its logits stay within twice the bf16 Hugging Face forward's error of the fp32 model."""
+and its logits stay within twice the bf16 Hugging Face forward's error of the fp32 model; with every kernel
+launched as a programmatic dependent (config.pdl) it gives the same bits."""
 
 from __future__ import annotations
 
@@ -67,3 +68,42 @@ def test_logits_within_twice_torch_error_of_fp32():
     ref = ref_model(input_ids=ids).logits[:, PROMPT:].float()
     torch_err = (hf - ref).abs().max()
     assert (got - ref).abs().max() <= 2 * torch_err + 1e-3
+
+
+def _all_pdl(monkeypatch):
+    """Every engine kernel's default config with pdl on (the config functions its launchers call)."""
+    import dataclasses
+
+    from sparseffn.kernels import decode_attention, decode_attn_proj, decode_mlp
+
+    for module, name in ((decode_mlp, "default_config"), (decode_attn_proj, "projection_config"),
+                         (decode_attention, "attention_config")):
+        make = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _make=make, **k: dataclasses.replace(_make(*a, **k), pdl=True))
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+@torch.no_grad()
+def test_programmatic_dependent_launch_changes_no_bit(mode, batch, monkeypatch):
+    """The engine's kernels launched as programmatic dependents (config.pdl) replay the same tokens and
+    give the same logits as launched one after the other."""
+    model = _model(mode)
+    ids = torch.randint(512, (batch, PROMPT + 4), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    runs = []
+    for pdl in (False, True):
+        if pdl:
+            _all_pdl(monkeypatch)
+        tokens = CapturedDecoder(model, batch_size=batch, max_length=PROMPT + NEW, eager_steps=1,
+                                 engine="fused").generate(ids[:, :PROMPT], NEW)
+        cache = StaticCache(config=model.config, max_cache_len=PROMPT + 4)
+        engine = DecodeEngine(model, batch_size=batch, max_length=PROMPT + 4)
+        model(input_ids=ids[:, :PROMPT], past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(PROMPT, device="cuda"))
+        engine.attach(cache, None)
+        zeros = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+        logits = [engine.logits(ids[:, t:t + 1], torch.tensor([t], device="cuda"), zeros)
+                  for t in range(PROMPT, PROMPT + 4)]
+        runs.append((tokens, torch.stack(logits)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])

@@ -1,4 +1,5 @@
-"""What the kernel files share: launch-time facts, the dtypes they take, one MMA helper."""
+"""What the kernel files share: launch-time facts, the dtypes they take, one MMA helper, programmatic
+dependent launch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Activation dtypes every kernel takes, and their names in Triton signatures (GPU compile specs).
 DTYPES = (torch.bfloat16, torch.float16)
@@ -148,3 +150,35 @@ def check_config_fields(config, *, positive=(), powers_of_two=(), at_least=(), f
     if max_regs is not None and (isinstance(max_regs, bool) or not isinstance(max_regs, int)
                                  or not 24 <= max_regs <= 255):
         raise ValueError(f"{owner}.max_regs must be None or an int in [24, 255], got {max_regs!r}")
+
+
+# Programmatic dependent launch (PDL, Hopper on), a `pdl` field of the decode launch configs. A kernel
+# launched with it may start while the kernel before it in the stream still runs: it first lets the
+# launch after it start too (`pdl_launch_dependents`), loads only what no kernel writes (weights) before
+# `pdl_wait`, and touches activations, caches and scratch only after it. griddepcontrol.wait returns once
+# the previous grid has finished and its writes are visible; that grid waited for its own predecessor,
+# so every earlier kernel has finished too. A launch without the attribute (torch's, cuBLAS's) waits
+# for the kernel before it as usual, and a kernel before it that never releases is waited for whole.
+PDL_CAPABILITY = HOPPER
+
+
+def pdl_options(pdl: bool, device: torch.device) -> dict:
+    """The launch options of a kernel whose config asks for `pdl`: its PDL constexpr, true only where
+    the GPU has the instructions (not under the interpreter, which takes no launch_pdl option), and
+    Triton's launch_pdl then."""
+    on = pdl and device.type == "cuda" and not interpreting() and capability(device) >= PDL_CAPABILITY
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel in the stream start (PDL): its programs wait in `pdl_wait` for this one."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has finished and its writes are visible (PDL)."""
+    if PDL:
+        gdc_wait()

@@ -9,6 +9,7 @@
         (b, g); the split arriving last combines all SPLITS partials in split order (deterministic
         whichever arrives last; one load of all (m, l), the partials' loads unrolled so they are in
         flight together), writes o and resets the counter to zero for the next call.
+    config.pdl (Hopper on): launched as a programmatic dependent (_runtime).
 
 Why. Work scales with each sequence's length, not the cache's: a split's slots come from positions[b]
 and valid_from[b] read on the device, so a 4096-slot cache at position 600 reads ~600 rows, and the
@@ -33,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import cdiv, interpreting, mma, next_power_of_2, num_sms
+from sparseffn.kernels._runtime import (cdiv, interpreting, mma, next_power_of_2, num_sms, pdl_launch_dependents,
+                                        pdl_options, pdl_wait)
 from sparseffn.kernels.configs.decode_attention import AttentionConfig, attention_config
 from sparseffn.kernels.launch import Launcher
 
@@ -64,8 +66,11 @@ def _decode_attention_kernel(
     SPLITS_PAD: tl.constexpr,  # next power of two >= SPLITS
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     bg = tl.program_id(0)
     split = tl.program_id(1)
     b = (bg // HKV).to(tl.int64)
@@ -189,6 +194,6 @@ def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=
         v_cache.stride(2),
         HEAD_DIM=d, GROUP=group, G_PAD=g_pad, SPLITS_PAD=next_power_of_2(splits), BLOCK_S=config.block_s,
         BLOCK_D=block_d, DOT_IN_FP32=interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, q.device),
     )
     return o

@@ -11,6 +11,8 @@
         rounded (as o_proj then the residual add in Hugging Face's layer), products by
         decode_mlp._rows_normed_dot (no norm). One token with config.stream: both kernels' products by
         decode_mlp._streamed_dot (the same norm roundings), the next step's tiles loaded a step ahead.
+        config.pdl (Hopper on): both launched as programmatic dependents (_runtime), o_proj at one token
+        in one K step with its weight tile loaded before the wait.
 
 Why. At decode (M <= 64 tokens, one per sequence) a projection is a read of its matrix: time is the
 weight bytes over the bandwidth plus one launch, so each step's norm, bias, RoPE, cache write and
@@ -32,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseffn.kernels._runtime import capability, cdiv, interpreting, mma
+from sparseffn.kernels._runtime import (capability, cdiv, interpreting, mma, pdl_launch_dependents, pdl_options,
+                                        pdl_wait)
 from sparseffn.kernels.configs.decode_attention import ProjectionConfig, projection_config
 from sparseffn.kernels.decode_mlp import _rows_normed_dot, _streamed_dot, m_pad
 from sparseffn.kernels.launch import Launcher
@@ -141,8 +144,11 @@ def _decode_qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     ONE_STEP: tl.constexpr,  # D <= BLOCK_K
     STREAM: tl.constexpr,  # one token: decode_mlp._streamed_dot's loop
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
@@ -242,14 +248,29 @@ def _decode_out_proj_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STREAM: tl.constexpr,  # one token: decode_mlp._streamed_dot's loop
+    ONE_STEP: tl.constexpr,  # K <= BLOCK_K
+    PDL: tl.constexpr,  # launched as a programmatic dependent: only weights read before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
+    # with PDL at one token in one K step, the weight tile (never written) is loaded before the wait
+    PREFETCH: tl.constexpr = PDL and M_PAD == 1 and ONE_STEP
+    pdl_launch_dependents(PDL)
     units = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     unit_in = units < N
     rows = tl.arange(0, M_PAD)
     row_in = rows < M
-    acc = _rows_normed_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w, None, None,
-                           M_PAD, BLOCK_N, BLOCK_K, False, STREAM, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+    if PREFETCH:
+        k = tl.arange(0, BLOCK_K)
+        k_in = k < K
+        w = tl.load(w_ptr + units.to(tl.int64)[:, None] * stride_w + k[None, :], mask=unit_in[:, None] & k_in[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_K]
+    pdl_wait(PDL)
+    if PREFETCH:  # the products of _rows_normed_dot's one-token step, summed the same way
+        av = tl.load(a_ptr + k[None, :], mask=k_in[None, :], other=0.0)  # [1, BLOCK_K]
+        acc = tl.sum(w.to(tl.float32) * av.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N] fp32
+    else:
+        acc = _rows_normed_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w, None, None,
+                               M_PAD, BLOCK_N, BLOCK_K, False, STREAM, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
@@ -295,7 +316,7 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, HAS_BIAS=has_bias, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         ONE_STEP=d_model <= config.block_k, STREAM=config.stream, DOT_IN_FP32=interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, hidden.device),
     )
     return q
 
@@ -311,6 +332,7 @@ def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: Projecti
     _out_launch[(cdiv(n, config.block_n),)](
         attn, wo, bo, residual, out, m, n, k, attn.stride(0), wo.stride(0), residual.stride(0), out.stride(0),
         HAS_BIAS=bo is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STREAM=config.stream,
-        DOT_IN_FP32=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+        ONE_STEP=k <= config.block_k, DOT_IN_FP32=interpreting(), num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_options(config.pdl, attn.device),
     )
     return out

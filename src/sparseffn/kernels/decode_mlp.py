@@ -15,7 +15,8 @@ and down matrices only the rows of units some token activates.
            column block; the span arriving last sums the parts in span order (deterministic) into y.
 Fused variants (the decode engine's): NORM, x is Llama's RMSNorm of x (each K1 program computes its
 rows' rstd, x being L2-resident); RESIDUAL, K2 writes x + y; ACT relu / silu, the dense MLP (every
-unit read and flagged, act(g) and u rounded as torch rounds them).
+unit read and flagged, act(g) and u rounded as torch rounds them). config.pdl (Hopper on): K1 and K2
+launched as programmatic dependents (_runtime).
 Why. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D] matrices, this
 path the gate matrix plus two D-rows per active unit, once per call; no host sync (CUDA-graph capturable).
 
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import (capability, cdiv, check_capability, check_few_tokens, interpreting, mma,
-                                        next_power_of_2, num_sms)
+                                        next_power_of_2, num_sms, pdl_launch_dependents, pdl_options, pdl_wait)
 from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config, down_rows
 from sparseffn.kernels.launch import Launcher
 
@@ -235,9 +236,12 @@ def _decode_gate_up_kernel(
     COMPACT_UP: tl.constexpr,  # 3+ tokens, sparse, gated: the up pass over the active units gathered (_compact_up)
     UP_K: tl.constexpr,
     UP_STAGES: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
     COMPACT: tl.constexpr = COMPACT_UP and GATED and ACT == 0 and M_PAD >= 16  # _compact_up reads the up rows
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     unit_in = units < H
     rows = tl.arange(0, M_PAD)  # [M_PAD]
@@ -329,8 +333,11 @@ def _decode_down_kernel(
     BLOCK_D: tl.constexpr,
     PREFIX: tl.constexpr,  # flags per step of the compaction
     RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     c_block = tl.program_id(0)
     span = tl.cdiv(H, SPLIT)
     lo = tl.program_id(1) * span
@@ -485,6 +492,7 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
         y.stride(0), x.stride(0),
         M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
         RESIDUAL=residual, DOT_IN_FP32=dot_fp32, num_warps=config.down_warps, num_stages=config.down_stages,
+        **pdl_options(config.pdl, x.device),
     )
     return y
 
@@ -511,5 +519,5 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
         M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k, STREAM=config.stream,
         COMPACT_UP=config.compact_up and act == "sparse", UP_K=min(config.up_k, max(16, next_power_of_2(d))),
         UP_STAGES=config.up_stages, DOT_IN_FP32=interpreting() or x.dtype == torch.float32,
-        num_warps=config.gate_warps, num_stages=config.gate_stages,
+        num_warps=config.gate_warps, num_stages=config.gate_stages, **pdl_options(config.pdl, x.device),
     )

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from sparseffn.kernels._runtime import TL_DTYPES
+from sparseffn.kernels._runtime import HOPPER, TL_DTYPES
 from sparseffn.kernels.configs.decode_attention import AttentionConfig, attention_config
 from sparseffn.kernels.decode_attention import _decode_attention_kernel, group_rows
 
 
-def compile_specs(with_options: bool = False):
+def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants `launch_decode_attention`
     uses with its default config: bf16 / fp16, head dims 64 and 128, no GQA (one query row) and
     GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions),
-    1, 2 and 16 splits (the combine's width); one split with the config of a pair per SM or more."""
+    1, 2 and 16 splits (the combine's width); one split with the config of a pair per SM or more; on
+    Hopper (`arch`) the bf16 ones also with config.pdl."""
     specs = []
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
@@ -29,11 +30,12 @@ def compile_specs(with_options: bool = False):
                 sig[name] = "i32"
             cx = {"HEAD_DIM": head_dim, "GROUP": group, "G_PAD": group_rows(group), "SPLITS_PAD": splits_pad,
                   "BLOCK_S": cfg.block_s,
-                  "BLOCK_D": head_dim, "DOT_IN_FP32": False}
+                  "BLOCK_D": head_dim, "PDL": False, "DOT_IN_FP32": False}
             if not with_from:
                 cx["from_ptr"] = None
             sig = {name: sig.get(name, "constexpr") for name in _decode_attention_kernel.arg_names}
-            spec = (_decode_attention_kernel, sig, cx)
-            specs.append(spec + (({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},)
-                                 if with_options else ()))
+            options = ({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},) if with_options else ()
+            specs.append((_decode_attention_kernel, sig, cx) + options)
+            if arch >= HOPPER and dtype == torch.bfloat16:
+                specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True)) + options)
     return specs

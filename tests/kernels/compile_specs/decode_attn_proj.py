@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from sparseffn.kernels._runtime import TL_DTYPES
+from sparseffn.kernels._runtime import HOPPER, TL_DTYPES
 from sparseffn.kernels.configs.decode_attention import projection_config
 from sparseffn.kernels.decode_attn_proj import _decode_out_proj_kernel, _decode_qkv_rope_kernel
 from sparseffn.kernels.decode_mlp import PADDED_TOKENS
@@ -16,15 +16,20 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants the launchers use on a GPU of
     capability `arch`: bf16 / fp16, every padded token count with its default configs (q/k/v's and
     o_proj's), head dims 64 and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit
-    rotary tables, D in one step or several; at one token also the streamed loops (config.stream)."""
+    rotary tables, D in one step or several; at one token also the streamed loops (config.stream) and
+    o_proj in one K step; on Hopper the bf16 kernels at 1 and 16 tokens also with config.pdl."""
     specs = []
 
     def add(fn, signature, constexprs, config):
+        constexprs.setdefault("PDL", False)
         for name in constexprs:
             signature.setdefault(name, "constexpr")
         spec = (fn, signature, constexprs)
         specs.append(spec + (({"num_warps": config.num_warps, "num_stages": config.num_stages},)
                              if with_options else ()))
+        if arch >= HOPPER and constexprs["M_PAD"] in (1, 16) and "bf16" in signature["w_ptr" if "w_ptr" in signature
+                                                                                         else "wq_ptr"]:
+            specs.append((fn, signature, dict(constexprs, PDL=True)) + specs[-1][3:])  # config.pdl
 
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
@@ -55,10 +60,13 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 sig = {"a_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}" if bias else "constexpr",
                        "r_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
                        "stride_w": "i32", "stride_rm": "i32", "stride_ym": "i32"}
-                for stream in (False, True) if mp == 1 else (False,):
-                    o_cfg = dataclasses.replace(out_cfg, stream=stream)
+                # (stream, block_k): the default, streamed at one token, and one K step at one token (with
+                # config.pdl its weight tile is loaded before the wait)
+                for stream, block_k in ((False, out_cfg.block_k),) + (((True, out_cfg.block_k), (False, 2048))
+                                                                       if mp == 1 else ()):
+                    o_cfg = dataclasses.replace(out_cfg, stream=stream, block_k=block_k)
                     cx = {"HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": o_cfg.block_n, "BLOCK_K": o_cfg.block_k,
-                          "STREAM": stream, "DOT_IN_FP32": False}
+                          "STREAM": stream, "ONE_STEP": block_k >= 2048, "DOT_IN_FP32": False}
                     if not bias:
                         cx["b_ptr"] = None
                     add(_decode_out_proj_kernel, dict(sig), cx, o_cfg)

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from sparseffn.kernels._runtime import TL_DTYPES
+from sparseffn.kernels._runtime import HOPPER, TL_DTYPES
 from sparseffn.kernels.configs.decode_mlp import default_config, down_rows, fit_shared_memory
 from sparseffn.kernels.decode_dense_mlp import _dense_down_kernel
 from sparseffn.kernels.decode_mlp import ACTS, PADDED_TOKENS, _decode_down_kernel, _decode_gate_up_kernel, down_block
@@ -21,14 +21,20 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
     one token config.stream (the streamed K1), and from 16 padded tokens config.compact_up, the public
-    op's and the engine's."""
+    op's and the engine's; on Hopper the engine's bf16 kernels also with config.pdl."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
+        if "PDL" in fn.arg_names:
+            constexprs.setdefault("PDL", False)
         for name in constexprs:
             signature.setdefault(name, "constexpr")
         spec = (fn, signature, constexprs)
         specs.append(spec + (({"num_warps": warps, "num_stages": stages},) if with_options else ()))
+        # config.pdl (Hopper on): the engine's bf16 kernels (norm fused into K1, residual into K2)
+        engine = constexprs.get("NORM") or constexprs.get("RESIDUAL")
+        if arch >= HOPPER and "PDL" in fn.arg_names and engine and "bf16" in signature.get("x_ptr", signature["h_ptr"]):
+            specs.append((fn, signature, dict(constexprs, PDL=True)) + specs[-1][3:])
 
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]

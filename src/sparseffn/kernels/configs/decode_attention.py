@@ -13,35 +13,40 @@ class ProjectionConfig:
     """A decode projection's launch: block_n output units per program (the q/k/v kernel takes them as
     block_n / 2 rotary pairs), block_k columns of D per step, num_warps, num_stages; stream (one token
     only): the streamed loop of decode_mlp._streamed_dot (the next step's tiles loaded while the current
-    one is reduced)."""
+    one is reduced); pdl: launched as a programmatic dependent (Hopper on; _runtime.pdl_options), o_proj at
+    one token in one K step loading its weight tile before the wait."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
     stream: bool = False
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_n", "block_k", "num_warps", "num_stages"),
                             powers_of_two=("block_n", "block_k", "num_warps"),
                             at_least=((("block_n",), 2, "rotary pairs"), (("block_k",), 16, "tl.dot")),
-                            flags=("stream",))
+                            flags=("stream", "pdl"))
 
 
 @dataclass(frozen=True)
 class AttentionConfig:
     """Split-KV attention: block_s cache slots per step, splits of each sequence's valid slots per
-    (sequence, key/value head) (None: enough programs to fill the GPU, at most max_splits)."""
+    (sequence, key/value head) (None: enough programs to fill the GPU, at most max_splits); pdl: launched
+    as a programmatic dependent (Hopper on; _runtime.pdl_options)."""
 
     block_s: int = 64
     num_warps: int = 4
     num_stages: int = 2
     splits: int | None = None
     max_splits: int = 16
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_s", "num_warps", "num_stages", "max_splits"),
-                            powers_of_two=("block_s", "num_warps"), at_least=((("block_s",), 16, "tl.dot"),))
+                            powers_of_two=("block_s", "num_warps"), at_least=((("block_s",), 16, "tl.dot"),),
+                            flags=("pdl",))
         if self.splits is not None and (isinstance(self.splits, bool) or not isinstance(self.splits, int)
                                         or self.splits < 1):
             raise ValueError(f"AttentionConfig.splits must be None or a positive int, got {self.splits!r}")

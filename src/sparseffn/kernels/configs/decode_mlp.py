@@ -18,7 +18,8 @@ class DecodeConfig:
     decode_mlp._streamed_dot). K2: block_s list entries per step, block_d output columns per program
     (None: enough programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step,
     split spans of the units per column block. compact_up (3+ tokens, sparse): K1's up pass over its
-    active units gathered 16 at a time, up_k columns per step, up_stages deep (decode_mlp._compact_up)."""
+    active units gathered 16 at a time, up_k columns per step, up_stages deep (decode_mlp._compact_up).
+    pdl: K1 and K2 launched as programmatic dependents (Hopper on; _runtime.pdl_options)."""
 
     block_h: int = 16
     block_k: int = 256
@@ -34,6 +35,7 @@ class DecodeConfig:
     compact_up: bool = False  # 3+ tokens: K1's up pass on its active units only, gathered
     up_k: int = 1024
     up_stages: int = 2
+    pdl: bool = False  # Hopper on: programmatic dependent launch (each kernel may start before the last ends)
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
@@ -41,7 +43,7 @@ class DecodeConfig:
                             powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix",
                                            "up_k"),
                             at_least=((("block_k", "block_s", "up_k"), 16, "tl.dot"),
-                                      (("block_h",), 2, "a 2-D tile")), flags=("stream", "compact_up"))
+                                      (("block_h",), 2, "a 2-D tile")), flags=("stream", "compact_up", "pdl"))
         if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
                                          or self.block_d < 16 or self.block_d & (self.block_d - 1)):
             raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
