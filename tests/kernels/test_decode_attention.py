@@ -105,5 +105,5 @@ def test_default_config_one_split_from_a_pair_per_sm():
     for about 4 programs per SM (batch 1 of a 32-head model on 132 SMs: 16)."""
     assert attention_config(132, 132) == AttentionConfig(splits=1, block_s=128)
     assert attention_config(512, 132).splits == 1
-    assert attention_config(32, 132) == AttentionConfig()
+    assert attention_config(32, 132) == AttentionConfig(pdl=True)
     assert num_splits(attention_config(32, 132), 32, 4096, 132) == 16

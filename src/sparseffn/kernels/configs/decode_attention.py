@@ -63,11 +63,11 @@ def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool =
     the bandwidth); q/k/v (6144 units) in 32-unit tiles: 256-column steps in 3 stages at 16 tokens,
     128-column steps in 4 at 32 and 64 (measured at 64: 2.3x faster than 16-unit tiles). Pipelined
     within the target's shared memory. From the captured engine step's sweep on the H200
-    (decode_engine_sweep.csv)."""
+    (decode_engine_sweep.csv). pdl at one token only (as decode_mlp.default_config)."""
     if m_padded == 1 and qkv:
-        return ProjectionConfig(block_n=4, block_k=1024, stream=True)
+        return ProjectionConfig(block_n=4, block_k=1024, stream=True, pdl=True)
     if m_padded <= 2:
-        return ProjectionConfig(block_n=2, block_k=1024 if m_padded == 1 else 2048)
+        return ProjectionConfig(block_n=2, block_k=1024 if m_padded == 1 else 2048, pdl=m_padded == 1)
     if not qkv:
         block_n, block_k, stages = 16, 256, 4
     else:
@@ -81,5 +81,5 @@ def attention_config(programs: int, sms: int) -> AttentionConfig:
     """The split-KV attention's default config for `programs` (sequence, key/value head) pairs on a
     GPU of `sms` SMs: with a pair per SM or more, one split of 128-slot steps (no combine; at batch 16
     on the 2b model 1.4x faster than two splits of 64); fewer pairs, AttentionConfig() (about 4
-    programs per SM)."""
-    return AttentionConfig(splits=1, block_s=128) if programs >= sms else AttentionConfig()
+    programs per SM), launched with pdl (as the one-token kernels around it)."""
+    return AttentionConfig(splits=1, block_s=128) if programs >= sms else AttentionConfig(pdl=True)
