@@ -162,6 +162,12 @@ def check_config_fields(config, *, positive=(), powers_of_two=(), at_least=(), f
 PDL_CAPABILITY = HOPPER
 
 
+def pdl_by_default(m_padded: int) -> bool:
+    """Whether the decode configs' defaults take pdl for a launch of `m_padded` padded tokens: at one
+    token only (in the engine's captured step it paid at batch 1 and lost at 16; docs/decode_engine.md)."""
+    return m_padded == 1
+
+
 def pdl_options(pdl: bool, device: torch.device) -> dict:
     """The launch options of a kernel whose config asks for `pdl`: its PDL constexpr, true only where
     the GPU has the instructions (not under the interpreter, which takes no launch_pdl option), and

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from sparseffn.kernels._runtime import HOPPER, check_config_fields, shared_memory_limit
+from sparseffn.kernels._runtime import HOPPER, check_config_fields, pdl_by_default, shared_memory_limit
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,11 @@ def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool =
     the bandwidth); q/k/v (6144 units) in 32-unit tiles: 256-column steps in 3 stages at 16 tokens,
     128-column steps in 4 at 32 and 64 (measured at 64: 2.3x faster than 16-unit tiles). Pipelined
     within the target's shared memory. From the captured engine step's sweep on the H200
-    (decode_engine_sweep.csv). pdl at one token only (as decode_mlp.default_config)."""
+    (decode_engine_sweep.csv). pdl: _runtime.pdl_by_default."""
     if m_padded == 1 and qkv:
-        return ProjectionConfig(block_n=4, block_k=1024, stream=True, pdl=True)
+        return ProjectionConfig(block_n=4, block_k=1024, stream=True, pdl=pdl_by_default(m_padded))
     if m_padded <= 2:
-        return ProjectionConfig(block_n=2, block_k=1024 if m_padded == 1 else 2048, pdl=m_padded == 1)
+        return ProjectionConfig(block_n=2, block_k=1024 if m_padded == 1 else 2048, pdl=pdl_by_default(m_padded))
     if not qkv:
         block_n, block_k, stages = 16, 256, 4
     else:

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from sparseffn.kernels._runtime import HOPPER, check_config_fields, shared_memory_limit
+from sparseffn.kernels._runtime import HOPPER, check_config_fields, pdl_by_default, shared_memory_limit
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,10 @@ def default_config(m_padded: int, arch: tuple[int, int] = HOPPER, dense: bool = 
     steps, without the norm and the dense gate + up in one, the engine's dense K1 in two streamed
     steps); more tokens: tl.dot tiles, pipelined, and at 16 the engine's sparse K1 with compact_up. The
     down kernel splits the units into 4 to 8 spans (more programs); dense (`dense`: every unit summed,
-    act relu / silu): 8 spans (measured at 1, 16 and 64 tokens). pdl at one token only: in the engine's
-    2b step on the H100 the sparse step gained 4% with it at batch 1 and both steps lost 8% at 16."""
+    act relu / silu): 8 spans (measured at 1, 16 and 64 tokens). pdl: _runtime.pdl_by_default."""
     if m_padded == 1:
         config = DecodeConfig(block_h=4, block_k=1024 if norm else 2048, gate_stages=1, block_s=128, block_d=64,
-                              down_stages=1, prefix=2048, split=4, stream=norm and dense, pdl=True)
+                              down_stages=1, prefix=2048, split=4, stream=norm and dense, pdl=pdl_by_default(m_padded))
     elif m_padded == 2:
         config = DecodeConfig(block_h=2, block_k=2048, gate_stages=1, block_s=64, block_d=64, down_stages=1,
                               prefix=2048, split=8)
