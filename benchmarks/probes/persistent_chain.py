@@ -6,9 +6,11 @@ the x the phase before wrote (fp32), 38 layers, every layer's weights distinct (
 
     launches          a launch per phase, one program per R rows (190 launches a step, one CUDA graph)
     launches_pdl      the same with programmatic dependent launch, weight rows loaded before the wait
-    persistent_layer  one launch per layer, P programs (SMs x per_sm), phases separated by grid_sync
+    persistent_layer  one launch per layer, P programs (SMs x per_sm), phases separated by a grid barrier
+                      (every program adds one to a counter, release, then polls it with acquire loads)
     persistent_step   one launch for all 38 layers
     ..._prefetch      each program loads its first tile of the next phase before the barrier
+    barriers          the persistent_step launch with no rows: 190 barriers alone, per barrier
 
     python benchmarks/probes/persistent_chain.py OUT_CSV
 """
@@ -23,11 +25,28 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from gemv_designs import _graph_us
 from sparseffn.bench.common import write_csv
 from sparseffn.bench.timing import run_metadata
-from sparseffn.kernels.persistent import grid_exit, grid_sync
 
 K, LAYERS = 2048, 38
 PHASES = (6144, 1200, 2048, 5632, 64)
 XMAX = 8192
+
+
+@triton.jit
+def grid_sync(count_ptr, target):
+    tl.debug_barrier()  # the program's writes are issued before the release
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def grid_exit(count_ptr, exit_ptr, programs):
+    """The last program out resets both counters for the next launch (all have passed the last barrier)."""
+    if tl.atomic_add(exit_ptr, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(exit_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -175,6 +194,14 @@ def main(out_csv: str) -> None:
                     torch.cuda.synchronize()
                     form = f"persistent_{per_launch}" + ("_prefetch" if prefetch else "")
                     record(form, r, per_sm, us, x[(steps % 2) * XMAX:][:K])
+    empty = torch.zeros(len(PHASES), device=dev, dtype=torch.int32)
+    for per_sm in (1, 2, 4):  # _persistent at R=4 fits 4 programs per SM (checked above)
+        us = _graph_us([lambda per_sm=per_sm: _persistent[(sms * per_sm,)](
+            w, x, counters[:1], counters[1:], empty, empty, 0, steps, len(PHASES), 0, K=K, R=4, XMAX=XMAX,
+            PREFETCH=False, num_warps=4)])
+        results.append(dict(meta, form="barriers", rows_per_tile=4, programs_per_sm=per_sm,
+                            us_per_step=round(us, 1), tb_per_s="", rel_err=""))
+        print(f"barriers alone, {sms * per_sm} programs: {us / steps:.2f} us a barrier", flush=True)
     write_csv(results, out_csv, tuple(results[0]))
 
 

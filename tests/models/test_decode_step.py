@@ -12,7 +12,6 @@ import torch
 from transformers import StaticCache
 
 import sparseffn
-from sparseffn.models import decode_step
 from sparseffn.models.decode_step import DecodeEngine
 from sparseffn.models.generate import CapturedDecoder
 from sparseffn.ops.sparse_mlp import as_captured, choose_mode
@@ -151,45 +150,3 @@ def test_reads_the_models_own_weights_fused_norms_too():
     positions = torch.arange(16, device=DEVICE)[None]
     cos, sin = model.model.rotary_emb(torch.empty(0, dtype=torch.bfloat16, device=DEVICE), positions)
     assert torch.equal(engine.cos, cos[0]) and torch.equal(engine.sin, sin[0])
-
-
-def _engine_logits(model, ids, p, **engine_options):
-    """Logits and caches of two engine steps after a p-token prompt (teacher-forced), batch 1."""
-    cache = StaticCache(config=model.config, max_cache_len=12)
-    engine = DecodeEngine(model, batch_size=1, max_length=12, **engine_options)
-    with torch.no_grad():
-        model(input_ids=ids[:, :p], past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(p, device=DEVICE))
-        engine.attach(cache, None)
-        logits = torch.stack([engine.logits(ids[:, t:t + 1], torch.tensor([t], device=DEVICE),
-                                            torch.zeros(1, 1, dtype=torch.long, device=DEVICE))[0]
-                              for t in (p, p + 1)])
-    return logits, [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
-
-
-@pytest.mark.parametrize("arch,mode,programs", [("llama", "sparse", None), ("qwen2", "dense", None),
-                                                ("llama", "sparse", 1)])
-def test_layer_kernel_gives_the_launch_by_launch_bits(arch, mode, programs, monkeypatch):
-    """One persistent launch per layer (kernels/decode_layer.py) runs the launch-by-launch step's item
-    code in phases: the same logits and cache writes, bit for bit (thresholded SparseMLPs; Qwen2's q/k/v
-    biases with dense MLPs). Under the interpreter the phases are separate launches of 4 programs, or
-    (programs 1) one launch through its grid barriers."""
-    if programs is not None:
-        launch = decode_step.launch_decode_layer
-        monkeypatch.setattr(decode_step, "launch_decode_layer", lambda *a, **k: launch(*a, **k, programs=programs))
-    model = _model(arch, sparse=True, threshold=True)
-    for layer in sparseffn.models.sparse_layers(model):
-        layer.mode = mode
-    ids = token_ids(1, 8).to(DEVICE)
-    want, want_caches = _engine_logits(model, ids, 6)
-    got, got_caches = _engine_logits(model, ids, 6, layer_kernel=True)
-    assert torch.equal(got, want)
-    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
-
-
-def test_layer_kernel_refusals():
-    model = _model("llama", sparse=True)
-    with pytest.raises(ValueError, match="batch_size 1"):
-        DecodeEngine(model, batch_size=2, max_length=16, layer_kernel=True)
-    with pytest.raises(ValueError, match=r"Hugging Face \[D, H\] down_proj"):
-        DecodeEngine(tiny_lm("llama", act="relu"), batch_size=1, max_length=16, layer_kernel=True)

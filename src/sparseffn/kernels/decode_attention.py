@@ -42,10 +42,8 @@ from sparseffn.kernels.launch import Launcher
 __all__ = ["group_rows", "launch_decode_attention", "num_splits"]
 
 
-@triton.jit
-def _attention_item(
-    bg,  # sequence b · HKV + key/value head g
-    split,  # the split of its valid slots
+@triton.jit(do_not_specialize=["SPLITS"])
+def _decode_attention_kernel(
     q_ptr,  # [B, Hq, d]
     k_ptr,  # [B, Hkv, S_max, d]
     v_ptr,  # [B, Hkv, S_max, d]
@@ -68,8 +66,13 @@ def _attention_item(
     SPLITS_PAD: tl.constexpr,  # next power of two >= SPLITS
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
+    bg = tl.program_id(0)
+    split = tl.program_id(1)
     b = (bg // HKV).to(tl.int64)
     g = (bg % HKV).to(tl.int64)
     last = tl.load(pos_ptr + b).to(tl.int32)
@@ -145,41 +148,6 @@ def _attention_item(
                                             cache_modifier=".cg")
             tl.store(o_ptrs, (o / l_all[:, None]).to(out_dtype), mask=o_mask)
             tl.atomic_xchg(count_ptr + bg, 0)  # left zero for the next call
-
-
-@triton.jit(do_not_specialize=["SPLITS"])
-def _decode_attention_kernel(
-    q_ptr,  # [B, Hq, d]
-    k_ptr,  # [B, Hkv, S_max, d]
-    v_ptr,  # [B, Hkv, S_max, d]
-    pos_ptr,  # [B] last valid slot
-    from_ptr,  # [B] first valid slot, or None (0)
-    o_ptr,  # [B, Hq·d] out
-    part_ptr,  # [B·Hkv, SPLITS, G_PAD, BLOCK_D] fp32 scratch (SPLITS > 1)
-    stat_ptr,  # [B·Hkv, SPLITS, 2, G_PAD] fp32 scratch: m, l
-    count_ptr,  # [B·Hkv] int32, zero on entry, left zero
-    HQ,
-    HKV,
-    SPLITS,
-    scale_log2,  # scaling · log2(e)
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr,
-    G_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next power of two >= SPLITS
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
-    DOT_IN_FP32: tl.constexpr,
-):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)
-    _attention_item(tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, pos_ptr, from_ptr, o_ptr, part_ptr,
-                    stat_ptr, count_ptr, HQ, HKV, SPLITS, scale_log2, stride_qb, stride_qh, stride_kb, stride_kh,
-                    stride_ks, stride_vb, stride_vh, stride_vs, HEAD_DIM, GROUP, G_PAD, SPLITS_PAD, BLOCK_S, BLOCK_D,
-                    DOT_IN_FP32)
 
 
 _launch = Launcher(_decode_attention_kernel)

@@ -108,9 +108,8 @@ def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, ep
     return out
 
 
-@triton.jit
-def _qkv_rope_block(
-    pid,  # the block: q's blocks first, then k's, v's (module docstring)
+@triton.jit(do_not_specialize=["M"])
+def _decode_qkv_rope_kernel(
     x_ptr,  # [M, D]
     norm_ptr,  # [D]
     wq_ptr,  # [Hq·d, D]
@@ -145,10 +144,14 @@ def _qkv_rope_block(
     BLOCK_K: tl.constexpr,
     ONE_STEP: tl.constexpr,  # D <= BLOCK_K
     STREAM: tl.constexpr,  # one token: decode_mlp._streamed_dot's loop
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
+    pid = tl.program_id(0)
     blocks_q = tl.cdiv(HQ * HALF, PAIRS)
     blocks_kv = tl.cdiv(HKV * HALF, PAIRS)
     # which matrix: 0 q, 1 k, 2 v
@@ -227,55 +230,7 @@ def _qkv_rope_block(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _decode_qkv_rope_kernel(
-    x_ptr,  # [M, D]
-    norm_ptr,  # [D]
-    wq_ptr,  # [Hq·d, D]
-    wk_ptr,  # [Hkv·d, D]
-    wv_ptr,  # [Hkv·d, D]
-    bq_ptr,  # [Hq·d] or None
-    bk_ptr,
-    bv_ptr,
-    cos_ptr,  # [S, d]
-    sin_ptr,  # [S, d]
-    pos_ptr,  # [M] int32 / int64
-    q_ptr,  # [M, Hq·d] out
-    k_cache_ptr,  # [B, Hkv, S_max, d] written at [m, :, pos[m]]
-    v_cache_ptr,
-    M,
-    D,
-    HQ,
-    HKV,
-    eps,
-    stride_xm,
-    stride_wq,
-    stride_wk,
-    stride_wv,
-    stride_cos,
-    stride_sin,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    HEAD_DIM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ONE_STEP: tl.constexpr,  # D <= BLOCK_K
-    STREAM: tl.constexpr,  # one token: decode_mlp._streamed_dot's loop
-    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
-    DOT_IN_FP32: tl.constexpr,
-):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)
-    _qkv_rope_block(tl.program_id(0), x_ptr, norm_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, cos_ptr, sin_ptr,
-                    pos_ptr, q_ptr, k_cache_ptr, v_cache_ptr, M, D, HQ, HKV, eps, stride_xm, stride_wq, stride_wk,
-                    stride_wv, stride_cos, stride_sin, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                    HEAD_DIM, HAS_BIAS, M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, STREAM, DOT_IN_FP32)
-
-
-@triton.jit
-def _out_proj_block(
-    pid,  # the block of output units
+def _decode_out_proj_kernel(
     a_ptr,  # [M, K]
     w_ptr,  # [N, K]
     b_ptr,  # [N] or None
@@ -299,7 +254,8 @@ def _out_proj_block(
 ):
     # with PDL at one token in one K step, the weight tile (never written) is loaded before the wait
     PREFETCH: tl.constexpr = PDL and M_PAD == 1 and ONE_STEP
-    units = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    pdl_launch_dependents(PDL)
+    units = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     unit_in = units < N
     rows = tl.arange(0, M_PAD)
     row_in = rows < M
@@ -322,34 +278,6 @@ def _out_proj_block(
     r = tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + units[None, :], mask=mask, other=0.0)
     y = r.to(tl.float32) + acc.to(dtype).to(tl.float32)  # [M_PAD, BLOCK_N]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + units[None, :], y.to(dtype), mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _decode_out_proj_kernel(
-    a_ptr,  # [M, K]
-    w_ptr,  # [N, K]
-    b_ptr,  # [N] or None
-    r_ptr,  # [M, N] residual
-    y_ptr,  # [M, N] out (may be the residual)
-    M,
-    N,
-    K,
-    stride_am,
-    stride_w,
-    stride_rm,
-    stride_ym,
-    HAS_BIAS: tl.constexpr,
-    M_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STREAM: tl.constexpr,  # one token: decode_mlp._streamed_dot's loop
-    ONE_STEP: tl.constexpr,  # K <= BLOCK_K
-    PDL: tl.constexpr,  # launched as a programmatic dependent: only weights read before pdl_wait
-    DOT_IN_FP32: tl.constexpr,
-):
-    pdl_launch_dependents(PDL)
-    _out_proj_block(tl.program_id(0), a_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_am, stride_w, stride_rm,
-                    stride_ym, HAS_BIAS, M_PAD, BLOCK_N, BLOCK_K, STREAM, ONE_STEP, PDL, DOT_IN_FP32)
 
 
 _qkv_launch = Launcher(_decode_qkv_rope_kernel)

@@ -205,9 +205,8 @@ def _compact_up(x_ptr, up_ptr, h_ptr, units, active, rows, row_in, D, stride_xm,
         tl.store(h_ptrs, (hv.to(tl.float32) * acc_t).to(h_ptr.dtype.element_ty), mask=h_in)
 
 
-@triton.jit
-def _gate_up_block(
-    pid,  # the block of units
+@triton.jit(do_not_specialize=["M"])
+def _decode_gate_up_kernel(
     x_ptr,  # [M, D]
     norm_ptr,  # [D] RMSNorm weight applied to x first (NORM), else None
     first_ptr,  # [H, D] gate (gated) or up (non-gated)
@@ -237,16 +236,19 @@ def _gate_up_block(
     COMPACT_UP: tl.constexpr,  # 3+ tokens, sparse, gated: the up pass over the active units gathered (_compact_up)
     UP_K: tl.constexpr,
     UP_STAGES: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
     COMPACT: tl.constexpr = COMPACT_UP and GATED and ACT == 0 and M_PAD >= 16  # _compact_up reads the up rows
-    units = pid * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
+    units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     unit_in = units < H
     rows = tl.arange(0, M_PAD)  # [M_PAD]
     row_in = rows < M
     out_dtype = x_ptr.dtype.element_ty  # h's
 
-    if pid == 0:
+    if tl.program_id(0) == 0:
         for c0 in range(0, n_counts, 1024):
             c = c0 + tl.arange(0, 1024)
             tl.store(count_ptr + c, tl.zeros((1024,), tl.int32), mask=c < n_counts)
@@ -297,47 +299,6 @@ def _gate_up_block(
                     stride_hh, norm_ptr, rstd, M_PAD, UP_K, UP_STAGES, NORM, DOT_IN_FP32)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _decode_gate_up_kernel(
-    x_ptr,  # [M, D]
-    norm_ptr,  # [D] RMSNorm weight applied to x first (NORM), else None
-    first_ptr,  # [H, D] gate (gated) or up (non-gated)
-    up_ptr,  # [H, D] up (gated), else unused
-    threshold_ptr,  # [H] fp32, or None when not HAS_THRESHOLD
-    h_ptr,  # out, x's dtype: h_t [H, M_PAD] (stride_hm 1, stride_hh M_PAD) or h [M, H] (H, 1)
-    flags_ptr,  # [H] int32 out
-    count_ptr,  # [n_counts] int32 out: zeros (K2's arrival counters)
-    M,
-    D,
-    H,
-    n_counts,
-    eps,
-    stride_xm,
-    stride_fh,
-    stride_uh,
-    stride_hm,
-    stride_hh,
-    GATED: tl.constexpr,
-    HAS_THRESHOLD: tl.constexpr,
-    ACT: tl.constexpr,  # 0: sparse relu (up rows of inactive units never read); 1: dense relu; 2: dense silu
-    NORM: tl.constexpr,
-    M_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STREAM: tl.constexpr,  # one token: _streamed_dot's loop
-    COMPACT_UP: tl.constexpr,  # 3+ tokens, sparse, gated: the up pass over the active units gathered (_compact_up)
-    UP_K: tl.constexpr,
-    UP_STAGES: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
-    DOT_IN_FP32: tl.constexpr,
-):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)
-    _gate_up_block(tl.program_id(0), x_ptr, norm_ptr, first_ptr, up_ptr, threshold_ptr, h_ptr, flags_ptr, count_ptr, M,
-                   D, H, n_counts, eps, stride_xm, stride_fh, stride_uh, stride_hm, stride_hh, GATED, HAS_THRESHOLD,
-                   ACT, NORM, M_PAD, BLOCK_H, BLOCK_K, STREAM, COMPACT_UP, UP_K, UP_STAGES, DOT_IN_FP32)
-
-
 @triton.jit
 def _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL: tl.constexpr, dtype: tl.constexpr):
     """acc [R, BLOCK_D] fp32 rounded to dtype; RESIDUAL: plus res[rows, cols], rounded again (torch's
@@ -349,10 +310,8 @@ def _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL: tl.conste
     return y
 
 
-@triton.jit
-def _down_item(
-    c_block,  # the block of output columns
-    span_id,  # the span of the units
+@triton.jit(do_not_specialize=["M"])
+def _decode_down_kernel(
     h_ptr,  # [H, M_PAD] x's dtype (h_t)
     flags_ptr,  # [H] int32
     list_ptr,  # [H] int32 scratch: the active units of each span, ascending
@@ -374,10 +333,14 @@ def _down_item(
     BLOCK_D: tl.constexpr,
     PREFIX: tl.constexpr,  # flags per step of the compaction
     RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
+    c_block = tl.program_id(0)
     span = tl.cdiv(H, SPLIT)
-    lo = span_id * span
+    lo = tl.program_id(1) * span
     hi = tl.minimum(H, lo + span)
     # 1. the span's active units, compacted in ascending order (the same list in every program of the span)
     n_active = tl.sum(tl.zeros((1,), tl.int32), axis=0)
@@ -420,7 +383,7 @@ def _down_item(
         # 3. the span's partial to scratch; the last span to finish this column block sums all spans
         # in span order (deterministic whichever arrives last) and writes y
         parts = part_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]  # span 0's [ROWS, BLOCK_D]
-        tl.store(parts + span_id.to(tl.int64) * M * D, acc, mask=out)
+        tl.store(parts + tl.program_id(1).to(tl.int64) * M * D, acc, mask=out)
         tl.debug_barrier()  # every thread's partial is stored before the release below
         if tl.atomic_add(count_ptr + c_block, 1, sem="acq_rel") == SPLIT - 1:
             total = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
@@ -428,39 +391,6 @@ def _down_item(
                 total += tl.load(parts + t * M * D, mask=out, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, _plus_residual(total, res_ptr, rows, cols, stride_rm, out, RESIDUAL,
                                             y_ptr.dtype.element_ty), mask=out)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _decode_down_kernel(
-    h_ptr,  # [H, M_PAD] x's dtype (h_t)
-    flags_ptr,  # [H] int32
-    list_ptr,  # [H] int32 scratch: the active units of each span, ascending
-    down_t_ptr,  # [H, D]
-    y_ptr,  # [M, D] out, x's dtype
-    res_ptr,  # [M, D] added to y (RESIDUAL; may be y itself), else None
-    part_ptr,  # [SPLIT, M, D] fp32 scratch: each span's partial sum (SPLIT > 1)
-    count_ptr,  # [cdiv(D, BLOCK_D)] int32, zero on entry: spans done per column block (SPLIT > 1)
-    M,
-    D,
-    H,
-    stride_dh,
-    stride_ym,
-    stride_rm,
-    M_PAD: tl.constexpr,
-    ROWS: tl.constexpr,  # 1 (CUDA-core products) or M_PAD padded to >= 16 (tl.dot)
-    SPLIT: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREFIX: tl.constexpr,  # flags per step of the compaction
-    RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
-    DOT_IN_FP32: tl.constexpr,
-):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)
-    _down_item(tl.program_id(0), tl.program_id(1), h_ptr, flags_ptr, list_ptr, down_t_ptr, y_ptr, res_ptr, part_ptr,
-               count_ptr, M, D, H, stride_dh, stride_ym, stride_rm, M_PAD, ROWS, SPLIT, BLOCK_S, BLOCK_D, PREFIX,
-               RESIDUAL, DOT_IN_FP32)
 
 
 _gate_up_launch = Launcher(_decode_gate_up_kernel)

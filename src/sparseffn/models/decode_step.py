@@ -32,12 +32,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparseffn.kernels._runtime import capability, num_sms
-from sparseffn.kernels.configs.decode_attention import attention_config
-from sparseffn.kernels.configs.decode_layer import layer_config
-from sparseffn.kernels.decode_attention import num_splits
-from sparseffn.kernels.decode_layer import LayerScratch, launch_decode_layer
-from sparseffn.kernels.decode_mlp import down_block
 from sparseffn.nn.fused import FusedRMSNorm
 from sparseffn.nn.projections import is_plain
 from sparseffn.nn.sparse_mlp import SparseMLP
@@ -79,7 +73,7 @@ class _Layer:
 class DecodeEngine:
     """The decode step of `model` for batch_size sequences of up to max_length tokens (module docstring)."""
 
-    def __init__(self, model: nn.Module, *, batch_size: int, max_length: int, layer_kernel: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, batch_size: int, max_length: int) -> None:
         config = getattr(model, "config", None)
         family = getattr(config, "model_type", None)
         if family not in FAMILIES:
@@ -101,13 +95,6 @@ class DecodeEngine:
         self.counters = torch.zeros(batch_size * hkv, dtype=torch.int32, device=self.device)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.planned = False
-        if layer_kernel and batch_size != 1:
-            raise ValueError(f"layer_kernel runs one token (batch_size 1), got batch_size {batch_size}")
-        if layer_kernel and not all(stored_transposed(layer.down) for layer in self.layers):
-            raise ValueError("layer_kernel reads down_proj weights stored transposed ([H, D] rows, as SparseMLP stores "
-                             "them); this model has a Hugging Face [D, H] down_proj")
-        self.layer_kernel = layer_kernel
-        self.scratch: LayerScratch | None = None
 
     def plan(self) -> None:
         """Each SparseMLP's path at this batch size: auto mode's decision for a captured decode call of
@@ -155,8 +142,6 @@ class DecodeEngine:
         left padding (zeros: none). Writes each layer's k and v at the rows' positions."""
         positions = position - shift[:, 0]  # [B] rotary position = cache slot after `attach`
         hidden = self.embed(ids[:, 0])  # [B, D]
-        if self.layer_kernel:
-            return self.lm_head(self.norm(self._layers_persistent(hidden, positions)))
         for layer, (keys, values) in zip(self.layers, self.caches):
             q = decode_qkv_rope(hidden, layer.attn_norm, layer.attn_eps, layer.wq, layer.wk, layer.wv, layer.bq,
                                 layer.bk, layer.bv, self.cos, self.sin, positions, keys, values)
@@ -166,35 +151,6 @@ class DecodeEngine:
             hidden = decode_mlp_block(hidden, layer.mlp_norm, layer.mlp_eps, layer.gate, layer.up, layer.down,
                                       threshold, act=layer.act, sparse=layer.sparse)
         return self.lm_head(self.norm(hidden))
-
-    def _layers_persistent(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Every layer in one launch each (kernels/decode_layer.py), hidden [1, D] updated in place."""
-        first = self.layers[0]
-        head_dim = self.cos.shape[1]
-        hq, hkv = first.wq.shape[0] // head_dim, first.wk.shape[0] // head_dim
-        d_model, h = first.up.shape[1], first.up.shape[0]
-        arch = capability(self.device)
-        sms = num_sms(self.device) if self.device.type == "cuda" else 4
-        if self.scratch is None:
-            slots = self.caches[0][0].shape[2]
-            splits = num_splits(attention_config(hkv, sms), hkv, slots, sms)
-            configs = [layer_config(arch, dense=not layer.sparse) for layer in self.layers]
-            self.scratch = LayerScratch.allocate(
-                d_model, hq, hkv, head_dim, h, splits, max(c.mlp.split for c in configs),
-                max(-(-d_model // down_block(c.mlp, d_model, sms)) for c in configs), self.dtype, self.device)
-        for i, (layer, (keys, values)) in enumerate(zip(self.layers, self.caches)):
-            threshold = layer.mlp.threshold if isinstance(layer.mlp, SparseMLP) and layer.mlp.has_threshold else None
-            following = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            first_w = layer.gate if layer.gate is not None else layer.up
-            up = layer.up if layer.gate is not None else None
-            launch_decode_layer(hidden, layer.attn_norm, layer.attn_eps, layer.wq, layer.wk, layer.wv, layer.bq,
-                                layer.bk, layer.bv, self.cos, self.sin, positions, keys, values, layer.scaling,
-                                layer.wo, layer.bo, layer.mlp_norm, layer.mlp_eps, first_w, up, layer.down.t(),
-                                threshold, self.scratch,
-                                None if following is None else (following.wq, following.wk, following.wv),
-                                act="sparse" if layer.sparse else layer.act,
-                                config=layer_config(arch, dense=not layer.sparse))
-        return hidden
 
 
 def _check_attention_span(config, max_length: int) -> None:
