@@ -9,7 +9,8 @@ variant and kernel, written as it goes, so a run cut short keeps what it measure
 kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sparse_one_token,
 mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
 (DecodeConfig.stream, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
-DecodeConfig.compact_up from batch 3, each against its other form; pdl (the sparse step, auto) and
+DecodeConfig.compact_up from batch 3, each against its other form; attention_prefetch the attention
+launcher's default against it with AttentionConfig.prefetch; pdl (the sparse step, auto) and
 pdl_dense (every MLP dense) set the configs' pdl field (programmatic dependent launch) on every engine
 kernel at once, then on all but one kind, and with o_proj at one token in one K step (its weight tile
 loaded before the wait).
@@ -105,6 +106,9 @@ def _variants(kernel: str, batch: int) -> list:
                   ((1, 64, 2, 128), (2, 64, 2, 128), (8, 64, 2, 128), (4, 32, 2, 128), (4, 128, 2, 128),
                    (4, 64, 3, 64), (8, 32, 2, 64))]
         return [base] + [dataclasses.replace(base, **v) for v in k1 + k2]
+    if kernel == "attention_prefetch":  # the launcher's default, then with AttentionConfig.prefetch
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        return [None, dataclasses.replace(attention_config(batch * 32, sms), prefetch=True)]  # 2b: 32 kv heads
     if kernel == "attention":
         base = None
         grid = [(s, b, w, st) for s in (4, 8, 16, 32) for b, w, st in ((32, 2, 2), (64, 4, 2), (128, 4, 2),
@@ -127,7 +131,8 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "mlp_sparse_one_token": ("gate_up", "_decode_down"),
                 "mlp_dense_one_token": ("gate_up", "_decode_down"), "qkv_one_token": ("qkv_rope",),
                 "out_proj_one_token": ("out_proj",), "mlp_sparse_compact": ("gate_up", "_decode_down"),
-                "attention": ("decode_attention",), "qkv": ("qkv_rope",), "out_proj": ("out_proj",),
+                "attention": ("decode_attention",), "attention_prefetch": ("decode_attention",),
+                "qkv": ("qkv_rope",), "out_proj": ("out_proj",),
                 "pdl": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
                 "pdl_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down")}
 
@@ -149,7 +154,8 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
                 if isinstance(config, dict):  # the pdl group: every kernel's config
                     OVERRIDE.update(config)
                 else:
-                    OVERRIDE[kernel.removesuffix("_one_token").removesuffix("_compact")] = config
+                    name = kernel.removesuffix("_one_token").removesuffix("_compact").removesuffix("_prefetch")
+                    OVERRIDE[name] = config
                 t0 = time.perf_counter()
                 try:
                     decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens,

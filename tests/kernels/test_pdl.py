@@ -29,7 +29,8 @@ for module in (decode_mlp, decode_attn_proj, decode_attention):
                                  options=opt).asm["ptx"]
             order = "".join("W" if "griddepcontrol.wait" in l else "L" if "griddepcontrol.launch" in l else "."
                             for l in ptx.splitlines() if "griddepcontrol" in l or "ld.global" in l)
-            print(fn.__name__, int(cx.get("ONE_STEP", False)), order)
+            early = (fn.__name__ == "_decode_out_proj_kernel" and cx.get("ONE_STEP")) or cx.get("PREFETCH")
+            print(fn.__name__, int(bool(early)), order)
 """
 
 
@@ -67,10 +68,10 @@ def test_release_first_then_only_weights_before_the_wait():
     kernels = {name for name, _, _ in rows}
     assert kernels == {"_decode_gate_up_kernel", "_decode_down_kernel", "_decode_qkv_rope_kernel",
                        "_decode_out_proj_kernel", "_decode_attention_kernel"}, kernels
-    for name, one_step, order in rows:
+    for name, early, order in rows:
         assert order.startswith("L") and order.count("W") == 1 and order.count("L") == 1, (name, order)
         before = order[1:order.index("W")]
-        if name == "_decode_out_proj_kernel" and one_step == "1":  # its weight tile in flight across the wait
+        if early == "1":  # o_proj's one-step weight tile, attention's positions and older slots (config.prefetch)
             assert before and set(before) == {"."}, (name, order)
         else:  # nothing read before the wait
             assert before == "", (name, order)

@@ -9,7 +9,9 @@
         (b, g); the split arriving last combines all SPLITS partials in split order (deterministic
         whichever arrives last; one load of all (m, l), the partials' loads unrolled so they are in
         flight together), writes o and resets the counter to zero for the next call.
-    config.pdl (Hopper on): launched as a programmatic dependent (_runtime).
+    config.pdl (Hopper on): launched as a programmatic dependent (_runtime); config.prefetch: positions,
+    valid_from and the first block's slots before positions[b] are read before the wait (the caller's
+    contract: no kernel still running writes them; the slot at positions[b] is read after it).
 
 Why. Work scales with each sequence's length, not the cache's: a split's slots come from positions[b]
 and valid_from[b] read on the device, so a 4096-slot cache at position 600 reads ~600 rows, and the
@@ -42,6 +44,28 @@ from sparseffn.kernels.launch import Launcher
 __all__ = ["group_rows", "launch_decode_attention", "num_splits"]
 
 
+@triton.jit
+def _attend_block(q, k, v, j_in, m_i, l_i, acc, scale_log2, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+                  DOT_IN_FP32: tl.constexpr):
+    """The online softmax's step over one block of slots (k, v [BLOCK_S, BLOCK_D], j_in its valid slots):
+    (m_i, l_i, acc) updated."""
+    if G_PAD == 1:  # [BLOCK_S, BLOCK_D] tiles, CUDA cores
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_S]
+    else:
+        s = mma(q, tl.trans(k), tl.zeros((G_PAD, BLOCK_S), tl.float32), DOT_IN_FP32)  # [G_PAD, BLOCK_S]
+    s = tl.where(j_in[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block has a valid slot
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # [G_PAD, BLOCK_S]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if G_PAD == 1:
+        acc += tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
+    else:
+        acc = mma(p.to(v.dtype), v, acc, DOT_IN_FP32)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["SPLITS"])
 def _decode_attention_kernel(
     q_ptr,  # [B, Hq, d]
@@ -67,10 +91,12 @@ def _decode_attention_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
+    PREFETCH: tl.constexpr,  # positions and the first block's older slots read before pdl_wait (config.prefetch)
     DOT_IN_FP32: tl.constexpr,
 ):
     pdl_launch_dependents(PDL)
-    pdl_wait(PDL)
+    if not PREFETCH:
+        pdl_wait(PDL)
     bg = tl.program_id(0)
     split = tl.program_id(1)
     b = (bg // HKV).to(tl.int64)
@@ -88,34 +114,38 @@ def _decode_attention_kernel(
     heads = g * GROUP + r
     dcol = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     d_in = dcol < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dcol[None, :],
-                mask=r_in[:, None] & d_in[None, :], other=0.0)  # [G_PAD, BLOCK_D]
     k_base = k_ptr + b * stride_kb + g * stride_kh
     v_base = v_ptr + b * stride_vb + g * stride_vh
+    if PREFETCH:  # the first block's slots before `last`, written by earlier steps, in flight across the wait
+        j = start + tl.arange(0, BLOCK_S)
+        old = ((j < end) & (j < last))[:, None] & d_in[None, :]
+        k_old = tl.load(k_base + j.to(tl.int64)[:, None] * stride_ks + dcol[None, :], mask=old, other=0.0)
+        v_old = tl.load(v_base + j.to(tl.int64)[:, None] * stride_vs + dcol[None, :], mask=old, other=0.0)
+        pdl_wait(PDL)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dcol[None, :],
+                mask=r_in[:, None] & d_in[None, :], other=0.0)  # [G_PAD, BLOCK_D]
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
-    for j0 in range(start, end, BLOCK_S):
+    loop_from = start
+    if PREFETCH:
+        if start < end:  # the first block: its slot `last` (the q/k/v launch's write) read now
+            j = start + tl.arange(0, BLOCK_S)
+            j_in = j < end
+            new = (j_in & (j >= last))[:, None] & d_in[None, :]
+            k = tl.where(new, tl.load(k_base + j.to(tl.int64)[:, None] * stride_ks + dcol[None, :], mask=new,
+                                      other=0.0), k_old)
+            v = tl.where(new, tl.load(v_base + j.to(tl.int64)[:, None] * stride_vs + dcol[None, :], mask=new,
+                                      other=0.0), v_old)
+            m_i, l_i, acc = _attend_block(q, k, v, j_in, m_i, l_i, acc, scale_log2, G_PAD, BLOCK_S, DOT_IN_FP32)
+        loop_from = start + BLOCK_S
+    for j0 in range(loop_from, end, BLOCK_S):
         j = j0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] slots
         j_in = j < end
         kv_mask = j_in[:, None] & d_in[None, :]
         k = tl.load(k_base + j.to(tl.int64)[:, None] * stride_ks + dcol[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + j.to(tl.int64)[:, None] * stride_vs + dcol[None, :], mask=kv_mask, other=0.0)
-        if G_PAD == 1:  # [BLOCK_S, BLOCK_D] tiles, CUDA cores
-            s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_S]
-        else:
-            s = mma(q, tl.trans(k), tl.zeros((G_PAD, BLOCK_S), tl.float32), DOT_IN_FP32)  # [G_PAD, BLOCK_S]
-        s = tl.where(j_in[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block has a valid slot
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [G_PAD, BLOCK_S]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if G_PAD == 1:
-            acc += tl.sum(tl.trans(p) * v.to(tl.float32), axis=0)[None, :]
-        else:
-            acc = mma(p.to(v.dtype), v, acc, DOT_IN_FP32)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, k, v, j_in, m_i, l_i, acc, scale_log2, G_PAD, BLOCK_S, DOT_IN_FP32)
 
     o_ptrs = o_ptr + b * HQ * HEAD_DIM + heads[:, None] * HEAD_DIM + dcol[None, :]  # [G_PAD, BLOCK_D]
     o_mask = r_in[:, None] & d_in[None, :]
@@ -193,7 +223,7 @@ def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         HEAD_DIM=d, GROUP=group, G_PAD=g_pad, SPLITS_PAD=next_power_of_2(splits), BLOCK_S=config.block_s,
-        BLOCK_D=block_d, DOT_IN_FP32=interpreting(),
+        BLOCK_D=block_d, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, q.device),
     )
     return o

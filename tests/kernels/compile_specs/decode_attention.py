@@ -14,7 +14,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     uses with its default config: bf16 / fp16, head dims 64 and 128, no GQA (one query row) and
     GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions),
     1, 2 and 16 splits (the combine's width); one split with the config of a pair per SM or more; on
-    Hopper (`arch`) the bf16 ones also with config.pdl."""
+    Hopper (`arch`) the bf16 ones also with config.pdl, and with pdl and config.prefetch."""
     specs = []
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
@@ -30,7 +30,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 sig[name] = "i32"
             cx = {"HEAD_DIM": head_dim, "GROUP": group, "G_PAD": group_rows(group), "SPLITS_PAD": splits_pad,
                   "BLOCK_S": cfg.block_s,
-                  "BLOCK_D": head_dim, "PDL": False, "DOT_IN_FP32": False}
+                  "BLOCK_D": head_dim, "PDL": False, "PREFETCH": False, "DOT_IN_FP32": False}
             if not with_from:
                 cx["from_ptr"] = None
             sig = {name: sig.get(name, "constexpr") for name in _decode_attention_kernel.arg_names}
@@ -38,4 +38,5 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             specs.append((_decode_attention_kernel, sig, cx) + options)
             if arch >= HOPPER and dtype == torch.bfloat16:
                 specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True)) + options)
+                specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True, PREFETCH=True)) + options)
     return specs

@@ -34,7 +34,11 @@ class ProjectionConfig:
 class AttentionConfig:
     """Split-KV attention: block_s cache slots per step, splits of each sequence's valid slots per
     (sequence, key/value head) (None: enough programs to fill the GPU, at most max_splits); pdl: launched
-    as a programmatic dependent (Hopper on; _runtime.pdl_options)."""
+    as a programmatic dependent (Hopper on; _runtime.pdl_options); prefetch: positions, valid_from and
+    each program's first block of older slots (before positions[b]) read before the PDL wait, so they are
+    in flight while the launch before still runs. Only for callers where no kernel still running writes
+    positions, valid_from or those slots (the decode engine: positions come from the step's first op,
+    older slots from earlier steps); off in the public op's defaults."""
 
     block_s: int = 64
     num_warps: int = 4
@@ -42,11 +46,12 @@ class AttentionConfig:
     splits: int | None = None
     max_splits: int = 16
     pdl: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_s", "num_warps", "num_stages", "max_splits"),
                             powers_of_two=("block_s", "num_warps"), at_least=((("block_s",), 16, "tl.dot"),),
-                            flags=("pdl",))
+                            flags=("pdl", "prefetch"))
         if self.splits is not None and (isinstance(self.splits, bool) or not isinstance(self.splits, int)
                                         or self.splits < 1):
             raise ValueError(f"AttentionConfig.splits must be None or a positive int, got {self.splits!r}")
