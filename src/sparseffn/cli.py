@@ -185,7 +185,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.temperature > 0 else {}
     torch.manual_seed(args.seed)
     decoder = CapturedDecoder(model, batch_size=1, max_length=ids.shape[1] + args.max_new_tokens,
-                              eager_steps=eager_steps, compile=args.compile, **sampling)
+                              eager_steps=eager_steps, compile=args.compile, engine=args.engine, **sampling)
     out = decoder.generate(ids, args.max_new_tokens)
     print(tokenizer.decode(out[0].tolist()))
     return 0
@@ -443,6 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                      help="also run the decode step's forward through torch.compile: a slower start (the "
                           "compile), faster steps; for long generations (default: off)")
+    gen.add_argument("--engine", default="auto", choices=("auto", "hf", "fused"),
+                     help="the decode step: the Hugging Face forward (hf), the fused decode engine of Llama-family "
+                          "models (fused), or fused where it was measured faster: a Hopper GPU, compile off (auto, "
+                          "the default)")
     gen.set_defaults(func=_cmd_generate)
 
     fx = sub.add_parser("fixture", help="write a checkpoint in the format of the paper's released SparseLM models "

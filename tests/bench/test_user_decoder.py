@@ -33,7 +33,7 @@ def test_user_decoder_matches_the_model(sparse):
         ours = decoder(prompt, torch.arange(9))
         theirs = model(input_ids=prompt).logits[:, -1]
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    expected = CapturedDecoder(model, batch_size=2, max_length=32).generate(prompt, 12)
+    expected = CapturedDecoder(model, engine="hf", batch_size=2, max_length=32).generate(prompt, 12)
     assert torch.equal(decoder.generate(prompt, 12), expected)
 
 

@@ -1,5 +1,5 @@
 """DecodeEngine (CapturedDecoder(engine="fused")): Hugging Face's greedy tokens, logits within twice
-bf16 torch's error of an fp32 reference, per-layer paths from ops/decide.py, refusals.
+bf16 torch's error of an fp32 reference, per-layer paths from ops/decide.py, refusals, engine="auto".
 
 The kernels run under the interpreter here (slow: tiny models, few steps); the GPU test captures."""
 
@@ -12,7 +12,8 @@ import torch
 from transformers import StaticCache
 
 import sparseffn
-from sparseffn.models.decode_step import DecodeEngine
+from sparseffn.models import decode_step
+from sparseffn.models.decode_step import DecodeEngine, Unsupported
 from sparseffn.models.generate import CapturedDecoder
 from sparseffn.ops.sparse_mlp import as_captured, choose_mode
 from tests.models.families import family_lm
@@ -134,6 +135,33 @@ def test_refuses_what_it_does_not_compute():
         CapturedDecoder(model, batch_size=1, max_length=16, engine="megakernel")
     with pytest.raises(ValueError, match="pick one"):
         CapturedDecoder(model, batch_size=1, max_length=16, engine="fused", compile=True)
+
+
+def test_auto_takes_the_engine_where_its_step_was_measured_faster(monkeypatch):
+    """engine="auto" (the default): the Hugging Face step off Hopper GPUs, with compile=True, above batch 16
+    and for a model the engine refuses, saying why; the engine otherwise. Explicit engines stay as asked."""
+    model = _model("llama", sparse=True)
+    if DEVICE == "cpu":
+        decoder = CapturedDecoder(model, batch_size=1, max_length=16)
+        assert decoder.engine == "hf" and "timed on CUDA GPUs" in decoder.engine_reason
+    monkeypatch.setattr(decode_step, "_device_refusal", lambda device: None)  # as on an H100 / H200
+    decoder = CapturedDecoder(model, batch_size=1, max_length=16)
+    assert decoder.engine == "fused" and decoder.engine_reason == "a llama model at batch 1 on a Hopper GPU"
+    assert CapturedDecoder(model, batch_size=16, max_length=16).engine == "fused"
+    assert CapturedDecoder(model, batch_size=1, max_length=16, engine="hf").engine == "hf"
+    for kwargs, why in (({"batch_size": 17}, "batch 17 > 16"),
+                        ({"batch_size": 1, "compile": True}, "compile=True compiles the Hugging Face forward")):
+        decoder = CapturedDecoder(model, max_length=16, **kwargs)
+        assert decoder.engine == "hf" and why in decoder.engine_reason
+    hooked = _model("llama", sparse=False)
+    hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    refused = {"Llama-family models": family_lm("gemma", "relu"), "bf16 / fp16 models, this one is torch.float32":
+               _model("llama", sparse=False, dtype=torch.float32), "layers.1.mlp has forward hooks": hooked}
+    for why, other in refused.items():
+        decoder = CapturedDecoder(other, batch_size=1, max_length=16)
+        assert decoder.engine == "hf" and why in decoder.engine_reason
+        with pytest.raises(Unsupported, match=why.split(",")[0]):
+            CapturedDecoder(other, batch_size=1, max_length=16, engine="fused")
 
 
 def test_reads_the_models_own_weights_fused_norms_too():

@@ -191,8 +191,8 @@ def test_gpu_captured_steps_match_eager_steps(mode):
     model = _model().cuda().to(torch.bfloat16)
     sparseffn.sparsify_(model, sparseffn.SparsityConfig(mode=mode))
     prompt = torch.randint(128, (1, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    eager = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=100).generate(prompt, 30)
-    captured = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=5).generate(prompt, 30)
+    eager = CapturedDecoder(model, engine="hf", batch_size=1, max_length=64, eager_steps=100).generate(prompt, 30)
+    captured = CapturedDecoder(model, engine="hf", batch_size=1, max_length=64, eager_steps=5).generate(prompt, 30)
     assert torch.equal(eager, captured)
 
 
@@ -204,8 +204,9 @@ def test_gpu_compiled_captured_steps_match_eager_steps():
     model = _model().cuda().to(torch.bfloat16)
     sparseffn.sparsify_(model, sparseffn.SparsityConfig(mode="auto"))
     prompt = torch.randint(128, (1, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    stepped = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=100, compile=True).generate(prompt, 30)
-    captured = CapturedDecoder(model, batch_size=1, max_length=64, compile=True).generate(prompt, 30)
+    stepped = CapturedDecoder(model, engine="hf", batch_size=1, max_length=64, eager_steps=100,
+                              compile=True).generate(prompt, 30)
+    captured = CapturedDecoder(model, engine="hf", batch_size=1, max_length=64, compile=True).generate(prompt, 30)
     assert torch.equal(stepped, captured)
 
 
@@ -218,14 +219,14 @@ def test_gpu_captured_steps_stop_at_end_tokens_and_sample():
     model = _model().cuda().to(torch.bfloat16)
     sparseffn.sparsify_(model, sparseffn.SparsityConfig(mode="auto"))
     prompt = torch.randint(128, (1, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    free = CapturedDecoder(model, batch_size=1, max_length=96, eager_steps=100).generate(prompt, 60)
+    free = CapturedDecoder(model, engine="hf", batch_size=1, max_length=96, eager_steps=100).generate(prompt, 60)
     eos = int(free[0, 12 + 40])
     end = int((free[0, 12:] == eos).int().argmax())  # its first occurrence, at or before step 40
     kwargs = dict(batch_size=1, max_length=96, eos_token_id=eos, pad_token_id=0)
-    eager = CapturedDecoder(model, eager_steps=100, **kwargs).generate(prompt, 60)
-    captured = CapturedDecoder(model, **kwargs).generate(prompt, 60)
+    eager = CapturedDecoder(model, engine="hf", eager_steps=100, **kwargs).generate(prompt, 60)
+    captured = CapturedDecoder(model, engine="hf", **kwargs).generate(prompt, 60)
     assert torch.equal(eager, captured) and captured.shape == (1, 12 + end + 1)
-    sampler = CapturedDecoder(model, batch_size=1, max_length=96, do_sample=True, temperature=2.0)
+    sampler = CapturedDecoder(model, engine="hf", batch_size=1, max_length=96, do_sample=True, temperature=2.0)
     first, second = sampler.generate(prompt, 60), sampler.generate(prompt, 60)
     assert not torch.equal(first[:, 20:], second[:, 20:]) and int(first.max()) < 128
 
@@ -239,8 +240,9 @@ def test_gpu_captured_left_padded_batch_matches_eager_steps():
     prompt = torch.randint(1, 128, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     mask = torch.ones_like(prompt)
     mask[0, :5] = 0
-    eager = CapturedDecoder(model, batch_size=2, max_length=64, eager_steps=100).generate(prompt, 30, attention_mask=mask)
-    decoder = CapturedDecoder(model, batch_size=2, max_length=64)
+    eager = CapturedDecoder(model, engine="hf", batch_size=2, max_length=64,
+                            eager_steps=100).generate(prompt, 30, attention_mask=mask)
+    decoder = CapturedDecoder(model, engine="hf", batch_size=2, max_length=64)
     plain = decoder.generate(prompt, 30)
     assert torch.equal(decoder.generate(prompt, 30, attention_mask=mask), eager)
     assert torch.equal(decoder.generate(prompt, 30), plain)
@@ -266,11 +268,12 @@ for layer in layers:
     layer.expected_nnz = 30.0  # auto mode decides from this hint (no activity to measure first)
 for batch in (1, 4):  # the decode kernels' variants for 1 and for 3-16 tokens, each loaded first here
     prompt = torch.randint(256, (batch, 80), device="cuda")  # > 64 tokens: the prefill never runs as captured
-    captured = CapturedDecoder(model, batch_size=batch, max_length=128, eager_steps=1).generate(prompt, 24)
+    captured = CapturedDecoder(model, engine="hf", batch_size=batch, max_length=128, eager_steps=1).generate(prompt, 24)
     decisions = {(layer.last_decision.mode, layer.last_decision.reason.split(":")[0]) for layer in layers}
     assert decisions == {("sparse", "decode")}, decisions
     with as_captured():
-        stepped = CapturedDecoder(model, batch_size=batch, max_length=128, eager_steps=100).generate(prompt, 24)
+        stepped = CapturedDecoder(model, engine="hf", batch_size=batch, max_length=128,
+                                  eager_steps=100).generate(prompt, 24)
     assert torch.equal(captured, stepped), batch
 print("captured in a fresh process")
 """

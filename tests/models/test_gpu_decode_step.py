@@ -1,7 +1,8 @@
 """DecodeEngine on the GPU at a realistic width: the replayed CUDA graph picks exactly the tokens the
 same engine picks eagerly (teacher-forced), dense and sparse MLPs, CUDA-core (1) and tl.dot (16) rows;
 and its logits stay within twice the bf16 Hugging Face forward's error of the fp32 model; with every kernel
-launched as a programmatic dependent (config.pdl) it gives the same bits."""
+launched as a programmatic dependent (config.pdl) it gives the same bits; CapturedDecoder's default takes
+it on Hopper."""
 
 from __future__ import annotations
 
@@ -107,3 +108,18 @@ def test_programmatic_dependent_launch_changes_no_bit(mode, batch, monkeypatch):
         runs.append((tokens, torch.stack(logits)))
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1])
+
+
+@torch.no_grad()
+def test_auto_takes_the_engine_on_hopper():
+    """CapturedDecoder's default (engine="auto") runs the fused engine on an H100 / H200 at batch <= 16,
+    the same tokens as engine="fused"; elsewhere the Hugging Face step, saying why."""
+    model = _model("sparse")
+    prompt = torch.randint(512, (2, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    auto = CapturedDecoder(model, batch_size=2, max_length=PROMPT + NEW, eager_steps=1)
+    if torch.cuda.get_device_capability() != (9, 0):
+        assert auto.engine == "hf" and "Hopper" in auto.engine_reason
+        return
+    assert auto.engine == "fused"
+    fused = CapturedDecoder(model, batch_size=2, max_length=PROMPT + NEW, eager_steps=1, engine="fused")
+    assert torch.equal(auto.generate(prompt, NEW), fused.generate(prompt, NEW))

@@ -284,6 +284,6 @@ def test_gpu_sparse_kernels_on_an_imported_checkpoint(tmp_path, gated):
     for m in sparse_mlps(model):
         m.mode = "auto"
     prompt = ids[:1, :24]
-    eager = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=100).generate(prompt, 24)
-    captured = CapturedDecoder(model, batch_size=1, max_length=64, eager_steps=3).generate(prompt, 24)
+    eager = CapturedDecoder(model, engine="hf", batch_size=1, max_length=64, eager_steps=100).generate(prompt, 24)
+    captured = CapturedDecoder(model, engine="hf", batch_size=1, max_length=64, eager_steps=3).generate(prompt, 24)
     assert torch.equal(eager, captured)

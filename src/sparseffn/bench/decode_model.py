@@ -124,7 +124,7 @@ def _greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
     eager = 5 if prompt.is_cuda else new_tokens  # capture needs CUDA (tests run this on CPU)
     decoder = CapturedDecoder(model, batch_size=prompt.shape[0], max_length=prompt.shape[1] + new_tokens,
-                              eager_steps=eager)
+                              eager_steps=eager, engine="hf")
     return decoder.generate(prompt, new_tokens)
 
 
@@ -168,7 +168,7 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
 def timed_providers(cfg: DecodeModelBenchConfig) -> list[tuple[str, dict]]:
     """(provider, CapturedDecoder options) of each captured provider the config asks for, in order."""
     providers = [(name, options) for name, options, wanted in (
-        ("captured", {}, cfg.captured), ("compiled", {"compile": True}, cfg.compile),
+        ("captured", {"engine": "hf"}, cfg.captured), ("compiled", {"compile": True, "engine": "hf"}, cfg.compile),
         ("step", {"engine": "fused"}, cfg.step)) if wanted]
     if not providers:
         raise ValueError("nothing to time: --captured, --compile and --step are all off")

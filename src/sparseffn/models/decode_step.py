@@ -1,5 +1,6 @@
 """`DecodeEngine`: one decode step of a Llama-family model (Llama, Mistral, Qwen2) in four launches per
-layer, over the model's own weights (views, nothing copied), for `CapturedDecoder(engine="fused")`.
+layer, over the model's own weights (views, nothing copied), for `CapturedDecoder` (engine "fused", or
+"auto" where `auto_engine` takes it).
 
 Per layer, for one new token per sequence (hidden [B, D], the residual stream):
     1. RMSNorm + q/k/v (+ biases) + RoPE + KV-cache write     ops.decode_attention.decode_qkv_rope
@@ -20,9 +21,10 @@ row reaches. Rotary tables [S_max, d] come from the model's own rotary embedding
 The step reads only static buffers (ids, the cache position, the per-row shifts), so it is captured
 once into a CUDA graph and replayed. Each SparseMLP's path is decided once per engine (`plan`, at its
 first attach: the batch size is fixed) and recorded in `last_decision` as the layer's own calls do.
-Refused (ValueError): other families, sliding-window attention shorter than max_length, rotary
-embeddings that depend on the length (dynamic / longrope), MLPs with biases or other activations,
-modules behind adapters or hooks.
+Refused (`Unsupported`, a ValueError): other families, sliding-window attention shorter than max_length,
+rotary embeddings that depend on the length (dynamic / longrope), MLPs with biases or other activations,
+modules behind adapters, hooks on any module of the decoder layers (the engine calls none of their
+forwards), dtypes other than bf16 / fp16, weights on several devices.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparseffn.nn.fused import FusedRMSNorm
+from sparseffn.kernels._runtime import VALIDATED_CAPABILITIES, capability
+from sparseffn.nn.fused import FusedRMSNorm, has_fused_rope
 from sparseffn.nn.projections import is_plain
 from sparseffn.nn.sparse_mlp import SparseMLP
 from sparseffn.ops.decode_attention import decode_attention, decode_out_proj, decode_qkv_rope
@@ -41,8 +44,16 @@ from sparseffn.ops.sparse_mlp import as_captured, choose_mode
 from sparseffn.ops.twell_mlp import stored_transposed
 
 FAMILIES = ("llama", "mistral", "qwen2")
+DTYPES = (torch.bfloat16, torch.float16)
+# CapturedDecoder(engine="auto") takes the engine up to this batch size: on the 2b model its step was faster
+# than the captured Hugging Face step at batches 1, 4 and 16 and slower at 64 (H200 and H100; 17-63 not timed)
+AUTO_MAX_BATCH = 16
 _NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 _ACTS = {"silu": "silu", "swish": "silu", "relu": "relu"}
+
+
+class Unsupported(ValueError):
+    """The engine does not compute this model: the message says what and why."""
 
 
 @dataclass
@@ -77,10 +88,11 @@ class DecodeEngine:
         config = getattr(model, "config", None)
         family = getattr(config, "model_type", None)
         if family not in FAMILIES:
-            raise ValueError(f"the fused decode engine runs Llama-family models {FAMILIES}, got model_type {family!r} "
-                             "(use CapturedDecoder(engine='hf'))")
+            raise Unsupported(f"the fused decode engine runs Llama-family models {FAMILIES}, got model_type {family!r} "
+                              "(use CapturedDecoder(engine='hf'))")
         _check_attention_span(config, max_length)
         inner = model.model
+        _check_unhooked(inner.layers)
         self.model = model
         self.batch_size, self.max_length = batch_size, max_length
         self.layers = [_layer(i, block, config) for i, block in enumerate(inner.layers)]
@@ -89,6 +101,15 @@ class DecodeEngine:
         self.lm_head = model.get_output_embeddings()
         weight = self.layers[0].wq
         self.device, self.dtype = weight.device, weight.dtype
+        if self.dtype not in DTYPES:
+            raise Unsupported(f"the fused decode engine computes bf16 / fp16 models, this one is {self.dtype}")
+        devices = {p.device for p in model.parameters()}
+        if len(devices) > 1:
+            raise Unsupported(f"the fused decode engine runs a model on one device, this one is on "
+                              f"{sorted(map(str, devices))}")
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMLP) and layer.mlp.mode == "sparse":
+                _check_sparse_layout(layer)
         self.cos, self.sin = _rotary_tables(inner.rotary_emb, max_length, self.device, self.dtype)
         hkv = self.layers[0].wk.shape[0] // self.cos.shape[1]
         # the split-KV combine's arrival counters, left zero by every call: one set shared by all layers
@@ -110,10 +131,8 @@ class DecodeEngine:
                 decision = choose_mode(x, layer.up, mode=mlp.mode, expected_nnz=mlp.expected_nnz,
                                        down_t_ready=stored_transposed(layer.down),
                                        activity=mlp.activity if auto else None)
-            if decision.mode == "sparse" and not stored_transposed(layer.down):  # mode="sparse" asked for it
-                raise ValueError(f"{type(mlp).__name__} with mode='sparse' stores down_proj.weight contiguous "
-                                 "(contiguous_down_): the sparse decode kernels read its transpose; use mode 'auto' "
-                                 "or 'dense' with the fused engine")
+            if decision.mode == "sparse":  # auto decides sparse only for a transposed down; mode="sparse" asks
+                _check_sparse_layout(layer)
             layer.sparse = decision.mode == "sparse"
             if auto:
                 mlp.activity.last[decision.kind] = decision.mode
@@ -153,6 +172,37 @@ class DecodeEngine:
         return self.lm_head(self.norm(hidden))
 
 
+def auto_engine(model: nn.Module, *, batch_size: int, max_length: int,
+                compile: bool) -> tuple[DecodeEngine | None, str]:
+    """CapturedDecoder's engine="auto": (the engine, why) where its step was measured faster than the
+    captured Hugging Face step, else (None, why not). It takes the engine for a model the engine computes
+    (not `Unsupported`) on a GPU of VALIDATED_CAPABILITIES, at batch_size <= AUTO_MAX_BATCH, compile off."""
+    if compile:
+        return None, "compile=True compiles the Hugging Face forward"
+    refusal = _device_refusal(next(model.parameters()).device)
+    if refusal is not None:
+        return None, refusal
+    if batch_size > AUTO_MAX_BATCH:
+        return None, (f"batch {batch_size} > {AUTO_MAX_BATCH}: at batch 64 the captured Hugging Face step was faster "
+                      "(cuBLAS projections)")
+    try:
+        engine = DecodeEngine(model, batch_size=batch_size, max_length=max_length)
+    except Unsupported as error:
+        return None, str(error)
+    return engine, f"a {model.config.model_type} model at batch {batch_size} on a Hopper GPU"
+
+
+def _device_refusal(device: torch.device) -> str | None:
+    """Why auto mode does not take the engine on `device`, or None where its step was timed."""
+    if device.type != "cuda":
+        return f"the engine's step is timed on CUDA GPUs, the model is on {device}"
+    cap = capability(device)
+    if cap not in VALIDATED_CAPABILITIES:
+        name = torch.cuda.get_device_name(device)
+        return f"the engine's step was timed on Hopper GPUs (H100, H200) only; {name} is {cap[0]}.{cap[1]}"
+    return None
+
+
 def _check_attention_span(config, max_length: int) -> None:
     """Every layer attends to the whole cache (no sliding window shorter than max_length)."""
     window = getattr(config, "sliding_window", None)
@@ -160,28 +210,44 @@ def _check_attention_span(config, max_length: int) -> None:
     sliding = any(t != "full_attention" for t in types) or (
         window is not None and getattr(config, "use_sliding_window", True) and not types)
     if sliding and window is not None and window < max_length:
-        raise ValueError(f"the fused decode engine attends to the whole cache: sliding_window {window} < max_length "
-                         f"{max_length} (use CapturedDecoder(engine='hf'))")
+        raise Unsupported(f"the fused decode engine attends to the whole cache: sliding_window {window} < max_length "
+                          f"{max_length} (use CapturedDecoder(engine='hf'))")
+
+
+def _check_unhooked(layers: nn.Module) -> None:
+    """The engine calls no forward of the decoder layers' modules: hooks on them, or a forward replaced by
+    anything but fuse_non_mlp_'s fused RoPE (the same function), would not run."""
+    for name, module in layers.named_modules():
+        replaced = "forward" in module.__dict__ and not has_fused_rope(module)
+        if module._forward_hooks or module._forward_pre_hooks or replaced:
+            raise Unsupported(f"the fused decode engine calls no module's forward inside the decoder layers, and "
+                              f"layers.{name} has forward hooks or a replaced forward (remove them first)")
+
+
+def _check_sparse_layout(layer: _Layer) -> None:
+    if not stored_transposed(layer.down):
+        raise Unsupported(f"{type(layer.mlp).__name__} with mode='sparse' stores down_proj.weight contiguous "
+                          "(contiguous_down_): the sparse decode kernels read its transpose; use mode 'auto' or "
+                          "'dense' with the fused engine")
 
 
 def _norm(module: nn.Module, name: str) -> tuple[torch.Tensor, float]:
-    hooked = module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
-    if not (isinstance(module, FusedRMSNorm) or type(module).__name__ in _NORMS) or hooked:
-        raise ValueError(f"the fused decode engine computes Llama's RMSNorm, {name} is {type(module).__name__}")
+    if not (isinstance(module, FusedRMSNorm) or type(module).__name__ in _NORMS):
+        raise Unsupported(f"the fused decode engine computes Llama's RMSNorm, {name} is {type(module).__name__}")
     return module.weight, float(module.variance_epsilon)
 
 
 def _linear(module: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not isinstance(module, nn.Linear) or not is_plain(module):
-        raise ValueError(f"the fused decode engine reads plain nn.Linear weights, {name} is {type(module).__name__} "
-                         "(adapters or hooks: merge or remove them first)")
+        raise Unsupported(f"the fused decode engine reads plain nn.Linear weights, {name} is {type(module).__name__} "
+                          "(adapters or hooks: merge or remove them first)")
     return module.weight, module.bias
 
 
 def _layer(i: int, block: nn.Module, config) -> _Layer:
     attn, where = block.self_attn, f"layer {i}"
     if getattr(attn, "q_norm", None) is not None:
-        raise ValueError(f"{where}: q/k norms are not computed by the fused decode engine")
+        raise Unsupported(f"{where}: q/k norms are not computed by the fused decode engine")
     wq, bq = _linear(attn.q_proj, f"{where} q_proj")
     wk, bk = _linear(attn.k_proj, f"{where} k_proj")
     wv, bv = _linear(attn.v_proj, f"{where} v_proj")
@@ -192,18 +258,18 @@ def _layer(i: int, block: nn.Module, config) -> _Layer:
     else:
         hidden_act = getattr(config, "hidden_act", None)
         if hidden_act not in _ACTS or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            raise ValueError(f"{where}: the fused decode engine runs SparseMLP or a gated relu / silu MLP, got "
-                             f"{type(mlp).__name__} with hidden_act {hidden_act!r}")
+            raise Unsupported(f"{where}: the fused decode engine runs SparseMLP or a gated relu / silu MLP, got "
+                              f"{type(mlp).__name__} with hidden_act {hidden_act!r}")
         act = _ACTS[hidden_act]
     gate = None
     if getattr(mlp, "gate_proj", None) is not None:
         gate, gate_bias = _linear(mlp.gate_proj, f"{where} gate_proj")
         if gate_bias is not None:
-            raise ValueError(f"{where}: MLP biases are not computed by the fused decode engine")
+            raise Unsupported(f"{where}: MLP biases are not computed by the fused decode engine")
     up, up_bias = _linear(mlp.up_proj, f"{where} up_proj")
     down, down_bias = _linear(mlp.down_proj, f"{where} down_proj")
     if up_bias is not None or down_bias is not None:
-        raise ValueError(f"{where}: MLP biases are not computed by the fused decode engine")
+        raise Unsupported(f"{where}: MLP biases are not computed by the fused decode engine")
     attn_norm, attn_eps = _norm(block.input_layernorm, f"{where} input_layernorm")
     mlp_norm, mlp_eps = _norm(block.post_attention_layernorm, f"{where} post_attention_layernorm")
     return _Layer(attn_norm, attn_eps, wq, wk, wv, bq, bk, bv, wo, bo, float(attn.scaling), mlp_norm, mlp_eps, mlp,
@@ -214,8 +280,8 @@ def _rotary_tables(rotary: nn.Module, length: int, device, dtype) -> tuple[torch
     """cos, sin [length, d] of positions 0 .. length - 1, as the model's rotary embedding gives them."""
     rope_type = getattr(rotary, "rope_type", "default")
     if rope_type in ("dynamic", "longrope"):
-        raise ValueError(f"rotary embeddings of type {rope_type!r} change with the length; the fused decode "
-                         "engine takes fixed tables (use CapturedDecoder(engine='hf'))")
+        raise Unsupported(f"rotary embeddings of type {rope_type!r} change with the length; the fused decode "
+                          "engine takes fixed tables (use CapturedDecoder(engine='hf'))")
     positions = torch.arange(length, device=device)[None, :]
     cos, sin = rotary(torch.empty(0, device=device, dtype=dtype), positions)
     return cos[0].contiguous(), sin[0].contiguous()

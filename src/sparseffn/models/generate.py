@@ -21,8 +21,12 @@ Llama-family models (Llama, Mistral, Qwen2; others are refused): four fused laun
 model's own weights and the same static cache, each SparseMLP on the sparse decode kernels where auto
 mode decides they pay at the batch size. The prompt and the first eager_steps - 1 decode steps run
 the Hugging Face forward (they measure every SparseMLP's activity); the engine takes every later step,
-its first one eagerly (loading its kernels), the rest from a CUDA graph (off CUDA: eagerly). The
-default, engine="hf", captures the Hugging Face forward.
+its first one eagerly (loading its kernels), the rest from a CUDA graph (off CUDA: eagerly).
+engine="hf" captures the Hugging Face forward. The default, engine="auto", takes the fused engine where
+its step was measured faster (`decode_step.auto_engine`: a model it computes, a Hopper GPU, batch <= 16,
+compile off) and the Hugging Face forward elsewhere; `engine` says which it took, `engine_reason` why.
+Both compute the same function: they differ by rounding only (the engine's greedy tokens equalled the
+Hugging Face step's in the tests and benchmarks).
 
 `compile=True` also runs the decode step's model forward through `torch.compile` (Inductor fuses the
 small elementwise kernels of norms, rotary embeddings and residuals; the graph then replays fewer
@@ -51,10 +55,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparseffn.models.decode_step import DecodeEngine
+from sparseffn.models.decode_step import DecodeEngine, auto_engine
 from sparseffn.ops.sparse_mlp import as_captured
 
-ENGINES = ("hf", "fused")
+ENGINES = ("auto", "hf", "fused")
 STOP_CHECK = 16  # steps between two checks whether every sequence has finished (with eos_token_id)
 
 
@@ -106,12 +110,13 @@ class CapturedDecoder:
     max_length: the one shape of its calls. eager_steps: decode steps run eagerly before the capture
     (off CUDA: all of them).
     record_times: keep each replay's GPU ms in `step_ms`. compile: the step's forward through
-    torch.compile. engine: "hf" (the Hugging Face forward) or "fused" (`DecodeEngine`, module docstring).
+    torch.compile. engine: "auto", "hf" (the Hugging Face forward) or "fused" (`DecodeEngine`, module
+    docstring); the one taken is `engine`, why `engine_reason`.
     do_sample, temperature, top_k, top_p: how tokens are picked (`Sampling`).
     eos_token_id (an id or a list), pad_token_id (default: the first end token): stopping."""
 
     def __init__(self, model: nn.Module, *, batch_size: int, max_length: int, eager_steps: int = 5,
-                 record_times: bool = False, compile: bool = False, engine: str = "hf", do_sample: bool = False,
+                 record_times: bool = False, compile: bool = False, engine: str = "auto", do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> None:
         from transformers import StaticCache
@@ -157,7 +162,14 @@ class CapturedDecoder:
         self.compiled = compile
         forward = functools.partial(_last_logits, model, self.cache, self._cache_kwarg)
         self._step_forward = torch.compile(forward, dynamic=False) if compile else forward
-        self._engine = DecodeEngine(model, batch_size=batch_size, max_length=max_length) if engine == "fused" else None
+        if engine == "auto":
+            self._engine, self.engine_reason = auto_engine(model, batch_size=batch_size, max_length=max_length,
+                                                           compile=compile)
+        else:
+            fused = engine == "fused"
+            self._engine = DecodeEngine(model, batch_size=batch_size, max_length=max_length) if fused else None
+            self.engine_reason = "asked for"
+        self.engine = "hf" if self._engine is None else "fused"
         self.record_times = record_times
         self.step_ms: list[float] = []  # with record_times: GPU ms of each replayed step of the last call
 
