@@ -166,6 +166,7 @@ def test_eval_and_generate_errors_name_the_flag_or_path_typed(tmp_path, capsys):
         ([*gen, "--temperature", "1", "--top-k", "-1"], "generate", "--top-k must be >= 0 (0: all tokens), got -1"),
         ([*gen, "--temperature", "1", "--top-p", "0"], "generate", "--top-p must be in (0, 1] (1: all tokens), got 0.0"),
         (["generate", str(missing), "--prompt", ""], "generate", "--prompt is empty"),
+        ([*gen, "--engine", "fused", "--compile"], "generate", "--engine fused replaces the forward that --compile"),
         (["eval", str(missing), "--seq-len", "0"], "eval", "--seq-len must be >= 1, got 0"),
         (["eval", str(missing), "--batches", "-1"], "eval", "--batches must be >= 1, got -1"),
         (["eval", str(missing), "--eval-fraction", "1.5"], "eval", "--eval-fraction must lie in (0, 1), got 1.5"),

@@ -172,6 +172,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--top-p must be in (0, 1] (1: all tokens), got {args.top_p}")
     if not args.prompt:
         raise ValueError("--prompt is empty: give some text to continue")
+    if args.engine == "fused" and args.compile:
+        raise ValueError("--engine fused replaces the forward that --compile compiles: pick one")
     device = _device_flag(args.device)
     model, tokenizer, _ = load_for_eval(resolve_target(args.run), device)
     if device.type == "cuda":
