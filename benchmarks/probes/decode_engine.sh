@@ -6,7 +6,7 @@
 # fused norms/RoPE, dense against auto. CSVs and logs under OUT; the table last (read back from the CSV,
 # so a run cut short still shows the batches it finished). GIT_SHA names the rows (the machine's checkout
 # may report another HEAD).
-# Usage: bash benchmarks/probes/decode_engine.sh OUT [BATCHES] [GIT_SHA]
+# Usage: [BENCH_S=150] bash benchmarks/probes/decode_engine.sh OUT [BATCHES] [GIT_SHA]  (BENCH_S: the bench's limit)
 set -uo pipefail
 out=${1:?usage: bash benchmarks/probes/decode_engine.sh OUT [BATCHES] [GIT_SHA]}
 batches=${2:-1,4,16}
@@ -27,7 +27,7 @@ timeout 50 python3 benchmarks/probes/decode_engine_profile.py "$out/decode_engin
   > "$out/profile.log" 2>&1
 echo "profile exit $?"; grep -vE "Warn|warn" "$out/profile.log" | tail -40 | cut -c1-200
 stamp bench
-timeout 150 python3 -m sparseffn bench decode-model --model 2b --batches "$batches" --prompt 512 --new-tokens 64 \
+timeout "${BENCH_S:-150}" python3 -m sparseffn bench decode-model --model 2b --batches "$batches" --prompt 512 --new-tokens 64 \
   --no-eager --non-mlp fused --step --out-dir "$out" --git-sha "$sha" > "$out/bench.log" 2>&1
 echo "bench exit $?"; grep -E "batch [0-9]+:|Error|error" "$out/bench.log" | cut -c1-600
 stamp table

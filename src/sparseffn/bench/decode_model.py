@@ -27,7 +27,8 @@ and, between the captured runs, the greedy agreement: the first step where the s
 from the dense ones, with the dense logits' top-1 / top-2 margin there, the prefill logits' error and
 the active units per token at the sparse model's generated positions (the user-compiled rows: between its own dense and sparse runs).
 Rooflines: the bytes each step must read (dense: every weight; sparse: all but the up and down rows of
-inactive units, at the measured activity) over the HBM bandwidth.
+inactive units, at the measured activity; both: the key/value cache at the mean generated position) over
+the HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def _batch_rows(cfg, model, layers, prompt, common, log, user_compiled=False) ->
                                        results[(provider, "sparse")]["tokens"], cfg.prompt)
                   for provider in (first, "user-compiled") if (provider, "dense") in results}
     agreement = agreements[first]
-    roof = _rooflines(model, layers, batch)
+    roof = _rooflines(model, layers, batch, cfg.prompt, cfg.new_tokens)
     rows = []
     for (provider, mlp), r in results.items():
         base = results[(provider, "dense")]["tokens_per_s"]
@@ -339,10 +340,11 @@ def _generated_nnz(model, tokens, p: int) -> dict:
     return dict(generated_nnz=round(statistics.fmean(means), 1), generated_nnz_layer_max=round(max(means), 1))
 
 
-def _rooflines(model, layers, batch: int) -> dict[str, float]:
-    """ms per step if every byte each step must read streamed at HBM_TB_S: dense every weight; sparse
-    the same minus the up and down rows of units no token of the batch activates (the expected union
-    at the measured activity, ops.decide.expected_union)."""
+def _rooflines(model, layers, batch: int, prompt: int, new_tokens: int) -> dict[str, float]:
+    """ms per step if every byte each step must read streamed at HBM_TB_S: the weights (dense every one;
+    sparse all but the up and down rows of units no token of the batch activates, the expected union at
+    the measured activity, ops.decide.expected_union) and each sequence's key/value cache up to the mean
+    position of the generated steps (prompt + new_tokens / 2), which dense and sparse read alike."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     skipped = 0
     for layer in layers:
@@ -353,7 +355,17 @@ def _rooflines(model, layers, batch: int) -> dict[str, float]:
         union = expected_union(nnz, batch, h)
         row_bytes = 2 * layer.hidden_size * layer.up_proj.weight.element_size()  # an up row and a down column
         skipped += (h - union) * row_bytes
-    return {"dense": total / (HBM_TB_S * 1e9), "sparse": (total - skipped) / (HBM_TB_S * 1e9)}
+    cache = batch * (prompt + new_tokens / 2) * _cache_bytes_per_position(model)
+    return {"dense": (total + cache) / (HBM_TB_S * 1e9), "sparse": (total - skipped + cache) / (HBM_TB_S * 1e9)}
+
+
+def _cache_bytes_per_position(model) -> int:
+    """Key and value bytes one position of one sequence holds over all layers (a Llama-family config:
+    num_key_value_heads heads of head_dim, in the model's dtype)."""
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
 
 
 def decode_model_table(rows: list[dict]) -> str:
