@@ -10,9 +10,7 @@ kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sp
 mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
 (DecodeConfig.stream, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
 DecodeConfig.compact_up from batch 3, each against its other form; attention_prefetch the attention
-launcher's default against it with AttentionConfig.prefetch; attention_dataflow the defaults against
-q/k/v and attention sharing `ready` counts (each attention program starting when its key/value head's
-q, k and v are written, not when the whole q/k/v launch has finished), alone and with prefetch; pdl (the sparse step, auto) and
+launcher's default against it with AttentionConfig.prefetch; pdl (the sparse step, auto) and
 pdl_dense (every MLP dense) set the configs' pdl field (programmatic dependent launch) on every engine
 kernel at once, then on all but one kind, and with o_proj at one token in one K step (its weight tile
 loaded before the wait).
@@ -44,11 +42,9 @@ def _patch() -> None:
     """Route the engine's launches through OVERRIDE (the ops modules look their launchers up per call)."""
     qkv, out, attn, mlp = (attention_ops.launch_decode_qkv_rope, attention_ops.launch_decode_out_proj,
                            attention_ops.launch_decode_attention, block_ops.launch_decode_mlp)
-    attention_ops.launch_decode_qkv_rope = lambda *a, **k: qkv(*a, **k, config=OVERRIDE.get("qkv"),
-                                                               ready=OVERRIDE.get("ready"))
+    attention_ops.launch_decode_qkv_rope = lambda *a, **k: qkv(*a, **k, config=OVERRIDE.get("qkv"))
     attention_ops.launch_decode_out_proj = lambda *a, **k: out(*a, **k, config=OVERRIDE.get("out_proj"))
-    attention_ops.launch_decode_attention = lambda *a, **k: attn(*a, **k, config=OVERRIDE.get("attention"),
-                                                                 ready=OVERRIDE.get("ready"))
+    attention_ops.launch_decode_attention = lambda *a, **k: attn(*a, **k, config=OVERRIDE.get("attention"))
 
     def mlp_launch(*args, **kwargs):
         which = "mlp_sparse" if kwargs.get("act", "sparse") == "sparse" else "mlp_dense"
@@ -110,14 +106,6 @@ def _variants(kernel: str, batch: int) -> list:
                   ((1, 64, 2, 128), (2, 64, 2, 128), (8, 64, 2, 128), (4, 32, 2, 128), (4, 128, 2, 128),
                    (4, 64, 3, 64), (8, 32, 2, 64))]
         return [base] + [dataclasses.replace(base, **v) for v in k1 + k2]
-    if kernel == "attention_dataflow":  # the defaults, then q/k/v -> attention by per-group counts
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        ready = torch.zeros(batch * 32, dtype=torch.int32, device="cuda")  # 2b: 32 key/value heads
-        base = attention_config(batch * 32, sms)
-        flow = [dict(ready=ready), dict(ready=ready, attention=dataclasses.replace(base, prefetch=True))]
-        if not base.pdl:
-            flow.append(dict(ready=ready, attention=dataclasses.replace(base, pdl=True)))
-        return [{}] + flow
     if kernel == "attention_prefetch":  # the launcher's default, then with AttentionConfig.prefetch
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         return [None, dataclasses.replace(attention_config(batch * 32, sms), prefetch=True)]  # 2b: 32 kv heads
@@ -144,7 +132,6 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "mlp_dense_one_token": ("gate_up", "_decode_down"), "qkv_one_token": ("qkv_rope",),
                 "out_proj_one_token": ("out_proj",), "mlp_sparse_compact": ("gate_up", "_decode_down"),
                 "attention": ("decode_attention",), "attention_prefetch": ("decode_attention",),
-                "attention_dataflow": ("qkv_rope", "decode_attention"),
                 "qkv": ("qkv_rope",), "out_proj": ("out_proj",),
                 "pdl": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
                 "pdl_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down")}
@@ -164,7 +151,7 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
                 layer.mode = mode
             for i, config in enumerate(_variants(kernel, batch)):
                 OVERRIDE.clear()
-                if isinstance(config, dict):  # the pdl and dataflow groups: several kernels' configs
+                if isinstance(config, dict):  # the pdl group: every kernel's config
                     OVERRIDE.update(config)
                 else:
                     name = kernel.removesuffix("_one_token").removesuffix("_compact").removesuffix("_prefetch")
@@ -179,8 +166,6 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
                     error = ""
                 except Exception as exc:  # a config the kernel or the GPU refuses: recorded, the sweep goes on
                     step_ms, us, error = float("nan"), {}, f"{type(exc).__name__}: {exc}"[:200]
-                if isinstance(config, dict):  # the counts tensor by name, not by value
-                    config = {k: "tensor" if isinstance(v, torch.Tensor) else v for k, v in config.items()}
                 part = {n: sum(t for name, t in us.items() if n in name) for n in KERNEL_NAMES[kernel]}
                 print(f"batch {batch} {kernel} #{i} step {step_ms:.4f} ms  "
                       + "  ".join(f"{n} {t:.1f}" for n, t in part.items())

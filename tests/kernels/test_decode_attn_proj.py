@@ -9,8 +9,6 @@ Runs on a GPU natively and on CPU under the interpreter (tests/conftest.py), at 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -212,64 +210,3 @@ def test_out_proj_into_the_residual_and_strided_rows():
     assert decode_out_proj(attn, wo, bo, view, out=view) is view
     assert torch.equal(view, expected)
     assert torch.equal(wide[:, 48:], torch.zeros_like(wide[:, 48:]))
-
-
-@pytest.mark.parametrize("b, hq, hkv, block_n, splits", [(1, 4, 2, 4, 3), (3, 4, 1, 16, 1), (2, 2, 2, 8, 2)])
-def test_dataflow_pair_gives_the_same_bits(b, hq, hkv, block_n, splits):
-    """q/k/v with `ready` (programs ordered by key/value head group, each counting its pairs) then
-    attention with it (each program polling its group's count instead of the PDL wait): the same q, cache
-    writes and attention output as the plain pair, and `ready` left zero."""
-    from sparseffn.kernels.configs.decode_attention import AttentionConfig
-    from sparseffn.kernels.decode_attention import launch_decode_attention
-
-    plain = qkv_problem(b, 64, hq, hkv, 16, 24, bias=True, seed=b + hq)
-    flow = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in plain.items()}
-    config = ProjectionConfig(block_n=block_n, block_k=64)
-    attention = AttentionConfig(block_s=16, splits=splits)
-    ready = torch.zeros(b * hkv, dtype=torch.int32, device=DEVICE)
-    outs = []
-    for p, r in ((plain, None), (flow, ready)):
-        q = launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), r, config=config)
-        o = launch_decode_attention(q, p["k_cache"], p["v_cache"], p["positions"], 0.25, None, None, r,
-                                    config=attention)
-        outs.append((q, p["k_cache"], p["v_cache"], o))
-    for name, want, got in zip(("q", "k_cache", "v_cache", "attention"), *outs):
-        assert torch.equal(got, want), name
-    assert torch.equal(ready, torch.zeros_like(ready))
-
-
-def test_dataflow_needs_whole_heads_per_program():
-    p = qkv_problem(1, 64, 2, 2, 16, 8, bias=False)
-    with pytest.raises(ValueError, match="block_n"):
-        launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), torch.zeros(2, dtype=torch.int32, device=DEVICE),
-                               config=ProjectionConfig(block_n=32, block_k=64))
-
-
-@pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs a GPU")
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_dataflow_under_pdl_gives_the_same_bits_at_2b_shapes(prefetch):
-    """The 2b model's shapes at one token with both launches programmatic dependents (attention's programs
-    resident while q/k/v still runs, each polling its group's count): the plain pair's bits, call after call."""
-    from sparseffn.kernels.configs.decode_attention import attention_config, projection_config
-    from sparseffn.kernels.decode_attention import launch_decode_attention
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs Hopper")
-    p = qkv_problem(1, 2048, 32, 32, 64, 1024, bias=False)
-    config = dataclasses.replace(projection_config(1, qkv=True), pdl=True)
-    attention = dataclasses.replace(attention_config(32, torch.cuda.get_device_properties(0).multi_processor_count),
-                                    pdl=True, prefetch=prefetch)
-    ready = torch.zeros(32, dtype=torch.int32, device=DEVICE)
-    counters = torch.zeros(32, dtype=torch.int32, device=DEVICE)
-
-    def pair(r):
-        q = launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), r, config=config)
-        return q, launch_decode_attention(q, p["k_cache"], p["v_cache"], p["positions"], 0.125, None, counters, r,
-                                          config=attention)
-
-    want = pair(None)
-    for _ in range(50):
-        got = pair(ready)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    torch.cuda.synchronize()
-    assert torch.equal(ready, torch.zeros_like(ready))

@@ -1,6 +1,5 @@
 """Programmatic dependent launch (config.pdl): where the decode kernels release the next launch and
-wait in their sm_90a PTX (with `ready`, q/k/v's count released last and attention's poll of it in
-place of the wait), and that it is off where no GPU runs the kernels. (On a GPU,
+wait in their sm_90a PTX, and that it is off where no GPU runs the kernels. (On a GPU,
 tests/models/test_gpu_decode_step.py checks the engine's step gives the same bits with it on.)"""
 
 import os
@@ -28,16 +27,10 @@ for module in (decode_mlp, decode_attn_proj, decode_attention):
         if cx.get("PDL") and cx.get("M_PAD", 1) == 1:
             ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
                                  options=opt).asm["ptx"]
-            def mark(l):
-                if "griddepcontrol" in l:
-                    return "W" if "griddepcontrol.wait" in l else "L"
-                if "atom" in l or "red." in l or "ld.global" in l:  # an acquire add of 0 is lowered to a load
-                    return "A" if ".acquire" in l else "R" if ".release" in l else "." if "ld.global" in l else ""
-                return ""
-            order = "".join(mark(l) for l in ptx.splitlines())
+            order = "".join("W" if "griddepcontrol.wait" in l else "L" if "griddepcontrol.launch" in l else "."
+                            for l in ptx.splitlines() if "griddepcontrol" in l or "ld.global" in l)
             early = (fn.__name__ == "_decode_out_proj_kernel" and cx.get("ONE_STEP")) or cx.get("PREFETCH")
-            flow = sig.get("ready_ptr") == "*i32"
-            print(fn.__name__, int(bool(early)), int(flow), order)
+            print(fn.__name__, int(bool(early)), order)
 """
 
 
@@ -72,21 +65,12 @@ def test_release_first_then_only_weights_before_the_wait():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines()]
-    kernels = {name for name, _, _, _ in rows}
+    kernels = {name for name, _, _ in rows}
     assert kernels == {"_decode_gate_up_kernel", "_decode_down_kernel", "_decode_qkv_rope_kernel",
                        "_decode_out_proj_kernel", "_decode_attention_kernel"}, kernels
-    flows = {name for name, _, flow, _ in rows if flow == "1"}
-    assert flows == {"_decode_qkv_rope_kernel", "_decode_attention_kernel"}, flows
-    for name, early, flow, order in rows:
-        assert order.startswith("L") and order.count("L") == 1, (name, order)
-        if flow == "1" and name == "_decode_attention_kernel":  # no PDL wait: polls its group's count
-            assert "W" not in order and "R" not in order and "A" in order, (name, order)
-            before = order[1:order.index("A")]
-        else:
-            assert order.count("W") == 1 and "A" not in order, (name, order)
-            if flow == "1":  # q/k/v: the count released after every load (the last global access)
-                assert order.endswith("R") and order.count("R") == 1, (name, order)
-            before = order[1:order.index("W")]
+    for name, early, order in rows:
+        assert order.startswith("L") and order.count("W") == 1 and order.count("L") == 1, (name, order)
+        before = order[1:order.index("W")]
         if early == "1":  # o_proj's one-step weight tile, attention's positions and older slots (config.prefetch)
             assert before and set(before) == {"."}, (name, order)
         else:  # nothing read before the wait

@@ -12,10 +12,6 @@
     config.pdl (Hopper on): launched as a programmatic dependent (_runtime); config.prefetch: positions,
     valid_from and the first block's slots before positions[b] are read before the wait (the caller's
     contract: no kernel still running writes them; the slot at positions[b] is read after it).
-    With `ready` (dataflow, the decode engine's): the wait is not the PDL one for the whole q/k/v
-    launch but a poll (acquire) of ready[b·Hkv + g] until that launch has counted the (GROUP + 2)·d/2
-    rotary pairs of this group (its q heads, k and v); the program reading it last zeroes it. Nothing
-    else this launch reads may still be in flight from an earlier launch.
 
 Why. Work scales with each sequence's length, not the cache's: a split's slots come from positions[b]
 and valid_from[b] read on the device, so a 4096-slot cache at position 600 reads ~600 rows, and the
@@ -70,20 +66,6 @@ def _attend_block(q, k, v, j_in, m_i, l_i, acc, scale_log2, G_PAD: tl.constexpr,
     return m_new, l_i, acc
 
 
-@triton.jit
-def _wait_for_inputs(ready_ptr, bg, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-    """Until this (sequence, key/value head)'s q and new k / v slot are written: with ready_ptr, until
-    the q/k/v launch has counted all of the group's rotary pairs (its GROUP q heads, its k and v head)
-    into ready[bg] (acquire); else until the whole launch before has finished (PDL)."""
-    if ready_ptr is not None:
-        want = (GROUP + 2) * (HEAD_DIM // 2)
-        seen = tl.atomic_add(ready_ptr + bg, 0, sem="acquire", scope="gpu")
-        while seen < want:
-            seen = tl.atomic_add(ready_ptr + bg, 0, sem="acquire", scope="gpu")
-    else:
-        pdl_wait(PDL)
-
-
 @triton.jit(do_not_specialize=["SPLITS"])
 def _decode_attention_kernel(
     q_ptr,  # [B, Hq, d]
@@ -95,7 +77,6 @@ def _decode_attention_kernel(
     part_ptr,  # [B·Hkv, SPLITS, G_PAD, BLOCK_D] fp32 scratch (SPLITS > 1)
     stat_ptr,  # [B·Hkv, SPLITS, 2, G_PAD] fp32 scratch: m, l
     count_ptr,  # [B·Hkv] int32, zero on entry, left zero
-    ready_ptr,  # [B·Hkv] int32 or None: the q/k/v launch's written pairs per (sequence, kv head); left zero
     HQ,
     HKV,
     SPLITS,
@@ -114,10 +95,10 @@ def _decode_attention_kernel(
     DOT_IN_FP32: tl.constexpr,
 ):
     pdl_launch_dependents(PDL)
+    if not PREFETCH:
+        pdl_wait(PDL)
     bg = tl.program_id(0)
     split = tl.program_id(1)
-    if not PREFETCH:
-        _wait_for_inputs(ready_ptr, bg, GROUP, HEAD_DIM, PDL)
     b = (bg // HKV).to(tl.int64)
     g = (bg % HKV).to(tl.int64)
     last = tl.load(pos_ptr + b).to(tl.int32)
@@ -140,7 +121,7 @@ def _decode_attention_kernel(
         old = ((j < end) & (j < last))[:, None] & d_in[None, :]
         k_old = tl.load(k_base + j.to(tl.int64)[:, None] * stride_ks + dcol[None, :], mask=old, other=0.0)
         v_old = tl.load(v_base + j.to(tl.int64)[:, None] * stride_vs + dcol[None, :], mask=old, other=0.0)
-        _wait_for_inputs(ready_ptr, bg, GROUP, HEAD_DIM, PDL)
+        pdl_wait(PDL)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dcol[None, :],
                 mask=r_in[:, None] & d_in[None, :], other=0.0)  # [G_PAD, BLOCK_D]
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
@@ -171,8 +152,6 @@ def _decode_attention_kernel(
     out_dtype = o_ptr.dtype.element_ty
     if SPLITS == 1:
         tl.store(o_ptrs, (acc / l_i[:, None]).to(out_dtype), mask=o_mask)
-        if ready_ptr is not None:  # the one reader of this count: left zero for the next call
-            tl.atomic_xchg(ready_ptr + bg, 0)
     else:
         slot = bg.to(tl.int64) * SPLITS
         parts = part_ptr + slot * G_PAD * BLOCK_D + r[:, None] * BLOCK_D + dcol[None, :]  # split 0's tile
@@ -199,8 +178,6 @@ def _decode_attention_kernel(
                                             cache_modifier=".cg")
             tl.store(o_ptrs, (o / l_all[:, None]).to(out_dtype), mask=o_mask)
             tl.atomic_xchg(count_ptr + bg, 0)  # left zero for the next call
-            if ready_ptr is not None:  # every split has read past it
-                tl.atomic_xchg(ready_ptr + bg, 0)
 
 
 _launch = Launcher(_decode_attention_kernel)
@@ -219,12 +196,10 @@ def num_splits(config: AttentionConfig, programs: int, s_max: int, sms: int) -> 
     return max(1, min(config.max_splits, cdiv(4 * sms, programs), cdiv(s_max, config.block_s)))
 
 
-def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, counters=None, ready=None, *,
+def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, counters=None, *,
                             config: AttentionConfig | None = None) -> torch.Tensor:
     """o [B, Hq·d] on arguments that meet ops.decode_attention's contract, unchecked. counters: int32
-    zeros, at least B·Hkv of them (None: allocated here), left zero. ready: None, or the int32 [>= B·Hkv]
-    that the q/k/v launch just before counted its written pairs into (kernels/decode_attn_proj.py), left
-    zero: each program starts when its group's count is complete instead of at the PDL wait."""
+    zeros, at least B·Hkv of them (None: allocated here), left zero."""
     b, hq, d = q.shape
     hkv, s_max = k_cache.shape[1], k_cache.shape[2]
     sms = num_sms(q.device) if q.is_cuda else 4
@@ -243,7 +218,7 @@ def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=
         parts = stats = torch.empty(0, dtype=torch.float32, device=q.device)
         counters = torch.empty(0, dtype=torch.int32, device=q.device)
     _launch[(b * hkv, splits)](
-        q, k_cache, v_cache, positions, valid_from, o, parts, stats, counters, ready, hq, hkv, splits,
+        q, k_cache, v_cache, positions, valid_from, o, parts, stats, counters, hq, hkv, splits,
         float(scaling) * math.log2(math.e), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),

@@ -6,9 +6,7 @@
         n[m] = round(round(x[m] · rstd[m]) · norm_weight) (Llama's RMSNorm; each program recomputes
         rstd from x, which is L2-resident), y = n · w^T (+ bias) in fp32, rounded (as nn.Linear),
         q and k rotated at positions[m] in fp32 and rounded once; q -> q_out [M, Hq·d], k and v ->
-        k_cache / v_cache [m, head, positions[m], :]. With `ready` (dataflow): the programs ordered
-        key/value head group by group (group g's q heads, then its k and v), each adding its P pairs
-        to ready[m·Hkv + g] (release) once its stores are done.
+        k_cache / v_cache [m, head, positions[m], :].
     K_o   _decode_out_proj_kernel, grid (cdiv(N, BLOCK_N),): y = residual + round(attn · wo^T (+ bo)),
         rounded (as o_proj then the residual add in Hugging Face's layer), products by
         decode_mlp._rows_normed_dot (no norm). One token with config.stream: both kernels' products by
@@ -126,7 +124,6 @@ def _decode_qkv_rope_kernel(
     q_ptr,  # [M, Hq·d] out
     k_cache_ptr,  # [B, Hkv, S_max, d] written at [m, :, pos[m]]
     v_cache_ptr,
-    ready_ptr,  # [M·Hkv] int32 or None: pairs written per (token, key/value head), counted up (dataflow)
     M,
     D,
     HQ,
@@ -155,30 +152,25 @@ def _decode_qkv_rope_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
-    # which matrix (region: 0 q, 1 k, 2 v) and which of its blocks of PAIRS pairs
-    if ready_ptr is not None:  # grouped by key/value head: group g's q blocks, its k block(s), its v block(s)
-        PER_HEAD: tl.constexpr = HALF // PAIRS  # blocks per head (the launcher checks PAIRS divides HALF)
-        q_blocks = (HQ // HKV) * PER_HEAD  # of one group
-        group = pid // (q_blocks + 2 * PER_HEAD)
-        r = pid % (q_blocks + 2 * PER_HEAD)
-        region = tl.where(r < q_blocks, 0, tl.where(r < q_blocks + PER_HEAD, 1, 2))
-        block = tl.where(region == 0, group * q_blocks + r,
-                         group * PER_HEAD + r - q_blocks - tl.where(region == 2, PER_HEAD, 0))
-    else:  # every q block, then k's, then v's
-        blocks_q = tl.cdiv(HQ * HALF, PAIRS)
-        blocks_kv = tl.cdiv(HKV * HALF, PAIRS)
-        region = tl.where(pid < blocks_q, 0, tl.where(pid < blocks_q + blocks_kv, 1, 2))
-        block = pid - tl.where(region == 0, 0, tl.where(region == 1, blocks_q, blocks_q + blocks_kv))
+    blocks_q = tl.cdiv(HQ * HALF, PAIRS)
+    blocks_kv = tl.cdiv(HKV * HALF, PAIRS)
+    # which matrix: 0 q, 1 k, 2 v
+    region = 0
+    block = pid
     w_ptr = wq_ptr
     b_ptr = bq_ptr
     stride_w = stride_wq
     n_pairs = HQ * HALF
-    if region == 2:
+    if pid >= blocks_q + blocks_kv:
+        region = 2
+        block = pid - blocks_q - blocks_kv
         w_ptr = wv_ptr
         b_ptr = bv_ptr
         stride_w = stride_wv
         n_pairs = HKV * HALF
-    elif region == 1:
+    elif pid >= blocks_q:
+        region = 1
+        block = pid - blocks_q
         w_ptr = wk_ptr
         b_ptr = bk_ptr
         stride_w = stride_wk
@@ -235,9 +227,6 @@ def _decode_qkv_rope_kernel(
     ptrs = dst + row_off + col[None, :]  # [M_PAD, PAIRS]
     tl.store(ptrs, lo.to(out_dtype), mask=mask)
     tl.store(ptrs + HALF, hi.to(out_dtype), mask=mask)
-    if ready_ptr is not None:  # this block's pairs are written: counted for each token's (sequence, group)
-        tl.debug_barrier()  # every thread's stores before the release below
-        tl.atomic_add(ready_ptr + rows * HKV + group, PAIRS, mask=row_in, sem="release", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -306,11 +295,9 @@ def _config(m: int, device: torch.device, config: ProjectionConfig | None, qkv: 
 
 
 def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions,
-                           k_cache, v_cache, ready=None, *, config: ProjectionConfig | None = None) -> torch.Tensor:
+                           k_cache, v_cache, *, config: ProjectionConfig | None = None) -> torch.Tensor:
     """q [M, Hq, d] (and k, v written into the caches) on arguments that meet ops.decode_qkv_rope's
-    contract, unchecked. ready: None, or int32 [>= M·Hkv] that each (token, key/value head) group's
-    written pairs are added to (the programs ordered group by group), for a decode attention launch
-    that starts each group when its count is complete (kernels/decode_attention.py)."""
+    contract, unchecked."""
     m, d_model = hidden.shape
     head_dim = cos_table.shape[1]
     hq, hkv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
@@ -318,15 +305,12 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
     mp, config = _config(m, hidden.device, config, qkv=True)
     pairs = config.block_n // 2
     half = head_dim // 2
-    if ready is not None and half % pairs:
-        raise ValueError(f"with ready, config.block_n / 2 = {pairs} rotary pairs must divide head_dim / 2 = {half} "
-                         "(a program's pairs in one head)")
     grid = (cdiv(hq * half, pairs) + 2 * cdiv(hkv * half, pairs),)
     has_bias = bq is not None or bk is not None or bv is not None
     if has_bias:  # all three or none in the kernel: a missing one adds zeros
         bq, bk, bv = (b if b is not None else w.new_zeros(w.shape[0]) for b, w in ((bq, wq), (bk, wk), (bv, wv)))
     _qkv_launch[grid](
-        hidden, norm_weight, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, q, k_cache, v_cache, ready,
+        hidden, norm_weight, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, q, k_cache, v_cache,
         m, d_model, hq, hkv, eps, hidden.stride(0), wq.stride(0), wk.stride(0), wv.stride(0),
         cos_table.stride(0), sin_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

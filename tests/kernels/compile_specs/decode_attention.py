@@ -14,8 +14,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     uses with its default config: bf16 / fp16, head dims 64 and 128, no GQA (one query row) and
     GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions),
     1, 2 and 16 splits (the combine's width); one split with the config of a pair per SM or more; on
-    Hopper (`arch`) the bf16 ones also with config.pdl, with pdl and config.prefetch, and with pdl and
-    `ready` (the dataflow wait), prefetch off and on."""
+    Hopper (`arch`) the bf16 ones also with config.pdl, and with pdl and config.prefetch."""
     specs = []
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
@@ -34,16 +33,10 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                   "BLOCK_D": head_dim, "PDL": False, "PREFETCH": False, "DOT_IN_FP32": False}
             if not with_from:
                 cx["from_ptr"] = None
-            cx["ready_ptr"] = None
             sig = {name: sig.get(name, "constexpr") for name in _decode_attention_kernel.arg_names}
             options = ({"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},) if with_options else ()
             specs.append((_decode_attention_kernel, sig, cx) + options)
             if arch >= HOPPER and dtype == torch.bfloat16:
                 specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True)) + options)
                 specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True, PREFETCH=True)) + options)
-                flow = dict(sig, ready_ptr="*i32")  # waiting on the q/k/v launch's per-group counts
-                no_ready = {k: v for k, v in cx.items() if k != "ready_ptr"}
-                for prefetch in (False, True):
-                    specs.append((_decode_attention_kernel, flow, dict(no_ready, PDL=True, PREFETCH=prefetch))
-                                 + options)
     return specs

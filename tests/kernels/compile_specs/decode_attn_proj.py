@@ -17,8 +17,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     capability `arch`: bf16 / fp16, every padded token count with its default configs (q/k/v's and
     o_proj's), head dims 64 and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit
     rotary tables, D in one step or several; at one token also the streamed loops (config.stream) and
-    o_proj in one K step; on Hopper the bf16 kernels at 1 and 16 tokens also with config.pdl, and q/k/v
-    at one token counting into `ready` (the dataflow to attention)."""
+    o_proj in one K step; on Hopper the bf16 kernels at 1 and 16 tokens also with config.pdl."""
     specs = []
 
     def add(fn, signature, constexprs, config):
@@ -56,9 +55,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                         else:
                             cx[name] = None
                     sig = {name: sig.get(name, "constexpr") for name in _decode_qkv_rope_kernel.arg_names}
-                    add(_decode_qkv_rope_kernel, sig, dict(cx, ready_ptr=None), qkv_cfg)
-                    if arch >= HOPPER and mp == 1 and dtype == torch.bfloat16:  # counting into `ready` (dataflow)
-                        add(_decode_qkv_rope_kernel, dict(sig, ready_ptr="*i32"), dict(cx), qkv_cfg)
+                    add(_decode_qkv_rope_kernel, sig, cx, qkv_cfg)
             for bias in (False, True):
                 sig = {"a_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}" if bias else "constexpr",
                        "r_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
