@@ -10,7 +10,7 @@ kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sp
 mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
 (DecodeConfig.stream, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
 DecodeConfig.compact_up from batch 3, each against its other form; attention_prefetch the attention
-launcher's default against it with AttentionConfig.prefetch; pdl (the sparse step, auto) and
+launcher's default config without AttentionConfig.prefetch against it with (the engine's default); pdl (the sparse step, auto) and
 pdl_dense (every MLP dense) set the configs' pdl field (programmatic dependent launch) on every engine
 kernel at once, then on all but one kind, and with o_proj at one token in one K step (its weight tile
 loaded before the wait).
@@ -60,7 +60,7 @@ def _variants(kernel: str, batch: int) -> list:
     if kernel in ("pdl", "pdl_dense"):  # {kernel: config} for all of them at once; the first is the defaults
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         base = {"qkv": projection_config(mp, qkv=True), "out_proj": projection_config(mp, qkv=False),
-                "attention": attention_config(batch * 32, sms),  # the 2b model: 32 key/value heads
+                "attention": attention_config(batch * 32, sms, prefetch=True),  # the 2b model: 32 key/value heads
                 "mlp_sparse": default_config(mp, norm=True), "mlp_dense": default_config(mp, dense=True, norm=True)}
         on = {k: dataclasses.replace(c, pdl=True) for k, c in base.items()}
         variants = [base, on] + [dict(on, **{k: base[k]}) for k in base]
@@ -106,9 +106,9 @@ def _variants(kernel: str, batch: int) -> list:
                   ((1, 64, 2, 128), (2, 64, 2, 128), (8, 64, 2, 128), (4, 32, 2, 128), (4, 128, 2, 128),
                    (4, 64, 3, 64), (8, 32, 2, 64))]
         return [base] + [dataclasses.replace(base, **v) for v in k1 + k2]
-    if kernel == "attention_prefetch":  # the launcher's default, then with AttentionConfig.prefetch
+    if kernel == "attention_prefetch":  # without AttentionConfig.prefetch, then with it (the engine's default)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        return [None, dataclasses.replace(attention_config(batch * 32, sms), prefetch=True)]  # 2b: 32 kv heads
+        return [attention_config(batch * 32, sms), attention_config(batch * 32, sms, prefetch=True)]  # 2b: 32 kv heads
     if kernel == "attention":
         base = None
         grid = [(s, b, w, st) for s in (4, 8, 16, 32) for b, w, st in ((32, 2, 2), (64, 4, 2), (128, 4, 2),

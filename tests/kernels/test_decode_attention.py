@@ -121,3 +121,16 @@ def test_default_config_one_split_from_a_pair_per_sm():
     assert attention_config(512, 132).splits == 1
     assert attention_config(32, 132) == AttentionConfig(pdl=True)
     assert num_splits(attention_config(32, 132), 32, 4096, 132) == 16
+    # a caller meeting prefetch's contract: taken with pdl only
+    assert attention_config(32, 132, prefetch=True) == AttentionConfig(pdl=True, prefetch=True)
+    assert attention_config(132, 132, prefetch=True) == AttentionConfig(splits=1, block_s=128)
+
+
+def test_public_prefetch_gives_the_same_bits():
+    """decode_attention(prefetch=True): the launcher's default config with prefetch where it takes pdl
+    (under the interpreter pdl is dropped, prefetch's loads still run first), the same output."""
+    q, k, v, pos, lo = attention_problem(1, 2, 2, 16, 48, positions=[41], seed=5)  # 2 programs < 4 "SMs"
+    want = decode_attention(q, k, v, pos, 0.3, lo)
+    assert torch.equal(decode_attention(q, k, v, pos, 0.3, lo, prefetch=True), want)
+    with pytest.raises(TypeError, match="prefetch must be a bool"):
+        decode_attention(q, k, v, pos, 0.3, lo, prefetch=1)

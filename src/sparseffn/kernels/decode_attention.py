@@ -196,14 +196,15 @@ def num_splits(config: AttentionConfig, programs: int, s_max: int, sms: int) -> 
     return max(1, min(config.max_splits, cdiv(4 * sms, programs), cdiv(s_max, config.block_s)))
 
 
-def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, counters=None, *,
-                            config: AttentionConfig | None = None) -> torch.Tensor:
+def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, counters=None,
+                            prefetch=False, *, config: AttentionConfig | None = None) -> torch.Tensor:
     """o [B, Hq·d] on arguments that meet ops.decode_attention's contract, unchecked. counters: int32
-    zeros, at least B·Hkv of them (None: allocated here), left zero."""
+    zeros, at least B·Hkv of them (None: allocated here), left zero. prefetch: the caller meets
+    AttentionConfig.prefetch's contract (the default config may then take it; a given config decides)."""
     b, hq, d = q.shape
     hkv, s_max = k_cache.shape[1], k_cache.shape[2]
     sms = num_sms(q.device) if q.is_cuda else 4
-    config = config or attention_config(b * hkv, sms)
+    config = config or attention_config(b * hkv, sms, prefetch)
     group = hq // hkv
     g_pad = group_rows(group)
     block_d = max(16, next_power_of_2(d))

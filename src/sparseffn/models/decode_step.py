@@ -164,7 +164,9 @@ class DecodeEngine:
         for layer, (keys, values) in zip(self.layers, self.caches):
             q = decode_qkv_rope(hidden, layer.attn_norm, layer.attn_eps, layer.wq, layer.wk, layer.wv, layer.bq,
                                 layer.bk, layer.bv, self.cos, self.sin, positions, keys, values)
-            attn = decode_attention(q, keys, values, positions, layer.scaling, counters=self.counters)
+            # prefetch: positions come from the step's first op, the older cache slots from earlier steps
+            attn = decode_attention(q, keys, values, positions, layer.scaling, counters=self.counters,
+                                    prefetch=True)
             hidden = decode_out_proj(attn, layer.wo, layer.bo, hidden)
             threshold = layer.mlp.threshold if isinstance(layer.mlp, SparseMLP) and layer.mlp.has_threshold else None
             hidden = decode_mlp_block(hidden, layer.mlp_norm, layer.mlp_eps, layer.gate, layer.up, layer.down,

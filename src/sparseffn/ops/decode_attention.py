@@ -5,7 +5,8 @@
         RMSNorm (Llama's: fp32 statistics, x·rstd rounded to x's dtype, times norm_weight, rounded),
         q/k/v projections (+ optional biases), RoPE of q and k at positions[b] (Hugging Face rotary
         layout), k and v written into k_cache / v_cache [B, Hkv, S_max, d] at [b, :, positions[b]].
-    decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *, counters=None) -> [B, Hq·d]
+    decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *, counters=None,
+                     prefetch=False) -> [B, Hq·d]
         softmax(q k^T · scaling) v over slots valid_from[b] .. positions[b] inclusive, fp32 softmax
         and accumulation, q's dtype, laid out as o_proj reads it.
     decode_out_proj(attn, wo, bo, residual, *, out=None) -> [B, D]
@@ -116,12 +117,13 @@ def _(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, po
 
 @torch.library.custom_op("sparseffn::decode_attention", mutates_args=("counters",))
 def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                  scaling: float, valid_from: torch.Tensor | None, counters: torch.Tensor | None) -> torch.Tensor:
-    return launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from, counters)
+                  scaling: float, valid_from: torch.Tensor | None, counters: torch.Tensor | None,
+                  prefetch: bool) -> torch.Tensor:
+    return launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from, counters, prefetch)
 
 
 @_attention_op.register_fake
-def _(q, k_cache, v_cache, positions, scaling, valid_from, counters):
+def _(q, k_cache, v_cache, positions, scaling, valid_from, counters, prefetch):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
@@ -172,14 +174,20 @@ def decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table,
     return _qkv_rope_op(*args)
 
 
-def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *, counters=None) -> torch.Tensor:
+def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *, counters=None,
+                     prefetch=False) -> torch.Tensor:
     """[B, Hq·d] in q's dtype: each query head q [B, Hq, d] attends to its key/value head's cache slots
     valid_from[b] .. positions[b] (module docstring). Rows with valid_from[b] > positions[b] have
     nothing to attend to and come out NaN.
 
     counters: None, or an int32 tensor of at least B·Hkv zeros that the split-KV combine counts
     arrivals in and leaves zero; keeping one across calls (every layer of a step may share it, as
-    they run one after another) saves a fill launch per call."""
+    they run one after another) saves a fill launch per call.
+
+    prefetch: the caller's promise that no kernel still running on the device writes positions,
+    valid_from or any cache slot but positions[b] (true in a decode step: positions come from its first
+    op, the older slots from earlier steps); where the launch is a programmatic dependent (few sequences,
+    Hopper) the kernel then reads them before waiting for the launch before it. The same result."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [B, Hq, d], got {getattr(q, 'shape', type(q).__name__)}")
     if q.dtype not in DTYPES:
@@ -202,7 +210,9 @@ def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *
         _check(counters, "counters", (None,), torch.int32, q.device)
         if counters.shape[0] < b * hkv:
             raise ValueError(f"counters must hold at least B·Hkv = {b * hkv} int32 zeros, got {counters.shape[0]}")
-    args = (q, k_cache, v_cache, positions, float(scaling), valid_from, counters)
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch must be a bool, got {type(prefetch).__name__}")
+    args = (q, k_cache, v_cache, positions, float(scaling), valid_from, counters, prefetch)
     if eager_call(q, k_cache, v_cache, positions, valid_from, counters):
         return launch_decode_attention(*args)
     return _attention_op(*args)
