@@ -10,10 +10,10 @@ kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sp
 mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
 (DecodeConfig.stream, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
 DecodeConfig.compact_up from batch 3, each against its other form; attention_prefetch the attention
-launcher's default config without AttentionConfig.prefetch against it with (the engine's default); pdl (the sparse step, auto) and
-pdl_dense (every MLP dense) set the configs' pdl field (programmatic dependent launch) on every engine
-kernel at once, then on all but one kind, and with o_proj at one token in one K step (its weight tile
-loaded before the wait).
+launcher's default config without AttentionConfig.prefetch against it with (the engine's default); pdl
+(the sparse step, auto) and pdl_dense (every MLP dense) set the configs' pdl field (programmatic
+dependent launch) on every engine kernel at once, then on all but one kind, and with o_proj at one token
+in one K step (its weight tile loaded before the wait).
 """
 
 import dataclasses
