@@ -2,9 +2,9 @@
 
 The `bench decode-model` model at BATCH (default 1); each ORDER item PROVIDER:MLP builds a
 CapturedDecoder over the Hugging Face step (engine "hf"; PROVIDER captured or compiled; MLP dense or
-sparse = auto mode), generates 256 tokens twice and prints the second run's p50 ms per step. At 77e3743 the fused captured dense step took 2.93 ms in
-a process that ran only the fused rows and 3.27 ms after the Hugging Face rows: this checks the
-compiled rows the same way.
+sparse = auto mode), generates 256 tokens twice and prints the second run's p50 ms per step. At
+77e3743 the fused captured dense step took 2.93 ms in a process that ran only the fused rows and
+3.27 ms after the Hugging Face rows: this checks the compiled rows (and other batches) the same way.
 
     python benchmarks/probes/decode_order.py ORDER [hf|fused] [BATCH]
     e.g. ORDER = compiled:dense,compiled:sparse
