@@ -13,7 +13,10 @@ DecodeConfig.compact_up from batch 3, each against its other form; attention_pre
 launcher's default config without AttentionConfig.prefetch against it with (the engine's default); pdl
 (the sparse step, auto) and pdl_dense (every MLP dense) set the configs' pdl field (programmatic
 dependent launch) on every engine kernel at once, then on all but one kind, and with o_proj at one token
-in one K step (its weight tile loaded before the wait).
+in one K step (its weight tile loaded before the wait). overlap (the sparse step) and overlap_dense (every
+MLP dense), batch 1: the defaults, then config.prefetch on q/k/v, on o_proj (streamed or in one step), on
+K1 (streamed), and the sparse K1's unit list (DecodeConfig.list_cap), alone and with q/k/v's prefetch,
+then the defaults again (how far fresh decoders of one config drift).
 """
 
 import dataclasses
@@ -65,8 +68,24 @@ def _variants(kernel: str, batch: int) -> list:
         on = {k: dataclasses.replace(c, pdl=True) for k, c in base.items()}
         variants = [base, on] + [dict(on, **{k: base[k]}) for k in base]
         if mp == 1:
-            variants.append(dict(on, out_proj=dataclasses.replace(on["out_proj"], block_k=2048)))
+            variants.append(dict(on, out_proj=dataclasses.replace(on["out_proj"], block_k=2048, prefetch=True)))
         return variants
+    if kernel in ("overlap", "overlap_dense"):  # one token: {kernel: config}, the defaults first and last
+        if mp != 1:
+            return []
+        qkv, out = projection_config(1, qkv=True), projection_config(1, qkv=False)
+        sparse, dense = default_config(1, norm=True), default_config(1, dense=True, norm=True)
+        base = {"qkv": qkv, "out_proj": out, "mlp_sparse": sparse, "mlp_dense": dense}
+        early = dict(base, qkv=dataclasses.replace(qkv, prefetch=True))  # q/k/v's first tile before the wait
+        variants = [base, early, dict(base, out_proj=dataclasses.replace(out, stream=True, prefetch=True)),
+                    dict(base, out_proj=dataclasses.replace(out, block_k=2048, prefetch=True))]
+        if kernel == "overlap_dense":
+            variants.append(dict(base, mlp_dense=dataclasses.replace(dense, prefetch=True)))
+        else:
+            listed = dataclasses.replace(sparse, list_cap=256, block_d=16)  # K1's list, summed by one span
+            variants += [dict(base, mlp_sparse=dataclasses.replace(sparse, stream=True, prefetch=True)),
+                         dict(base, mlp_sparse=listed), dict(early, mlp_sparse=listed)]
+        return variants + [base]
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []
@@ -134,7 +153,9 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "attention": ("decode_attention",), "attention_prefetch": ("decode_attention",),
                 "qkv": ("qkv_rope",), "out_proj": ("out_proj",),
                 "pdl": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
-                "pdl_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down")}
+                "pdl_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
+                "overlap": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
+                "overlap_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down")}
 
 
 def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_dense,attention,qkv,out_proj") -> None:
@@ -146,7 +167,7 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
     rows = []
     for batch, prompt in prompts.items():
         for kernel in kernels.split(","):
-            mode = "dense" if kernel.startswith("mlp_dense") or kernel == "pdl_dense" else "auto"
+            mode = "dense" if kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense") else "auto"
             for layer in layers:
                 layer.mode = mode
             for i, config in enumerate(_variants(kernel, batch)):

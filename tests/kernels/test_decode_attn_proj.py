@@ -9,6 +9,8 @@ Runs on a GPU natively and on CPU under the interpreter (tests/conftest.py), at 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -150,6 +152,33 @@ def test_qkv_rope_streamed_at_one_token(block_k):
     p["k_cache_before"], p["v_cache_before"] = p["k_cache"].clone(), p["v_cache"].clone()
     config = ProjectionConfig(block_n=4, block_k=block_k, stream=True)
     check_qkv(p, launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=config))
+
+
+def test_prefetch_gives_the_same_bits():
+    """config.prefetch (with pdl, the first weight tile loaded before the wait; where pdl is dropped, as
+    under the interpreter, the same loads after it): q, the cache writes and o_proj's output unchanged."""
+    p = qkv_problem(1, 80, 4, 2, 16, 12, bias=True, seed=13)
+    config = ProjectionConfig(block_n=4, block_k=32, stream=True, pdl=True)
+    before = p["k_cache"].clone(), p["v_cache"].clone()
+    want = launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=config)
+    caches = p["k_cache"].clone(), p["v_cache"].clone()
+    p["k_cache"].copy_(before[0]), p["v_cache"].copy_(before[1])
+    got = launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=dataclasses.replace(config, prefetch=True))
+    assert torch.equal(got, want)
+    assert torch.equal(p["k_cache"], caches[0]) and torch.equal(p["v_cache"], caches[1])
+    with pytest.raises(ValueError, match="needs config.stream"):
+        launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=ProjectionConfig(block_n=4, block_k=32, prefetch=True))
+    attn, wo, bo, residual = _out_problem(1, 96, 72, bias=True, seed=6)
+    for config in (ProjectionConfig(block_n=4, block_k=32, stream=True, pdl=True),
+                   ProjectionConfig(block_n=4, block_k=128, pdl=True)):  # streamed, and one K step
+        want = launch_decode_out_proj(attn, wo, bo, residual, config=config)
+        got = launch_decode_out_proj(attn, wo, bo, residual, config=dataclasses.replace(config, prefetch=True))
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="one K step"):
+        launch_decode_out_proj(attn, wo, bo, residual, config=ProjectionConfig(block_n=4, block_k=32, prefetch=True))
+    with pytest.raises(ValueError, match="one-token field"):
+        attn2, wo2, bo2, residual2 = _out_problem(2, 96, 72, bias=True, seed=6)
+        launch_decode_out_proj(attn2, wo2, bo2, residual2, config=ProjectionConfig(block_n=4, block_k=128, prefetch=True))
 
 
 def test_kv_write_is_exactly_the_kernels_q():

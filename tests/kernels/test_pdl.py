@@ -29,7 +29,7 @@ for module in (decode_mlp, decode_attn_proj, decode_attention):
                                  options=opt).asm["ptx"]
             order = "".join("W" if "griddepcontrol.wait" in l else "L" if "griddepcontrol.launch" in l else "."
                             for l in ptx.splitlines() if "griddepcontrol" in l or "ld.global" in l)
-            early = (fn.__name__ == "_decode_out_proj_kernel" and cx.get("ONE_STEP")) or cx.get("PREFETCH")
+            early = cx.get("PREFETCH")
             print(fn.__name__, int(bool(early)), order)
 """
 
@@ -71,7 +71,7 @@ def test_release_first_then_only_weights_before_the_wait():
     for name, early, order in rows:
         assert order.startswith("L") and order.count("W") == 1 and order.count("L") == 1, (name, order)
         before = order[1:order.index("W")]
-        if early == "1":  # o_proj's one-step weight tile, attention's positions and older slots (config.prefetch)
+        if early == "1":  # config.prefetch: a projection's first weight tile, attention's positions and older slots
             assert before and set(before) == {"."}, (name, order)
         else:  # nothing read before the wait
             assert before == "", (name, order)

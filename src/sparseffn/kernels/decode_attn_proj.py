@@ -11,8 +11,8 @@
         rounded (as o_proj then the residual add in Hugging Face's layer), products by
         decode_mlp._rows_normed_dot (no norm). One token with config.stream: both kernels' products by
         decode_mlp._streamed_dot (the same norm roundings), the next step's tiles loaded a step ahead.
-        config.pdl (Hopper on): both launched as programmatic dependents (_runtime), o_proj at one token
-        in one K step with its weight tile loaded before the wait.
+        config.pdl (Hopper on): both launched as programmatic dependents (_runtime); with config.prefetch
+        at one token (streamed, or o_proj in one K step) the first weight tile is loaded before the wait.
 
 Why. At decode (M <= 64 tokens, one per sequence) a projection is a read of its matrix: time is the
 weight bytes over the bandwidth plus one launch, so each step's norm, bias, RoPE, cache write and
@@ -37,7 +37,7 @@ import triton.language as tl
 from sparseffn.kernels._runtime import (capability, cdiv, interpreting, mma, pdl_launch_dependents, pdl_options,
                                         pdl_wait)
 from sparseffn.kernels.configs.decode_attention import ProjectionConfig, projection_config
-from sparseffn.kernels.decode_mlp import _rows_normed_dot, _streamed_dot, m_pad
+from sparseffn.kernels.decode_mlp import _rows_normed_dot, _streamed_dot, _weight_tile, m_pad
 from sparseffn.kernels.launch import Launcher
 
 __all__ = ["launch_decode_out_proj", "launch_decode_qkv_rope"]
@@ -144,11 +144,12 @@ def _decode_qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     ONE_STEP: tl.constexpr,  # D <= BLOCK_K
     STREAM: tl.constexpr,  # one token: decode_mlp._streamed_dot's loop
-    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
+    PREFETCH: tl.constexpr,  # with PDL and STREAM at one token: the first weight tile loaded before pdl_wait
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing but weights read before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
+    EARLY: tl.constexpr = PREFETCH and PDL and STREAM and M_PAD == 1
     pdl_launch_dependents(PDL)
-    pdl_wait(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
     pid = tl.program_id(0)
@@ -176,6 +177,14 @@ def _decode_qkv_rope_kernel(
         stride_w = stride_wk
         n_pairs = HKV * HALF
 
+    # units interleaved as (pair, half): unit 2p is pair p's dim i, unit 2p + 1 its dim i + d/2
+    j = tl.arange(0, BLOCK_N)
+    pair = block * PAIRS + j // 2  # [BLOCK_N]
+    unit_in = pair < n_pairs
+    units = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF  # [BLOCK_N] weight rows
+    if EARLY:  # weights: no launch writes them
+        w0 = _weight_tile(w_ptr, units, unit_in, D, stride_w, BLOCK_K)
+    pdl_wait(PDL)
     rows = tl.arange(0, M_PAD)  # [M_PAD] tokens
     row_in = rows < M
     # this program's pairs, and their rotary entries at each token's position: loaded first, so
@@ -194,14 +203,11 @@ def _decode_qkv_rope_kernel(
     s1 = tl.load(sin_row, mask=rope_mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_row + HALF, mask=rope_mask, other=0.0).to(tl.float32)
 
-    # units interleaved as (pair, half): unit 2p is pair p's dim i, unit 2p + 1 its dim i + d/2
-    j = tl.arange(0, BLOCK_N)
-    pair = block * PAIRS + j // 2  # [BLOCK_N]
-    unit_in = pair < n_pairs
-    units = (pair // HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF  # [BLOCK_N] weight rows
     if STREAM and M_PAD == 1:  # the same roundings of the norm (decode_mlp._normed_by)
-        acc, _ = _streamed_dot(x_ptr, w_ptr, units, unit_in, D, stride_w, norm_ptr, tl.zeros((1,), tl.float32), eps,
-                               True, True, BLOCK_N, BLOCK_K)  # [1, BLOCK_N] fp32
+        if not EARLY:
+            w0 = _weight_tile(w_ptr, units, unit_in, D, stride_w, BLOCK_K)
+        acc, _ = _streamed_dot(w0, x_ptr, w_ptr, units, unit_in, D, stride_w, norm_ptr, tl.zeros((1,), tl.float32),
+                               eps, True, True, BLOCK_N, BLOCK_K)  # [1, BLOCK_N] fp32
     else:
         acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
                                M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
@@ -249,24 +255,25 @@ def _decode_out_proj_kernel(
     BLOCK_K: tl.constexpr,
     STREAM: tl.constexpr,  # one token: decode_mlp._streamed_dot's loop
     ONE_STEP: tl.constexpr,  # K <= BLOCK_K
+    PREFETCH: tl.constexpr,  # with PDL at one token, streamed or in one step: the first weight tile before pdl_wait
     PDL: tl.constexpr,  # launched as a programmatic dependent: only weights read before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
-    # with PDL at one token in one K step, the weight tile (never written) is loaded before the wait
-    PREFETCH: tl.constexpr = PDL and M_PAD == 1 and ONE_STEP
+    EARLY: tl.constexpr = PREFETCH and PDL and M_PAD == 1 and (ONE_STEP or STREAM)
     pdl_launch_dependents(PDL)
     units = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     unit_in = units < N
     rows = tl.arange(0, M_PAD)
     row_in = rows < M
-    if PREFETCH:
-        k = tl.arange(0, BLOCK_K)
-        k_in = k < K
-        w = tl.load(w_ptr + units.to(tl.int64)[:, None] * stride_w + k[None, :], mask=unit_in[:, None] & k_in[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_K]
+    if EARLY:  # weights: no launch writes them
+        w = _weight_tile(w_ptr, units, unit_in, K, stride_w, BLOCK_K)  # [BLOCK_N, BLOCK_K]
     pdl_wait(PDL)
-    if PREFETCH:  # the products of _rows_normed_dot's one-token step, summed the same way
-        av = tl.load(a_ptr + k[None, :], mask=k_in[None, :], other=0.0)  # [1, BLOCK_K]
+    if EARLY and STREAM:
+        acc, _ = _streamed_dot(w, a_ptr, w_ptr, units, unit_in, K, stride_w, None, tl.zeros((1,), tl.float32), 0.0,
+                               False, False, BLOCK_N, BLOCK_K)  # [1, BLOCK_N] fp32
+    elif EARLY:  # the products of _rows_normed_dot's one-token step, summed the same way
+        k = tl.arange(0, BLOCK_K)
+        av = tl.load(a_ptr + k[None, :], mask=(k < K)[None, :], other=0.0)  # [1, BLOCK_K]
         acc = tl.sum(w.to(tl.float32) * av.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N] fp32
     else:
         acc = _rows_normed_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w, None, None,
@@ -289,8 +296,8 @@ def _config(m: int, device: torch.device, config: ProjectionConfig | None, qkv: 
     config = config or projection_config(mp, capability(device), qkv)
     if mp >= 16 and config.block_n < 16:
         raise ValueError(f"config.block_n must be >= 16 for {m} tokens (tl.dot), got {config.block_n}")
-    if config.stream and m != 1:
-        raise ValueError(f"config.stream is a one-token field, got {m} tokens")
+    if (config.stream or config.prefetch) and m != 1:
+        raise ValueError(f"config.stream and config.prefetch are one-token fields, got {m} tokens")
     return mp, config
 
 
@@ -303,6 +310,8 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
     hq, hkv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
     q = torch.empty((m, hq, head_dim), dtype=hidden.dtype, device=hidden.device)
     mp, config = _config(m, hidden.device, config, qkv=True)
+    if config.prefetch and not config.stream:
+        raise ValueError("config.prefetch loads the first tile of the streamed one-token loop: q/k/v needs config.stream")
     pairs = config.block_n // 2
     half = head_dim // 2
     grid = (cdiv(hq * half, pairs) + 2 * cdiv(hkv * half, pairs),)
@@ -315,7 +324,7 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
         cos_table.stride(0), sin_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, HAS_BIAS=has_bias, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        ONE_STEP=d_model <= config.block_k, STREAM=config.stream, DOT_IN_FP32=interpreting(),
+        ONE_STEP=d_model <= config.block_k, STREAM=config.stream, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, hidden.device),
     )
     return q
@@ -329,10 +338,13 @@ def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: Projecti
     if out is None:
         out = torch.empty((m, n), dtype=attn.dtype, device=attn.device)
     mp, config = _config(m, attn.device, config, qkv=False)
+    if config.prefetch and not (config.stream or k <= config.block_k):
+        raise ValueError("config.prefetch loads o_proj's first weight tile: it needs config.stream or one K step "
+                         f"(block_k >= {k}), got block_k {config.block_k}")
     _out_launch[(cdiv(n, config.block_n),)](
         attn, wo, bo, residual, out, m, n, k, attn.stride(0), wo.stride(0), residual.stride(0), out.stride(0),
         HAS_BIAS=bo is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STREAM=config.stream,
-        ONE_STEP=k <= config.block_k, DOT_IN_FP32=interpreting(), num_warps=config.num_warps,
+        ONE_STEP=k <= config.block_k, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting(), num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_options(config.pdl, attn.device),
     )
     return out

@@ -17,11 +17,13 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     capability `arch`: bf16 / fp16, every padded token count with its default configs (q/k/v's and
     o_proj's), head dims 64 and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit
     rotary tables, D in one step or several; at one token also the streamed loops (config.stream) and
-    o_proj in one K step; on Hopper the bf16 kernels at 1 and 16 tokens also with config.pdl."""
+    o_proj in one K step; on Hopper the bf16 kernels at 1 and 16 tokens also with config.pdl, and the
+    one-token streamed or one-step ones with pdl and config.prefetch."""
     specs = []
 
     def add(fn, signature, constexprs, config):
         constexprs.setdefault("PDL", False)
+        constexprs.setdefault("PREFETCH", False)
         for name in constexprs:
             signature.setdefault(name, "constexpr")
         spec = (fn, signature, constexprs)
@@ -30,6 +32,9 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
         if arch >= HOPPER and constexprs["M_PAD"] in (1, 16) and "bf16" in signature["w_ptr" if "w_ptr" in signature
                                                                                          else "wq_ptr"]:
             specs.append((fn, signature, dict(constexprs, PDL=True)) + specs[-1][3:])  # config.pdl
+            early = constexprs["STREAM"] or (constexprs["ONE_STEP"] and fn is _decode_out_proj_kernel)
+            if constexprs["M_PAD"] == 1 and early:  # config.prefetch
+                specs.append((fn, signature, dict(constexprs, PDL=True, PREFETCH=True)) + specs[-1][3:])
 
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
@@ -60,8 +65,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 sig = {"a_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}" if bias else "constexpr",
                        "r_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
                        "stride_w": "i32", "stride_rm": "i32", "stride_ym": "i32"}
-                # (stream, block_k): the default, streamed at one token, and one K step at one token (with
-                # config.pdl its weight tile is loaded before the wait)
+                # (stream, block_k): the default, streamed at one token, and one K step at one token
                 for stream, block_k in ((False, out_cfg.block_k),) + (((True, out_cfg.block_k), (False, 2048))
                                                                        if mp == 1 else ()):
                     o_cfg = dataclasses.replace(out_cfg, stream=stream, block_k=block_k)

@@ -13,8 +13,8 @@ class ProjectionConfig:
     """A decode projection's launch: block_n output units per program (the q/k/v kernel takes them as
     block_n / 2 rotary pairs), block_k columns of D per step, num_warps, num_stages; stream (one token
     only): the streamed loop of decode_mlp._streamed_dot (the next step's tiles loaded while the current
-    one is reduced); pdl: launched as a programmatic dependent (Hopper on; _runtime.pdl_options), o_proj at
-    one token in one K step loading its weight tile before the wait."""
+    one is reduced); pdl: launched as a programmatic dependent (Hopper on; _runtime.pdl_options); prefetch
+    (one token, with pdl, streamed or in one K step): the first weight tile loaded before the wait."""
 
     block_n: int
     block_k: int
@@ -22,12 +22,13 @@ class ProjectionConfig:
     num_stages: int = 1
     stream: bool = False
     pdl: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_n", "block_k", "num_warps", "num_stages"),
                             powers_of_two=("block_n", "block_k", "num_warps"),
                             at_least=((("block_n",), 2, "rotary pairs"), (("block_k",), 16, "tl.dot")),
-                            flags=("stream", "pdl"))
+                            flags=("stream", "pdl", "prefetch"))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One GPU call (<= 9 minutes) for the one-token overlap options of the decode engine, off by default until
+# this measures them: the GPU tests of the decode kernels and the engine (prefetch and the unit list change
+# no bit where they must not), then the engine's step sweep of the `overlap` group (sparse step),
+# `overlap_dense` (dense step) and `overlap` again at batch 1 (decode_engine_sweep.py: defaults,
+# config.prefetch on q/k/v, o_proj and K1, the sparse K1's unit list, defaults again). CSVs and logs
+# under OUT; GIT_SHA names them.
+# Usage: bash benchmarks/probes/decode_overlap.sh OUT [GIT_SHA]
+set -uo pipefail
+out=${1:?usage: bash benchmarks/probes/decode_overlap.sh OUT [GIT_SHA]}
+mkdir -p "$out"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+sha=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+stamp() { echo "[$(date +%T)] $*"; }
+nvidia-smi --query-gpu=name --format=csv,noheader
+stamp tests
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/models/test_gpu_decode_step.py \
+  tests/kernels/test_decode_mlp.py tests/kernels/test_decode_attn_proj.py tests/ops/test_decode_block.py \
+  > "$out/tests.log" 2>&1
+grep -E "^FAILED|^ERROR" "$out/tests.log" | cut -c1-300; tail -1 "$out/tests.log"
+stamp "engine sweep, batch 1"
+timeout 420 python3 benchmarks/probes/decode_engine_sweep.py "$out/decode_engine_sweep_overlap_$sha.csv" 1 \
+  overlap,overlap_dense,overlap > "$out/engine_sweep.log" 2>&1
+echo "exit $?"; grep -E "^batch" "$out/engine_sweep.log" | cut -c1-120
