@@ -14,9 +14,9 @@ launcher's default config without AttentionConfig.prefetch against it with (the 
 (the sparse step, auto) and pdl_dense (every MLP dense) set the configs' pdl field (programmatic
 dependent launch) on every engine kernel at once, then on all but one kind, and with o_proj at one token
 in one K step (its weight tile loaded before the wait). overlap (the sparse step) and overlap_dense (every
-MLP dense), batch 1: the defaults, then config.prefetch on q/k/v, on o_proj (streamed or in one step), on
-K1 (streamed), and the sparse K1's unit list (DecodeConfig.list_cap), alone and with q/k/v's prefetch,
-then the defaults again (how far fresh decoders of one config drift).
+MLP dense), batch 1: the defaults against those before config.prefetch (q/k/v without it, o_proj in two
+steps, the sparse K1 unstreamed), alternated, and the sparse K1's unit list (DecodeConfig.list_cap) at
+three caps and column blocks.
 """
 
 import dataclasses
@@ -70,22 +70,22 @@ def _variants(kernel: str, batch: int) -> list:
         if mp == 1:
             variants.append(dict(on, out_proj=dataclasses.replace(on["out_proj"], block_k=2048, prefetch=True)))
         return variants
-    if kernel in ("overlap", "overlap_dense"):  # one token: {kernel: config}, the defaults first and last
+    if kernel in ("overlap", "overlap_dense"):  # one token: {kernel: config}, alternated
         if mp != 1:
             return []
         qkv, out = projection_config(1, qkv=True), projection_config(1, qkv=False)
         sparse, dense = default_config(1, norm=True), default_config(1, dense=True, norm=True)
         base = {"qkv": qkv, "out_proj": out, "mlp_sparse": sparse, "mlp_dense": dense}
-        early = dict(base, qkv=dataclasses.replace(qkv, prefetch=True))  # q/k/v's first tile before the wait
-        variants = [base, early, dict(base, out_proj=dataclasses.replace(out, stream=True, prefetch=True)),
-                    dict(base, out_proj=dataclasses.replace(out, block_k=2048, prefetch=True))]
+        # the defaults before config.prefetch: o_proj in two steps, the sparse K1 unstreamed
+        before = {"qkv": dataclasses.replace(qkv, prefetch=False),
+                  "out_proj": dataclasses.replace(out, block_k=1024, prefetch=False),
+                  "mlp_sparse": dataclasses.replace(sparse, stream=False, prefetch=False),
+                  "mlp_dense": dataclasses.replace(dense, prefetch=False)}
         if kernel == "overlap_dense":
-            variants.append(dict(base, mlp_dense=dataclasses.replace(dense, prefetch=True)))
-        else:
-            listed = dataclasses.replace(sparse, list_cap=256, block_d=16)  # K1's list, summed by one span
-            variants += [dict(base, mlp_sparse=dataclasses.replace(sparse, stream=True, prefetch=True)),
-                         dict(base, mlp_sparse=listed), dict(early, mlp_sparse=listed)]
-        return variants + [base]
+            return [base, before, base, before]
+        listed = [dict(base, mlp_sparse=dataclasses.replace(sparse, list_cap=c, block_d=d))  # K1's list, one span
+                  for c, d in ((256, 16), (64, 32), (64, 16))]
+        return [base, before] + listed + [base, before]
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []
@@ -106,7 +106,7 @@ def _variants(kernel: str, batch: int) -> list:
         base = default_config(1, dense=dense, norm=True)
         one = [dict(stream=not base.stream, block_h=4, block_k=1024), dict(stream=False, block_h=4, block_k=2048)]
         one += [dict(stream=True, block_h=h, block_k=k) for h, k in ((4, 2048), (4, 512), (8, 256))]
-        variants = [dataclasses.replace(base, **v) for v in one]
+        variants = [dataclasses.replace(base, **v, prefetch=v["stream"] and base.pdl) for v in one]
         return [base] + [c for i, c in enumerate(variants) if c != base and c not in variants[:i]]
     if kernel in ("mlp_sparse", "mlp_dense"):
         base = default_config(mp, dense=kernel == "mlp_dense")

@@ -3,7 +3,7 @@
 # this measures them: the GPU tests of the decode kernels and the engine (prefetch and the unit list change
 # no bit where they must not), then the engine's step sweep of the `overlap` group (sparse step),
 # `overlap_dense` (dense step) and `overlap` again at batch 1 (decode_engine_sweep.py: defaults,
-# config.prefetch on q/k/v, o_proj and K1, the sparse K1's unit list, defaults again). CSVs and logs
+# the defaults before config.prefetch, the sparse K1's unit list), then `bench decode-model --step` at batch 1. CSVs and logs
 # under OUT; GIT_SHA names them.
 # Usage: bash benchmarks/probes/decode_overlap.sh OUT [GIT_SHA]
 set -uo pipefail
@@ -22,3 +22,7 @@ stamp "engine sweep, batch 1"
 timeout 420 python3 benchmarks/probes/decode_engine_sweep.py "$out/decode_engine_sweep_overlap_$sha.csv" 1 \
   overlap,overlap_dense,overlap > "$out/engine_sweep.log" 2>&1
 echo "exit $?"; grep -E "^batch" "$out/engine_sweep.log" | cut -c1-120
+stamp "bench decode-model --step, batch 1"
+timeout 240 python3 -m sparseffn bench decode-model --model 2b --batches 1 --prompt 512 --new-tokens 64 --no-eager \
+  --non-mlp fused --step --out-dir "$out/model" --git-sha "$sha" > "$out/model.log" 2>&1
+echo "exit $?"; python3 benchmarks/probes/decode_model_table.py "$out/model" 2>&1 | tail -8

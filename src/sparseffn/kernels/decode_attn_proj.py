@@ -291,9 +291,10 @@ _qkv_launch = Launcher(_decode_qkv_rope_kernel)
 _out_launch = Launcher(_decode_out_proj_kernel)
 
 
-def _config(m: int, device: torch.device, config: ProjectionConfig | None, qkv: bool) -> tuple[int, ProjectionConfig]:
+def _config(m: int, k: int, device: torch.device, config: ProjectionConfig | None,
+            qkv: bool) -> tuple[int, ProjectionConfig]:
     mp = m_pad(m)
-    config = config or projection_config(mp, capability(device), qkv)
+    config = config or projection_config(mp, capability(device), qkv, k)
     if mp >= 16 and config.block_n < 16:
         raise ValueError(f"config.block_n must be >= 16 for {m} tokens (tl.dot), got {config.block_n}")
     if (config.stream or config.prefetch) and m != 1:
@@ -309,7 +310,7 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
     head_dim = cos_table.shape[1]
     hq, hkv = wq.shape[0] // head_dim, wk.shape[0] // head_dim
     q = torch.empty((m, hq, head_dim), dtype=hidden.dtype, device=hidden.device)
-    mp, config = _config(m, hidden.device, config, qkv=True)
+    mp, config = _config(m, d_model, hidden.device, config, qkv=True)
     if config.prefetch and not config.stream:
         raise ValueError("config.prefetch loads the first tile of the streamed one-token loop: q/k/v needs config.stream")
     pairs = config.block_n // 2
@@ -337,7 +338,7 @@ def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: Projecti
     n = wo.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=attn.dtype, device=attn.device)
-    mp, config = _config(m, attn.device, config, qkv=False)
+    mp, config = _config(m, k, attn.device, config, qkv=False)
     if config.prefetch and not (config.stream or k <= config.block_k):
         raise ValueError("config.prefetch loads o_proj's first weight tile: it needs config.stream or one K step "
                          f"(block_k >= {k}), got block_k {config.block_k}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from sparseffn.kernels._runtime import HOPPER, check_config_fields, pdl_by_default, shared_memory_limit
+from sparseffn.kernels._runtime import HOPPER, check_config_fields, next_power_of_2, pdl_by_default, shared_memory_limit
 
 
 @dataclass(frozen=True)
@@ -59,19 +59,25 @@ class AttentionConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool = True) -> ProjectionConfig:
-    """The q/k/v kernel's config (qkv) or o_proj's. One or two tokens: two units per program and
-    whole-row steps (decode_linear's CUDA-core shape: many small programs keep rows in flight, the
-    loop is not pipelined); o_proj at one token in two steps (6% faster in the step's sweep), q/k/v at
-    one token four units in two streamed steps (5% faster than two whole-row units). 16 to
+def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool = True,
+                      k: int = 2048) -> ProjectionConfig:
+    """The q/k/v kernel's config (qkv) or o_proj's, for a reduction of length k (D for q/k/v, Hq·d for
+    o_proj). One or two tokens: two units per program and whole-row steps (decode_linear's CUDA-core
+    shape: many small programs keep rows in flight, the loop is not pipelined); at one token q/k/v four
+    units in two streamed steps (5% faster than two whole-row units), o_proj in one step where k fits
+    2048 columns (else two of 1024), both with prefetch (their first weight tile read before the PDL
+    wait, while the launch before still runs; it paid in the engine's step sweep). 16 to
     64 padded tokens: tl.dot tiles of 16 units, so a 2048-unit o_proj still has a program per SM
     (each streams its rows through a 4-stage pipeline, enough bytes in flight for its SM's share of
     the bandwidth); q/k/v (6144 units) in 32-unit tiles: 256-column steps in 3 stages at 16 tokens,
     128-column steps in 4 at 32 and 64 (measured at 64: 2.3x faster than 16-unit tiles). Pipelined
     within the target's shared memory. From the captured engine step's sweep on the H200
     (decode_engine_sweep.csv). pdl: _runtime.pdl_by_default."""
+    pdl = pdl_by_default(m_padded)
     if m_padded == 1 and qkv:
-        return ProjectionConfig(block_n=4, block_k=1024, stream=True, pdl=pdl_by_default(m_padded))
+        return ProjectionConfig(block_n=4, block_k=1024, stream=True, pdl=pdl, prefetch=pdl)
+    if m_padded == 1 and k <= 2048:
+        return ProjectionConfig(block_n=2, block_k=max(16, next_power_of_2(k)), pdl=pdl, prefetch=pdl)
     if m_padded <= 2:
         return ProjectionConfig(block_n=2, block_k=1024 if m_padded == 1 else 2048, pdl=pdl_by_default(m_padded))
     if not qkv:

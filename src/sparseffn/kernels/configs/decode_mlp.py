@@ -71,13 +71,14 @@ def default_config(m_padded: int, arch: tuple[int, int] = HOPPER, dense: bool = 
     capability `arch` (and 32-unit tiles from sm_100 on). One or two tokens: few units per program and
     long steps, since the CUDA-core loop is not software-pipelined (each step is one memory round trip;
     at one token the sparse gate read with the norm fused, `norm` (the engine's), does best in two
-    steps, without the norm and the dense gate + up in one, the engine's dense K1 in two streamed
-    steps); more tokens: tl.dot tiles, pipelined, and at 16 the engine's sparse K1 with compact_up. The
+    steps, without the norm and the dense gate + up in one; the engine's K1, dense or sparse, streams
+    its two steps with prefetch, the first tile read before the PDL wait); more tokens: tl.dot tiles, pipelined, and at 16 the engine's sparse K1 with compact_up. The
     down kernel splits the units into 4 to 8 spans (more programs); dense (`dense`: every unit summed,
     act relu / silu): 8 spans (measured at 1, 16 and 64 tokens). pdl: _runtime.pdl_by_default."""
     if m_padded == 1:
+        pdl = pdl_by_default(m_padded)
         config = DecodeConfig(block_h=4, block_k=1024 if norm else 2048, gate_stages=1, block_s=128, block_d=64,
-                              down_stages=1, prefix=2048, split=4, stream=norm and dense, pdl=pdl_by_default(m_padded))
+                              down_stages=1, prefix=2048, split=4, stream=norm, pdl=pdl, prefetch=norm and pdl)
     elif m_padded == 2:
         config = DecodeConfig(block_h=2, block_k=2048, gate_stages=1, block_s=64, block_d=64, down_stages=1,
                               prefix=2048, split=8)
