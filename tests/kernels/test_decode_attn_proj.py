@@ -178,7 +178,8 @@ def test_prefetch_gives_the_same_bits():
         launch_decode_out_proj(attn, wo, bo, residual, config=ProjectionConfig(block_n=4, block_k=32, prefetch=True))
     with pytest.raises(ValueError, match="one-token field"):
         attn2, wo2, bo2, residual2 = _out_problem(2, 96, 72, bias=True, seed=6)
-        launch_decode_out_proj(attn2, wo2, bo2, residual2, config=ProjectionConfig(block_n=4, block_k=128, prefetch=True))
+        config = ProjectionConfig(block_n=4, block_k=128, prefetch=True)
+        launch_decode_out_proj(attn2, wo2, bo2, residual2, config=config)
 
 
 def test_kv_write_is_exactly_the_kernels_q():

@@ -312,7 +312,8 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
     q = torch.empty((m, hq, head_dim), dtype=hidden.dtype, device=hidden.device)
     mp, config = _config(m, d_model, hidden.device, config, qkv=True)
     if config.prefetch and not config.stream:
-        raise ValueError("config.prefetch loads the first tile of the streamed one-token loop: q/k/v needs config.stream")
+        raise ValueError("config.prefetch loads the first tile of the streamed one-token loop: q/k/v needs "
+                         "config.stream")
     pairs = config.block_n // 2
     half = head_dim // 2
     grid = (cdiv(hq * half, pairs) + 2 * cdiv(hkv * half, pairs),)
@@ -325,7 +326,8 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
         cos_table.stride(0), sin_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, HAS_BIAS=has_bias, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        ONE_STEP=d_model <= config.block_k, STREAM=config.stream, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting(),
+        ONE_STEP=d_model <= config.block_k, STREAM=config.stream, PREFETCH=config.prefetch,
+        DOT_IN_FP32=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, hidden.device),
     )
     return q
@@ -345,7 +347,7 @@ def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: Projecti
     _out_launch[(cdiv(n, config.block_n),)](
         attn, wo, bo, residual, out, m, n, k, attn.stride(0), wo.stride(0), residual.stride(0), out.stride(0),
         HAS_BIAS=bo is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STREAM=config.stream,
-        ONE_STEP=k <= config.block_k, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting(), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_options(config.pdl, attn.device),
+        ONE_STEP=k <= config.block_k, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, attn.device),
     )
     return out

@@ -78,8 +78,8 @@ def _normed_by(xv, nw, rstd):
 def _weight_tile(w_ptr, units, unit_on, D, stride_wh, BLOCK_K: tl.constexpr):
     """[BLOCK_H, BLOCK_K] w[units, :BLOCK_K], 0 off unit_on and past D: `_streamed_dot`'s first tile."""
     k = tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + units.to(tl.int64)[:, None] * stride_wh + k[None, :], mask=unit_on[:, None] & (k < D)[None, :],
-                   other=0.0)
+    return tl.load(w_ptr + units.to(tl.int64)[:, None] * stride_wh + k[None, :],
+                   mask=unit_on[:, None] & (k < D)[None, :], other=0.0)
 
 
 @triton.jit
@@ -271,8 +271,8 @@ def _decode_gate_up_kernel(
     if STREAM and M_PAD == 1:  # the norm's pass behind the first gate tile's load
         if not EARLY:
             w0 = _weight_tile(first_ptr, units, unit_in, D, stride_fh, BLOCK_K)
-        acc, rstd = _streamed_dot(w0, x_ptr, first_ptr, units, unit_in, D, stride_fh, norm_ptr, rstd, eps, NORM, NORM,
-                                  BLOCK_H, BLOCK_K)
+        acc, rstd = _streamed_dot(w0, x_ptr, first_ptr, units, unit_in, D, stride_fh, norm_ptr, rstd, eps, NORM,
+                                  NORM, BLOCK_H, BLOCK_K)
     else:
         if NORM:  # every program normalizes the few rows of x itself (an L2-resident re-read)
             rstd = _rows_rstd(x_ptr, rows, row_in, D, stride_xm, eps, M_PAD, BLOCK_K)
@@ -572,7 +572,8 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
     if config.stream and m != 1:
         raise ValueError(f"config.stream is a one-token field, got {m} tokens")
     if config.prefetch and not config.stream:
-        raise ValueError("config.prefetch loads the first tile of the streamed one-token loop: it needs config.stream")
+        raise ValueError("config.prefetch loads the first tile of the streamed one-token loop: it needs "
+                         "config.stream")
     if config.compact_up and m_pad(m) < 16:
         raise ValueError(f"config.compact_up is for 3 or more tokens (tl.dot rows), got {m}")
     h = first_weight.shape[0]

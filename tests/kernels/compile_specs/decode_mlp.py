@@ -38,7 +38,8 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
         specs.append(spec + (({"num_warps": warps, "num_stages": stages},) if with_options else ()))
         options = specs[-1][3:]
         engine = constexprs.get("NORM") or constexprs.get("RESIDUAL")
-        listed = engine and constexprs.get("M_PAD") == 1 and constexprs.get("ACT", 0) == 0 and "LIST_CAP" in fn.arg_names
+        listed = (engine and constexprs.get("M_PAD") == 1 and constexprs.get("ACT", 0) == 0
+                  and "LIST_CAP" in fn.arg_names)
         k2_listed = dict(constexprs, LIST_CAP=LIST_CAP, SPLIT=1, BLOCK_D=16)
         if listed and "SPLIT" in constexprs and not any(s[0] is fn and s[2] == k2_listed for s in specs):  # K2
             specs.append((fn, signature, k2_listed) + options)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from sparseffn.kernels._runtime import HOPPER, check_config_fields, next_power_of_2, pdl_by_default, shared_memory_limit
+from sparseffn.kernels._runtime import (HOPPER, check_config_fields, next_power_of_2, pdl_by_default,
+                                        shared_memory_limit)
 
 
 @dataclass(frozen=True)

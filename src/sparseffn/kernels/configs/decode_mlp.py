@@ -48,7 +48,8 @@ class DecodeConfig:
                             powers_of_two=("block_h", "block_k", "gate_warps", "block_s", "down_warps", "prefix",
                                            "up_k"),
                             at_least=((("block_k", "block_s", "up_k"), 16, "tl.dot"),
-                                      (("block_h",), 2, "a 2-D tile")), flags=("stream", "compact_up", "pdl", "prefetch"))
+                                      (("block_h",), 2, "a 2-D tile")),
+                            flags=("stream", "compact_up", "pdl", "prefetch"))
         if (isinstance(self.list_cap, bool) or not isinstance(self.list_cap, int)
                 or (self.list_cap != 0 and (self.list_cap < 16 or self.list_cap & (self.list_cap - 1)))):
             raise ValueError(f"DecodeConfig.list_cap must be 0 or a power of two >= 16, got {self.list_cap!r}")
@@ -72,9 +73,10 @@ def default_config(m_padded: int, arch: tuple[int, int] = HOPPER, dense: bool = 
     long steps, since the CUDA-core loop is not software-pipelined (each step is one memory round trip;
     at one token the sparse gate read with the norm fused, `norm` (the engine's), does best in two
     steps, without the norm and the dense gate + up in one; the engine's K1, dense or sparse, streams
-    its two steps with prefetch, the first tile read before the PDL wait); more tokens: tl.dot tiles, pipelined, and at 16 the engine's sparse K1 with compact_up. The
-    down kernel splits the units into 4 to 8 spans (more programs); dense (`dense`: every unit summed,
-    act relu / silu): 8 spans (measured at 1, 16 and 64 tokens). pdl: _runtime.pdl_by_default."""
+    its two steps with prefetch, the first tile read before the PDL wait); more tokens: tl.dot tiles,
+    pipelined, and at 16 the engine's sparse K1 with compact_up. The down kernel splits the units into 4
+    to 8 spans (more programs); dense (`dense`: every unit summed, act relu / silu): 8 spans (measured at
+    1, 16 and 64 tokens). pdl: _runtime.pdl_by_default."""
     if m_padded == 1:
         pdl = pdl_by_default(m_padded)
         config = DecodeConfig(block_h=4, block_k=1024 if norm else 2048, gate_stages=1, block_s=128, block_d=64,
