@@ -15,8 +15,7 @@ launcher's default config without AttentionConfig.prefetch against it with (the 
 dependent launch) on every engine kernel at once, then on all but one kind, and with o_proj at one token
 in one K step (its weight tile loaded before the wait). overlap (the sparse step) and overlap_dense (every
 MLP dense), batch 1: the defaults against those before config.prefetch (q/k/v without it, o_proj in two
-steps, the sparse K1 unstreamed), alternated, and the sparse K1's unit list (DecodeConfig.list_cap) at
-three caps and column blocks.
+steps, the sparse K1 unstreamed), alternated.
 """
 
 import dataclasses
@@ -81,11 +80,7 @@ def _variants(kernel: str, batch: int) -> list:
                   "out_proj": dataclasses.replace(out, block_k=1024, prefetch=False),
                   "mlp_sparse": dataclasses.replace(sparse, stream=False, prefetch=False),
                   "mlp_dense": dataclasses.replace(dense, prefetch=False)}
-        if kernel == "overlap_dense":
-            return [base, before, base, before]
-        listed = [dict(base, mlp_sparse=dataclasses.replace(sparse, list_cap=c, block_d=d))  # K1's list, one span
-                  for c, d in ((256, 16), (64, 32), (64, 16))]
-        return [base, before] + listed + [base, before]
+        return [base, before, base, before]
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from sparseffn.kernels.decode_mlp import MAX_TOKENS, decode_mlp, launch_decode_mlp, m_pad
+from sparseffn.kernels.decode_mlp import MAX_TOKENS, decode_mlp, m_pad
 from sparseffn.kernels.configs.decode_mlp import DecodeConfig
 from tests.kernels.compile_specs.decode_mlp import compile_specs
 from sparseffn.ops.reference import mlp_activation_reference, sparse_mlp_reference
@@ -26,8 +26,6 @@ SMALL = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, prefix=64) 
 LARGE = DecodeConfig(block_h=32, block_k=128, block_s=32, block_d=64)
 SPLIT = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, prefix=64, split=3)  # spans summed at the end
 STREAM = DecodeConfig(block_h=8, block_k=32, block_s=16, block_d=32, prefix=64, stream=True)  # 3 steps at D = 80
-# one token: K1 also appends its active units to a list of 32, K2 sums it sorted (or compacts the flags past 32)
-LISTED = DecodeConfig(block_h=8, block_k=32, block_s=16, block_d=32, prefix=64, list_cap=32)
 # 3+ tokens: the up pass over each block's active units gathered 16 at a time, in steps of up_k columns
 COMPACT = DecodeConfig(block_h=32, block_k=64, block_s=16, block_d=32, prefix=64, compact_up=True, up_k=32)
 
@@ -104,36 +102,22 @@ def test_streamed_one_token_matches_reference_and_repeats_bitwise(gated):
     assert (y.float() - plain.float()).abs().max() <= 2 * torch.finfo(x.dtype).eps * plain.float().abs().max()
 
 
-@pytest.mark.parametrize("active", [0.08, 0.5])
-@pytest.mark.parametrize("stream", [False, True])
-def test_listed_one_token_matches_reference_and_leaves_counters_zero(active, stream):
-    """config.list_cap: at 0.08 (~16 of 200 units) K2 sums K1's list, sorted; at 0.5 (~100 > 32) the list
-    overflows and K2 compacts the flags. Either way the same units as the compaction, counters left zero
-    for the next call (one set used three times), and prefetch (dropped with pdl here) changes nothing."""
-    x, gate, up, down, theta = _problem(1, 80, 200, active=active, seed=12, threshold=True)
-    x, gate, up, down_t, theta = (t.to(DEVICE) for t in (x, gate, up, down.t().contiguous(), theta))
-    counters = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-    config = dataclasses.replace(LISTED, stream=stream, prefetch=stream, pdl=stream)
-    y = launch_decode_mlp(x, gate, up, down_t, theta, config=config, counters=counters)
-    assert counters.tolist() == [0, 0]
-    _check(y.cpu(), x.cpu(), gate.cpu(), up.cpu(), down, theta.cpu())
-    assert torch.equal(y, launch_decode_mlp(x, gate, up, down_t, theta, config=config, counters=counters))
-    assert torch.equal(y, launch_decode_mlp(x, gate, up, down_t, theta, config=config))  # counters of its own
-    assert counters.tolist() == [0, 0]
-    plain = _run(x.cpu(), gate.cpu(), up.cpu(), down, theta.cpu(), dataclasses.replace(config, list_cap=0))
-    assert (y.cpu().float() - plain.float()).abs().max() <= 2 * torch.finfo(x.dtype).eps * plain.float().abs().max()
+@pytest.mark.parametrize("gated", [True, False])
+def test_streamed_with_prefetch_gives_the_same_bits(gated):
+    """config.prefetch (with pdl, the first gate tile loaded before the wait; where pdl is dropped, as
+    under the interpreter, the same load after it): the streamed K1's output unchanged."""
+    x, gate, up, down, theta = _problem(1, 80, 200, gated=gated, active=0.08, seed=12, threshold=True)
+    config = dataclasses.replace(STREAM, pdl=True)
+    assert torch.equal(_run(x, gate, up, down, theta, dataclasses.replace(config, prefetch=True)),
+                       _run(x, gate, up, down, theta, config))
 
 
-def test_list_cap_and_prefetch_are_checked():
-    with pytest.raises(ValueError, match="list_cap must be 0 or a power of two >= 16"):
-        DecodeConfig(list_cap=8)
-    with pytest.raises(ValueError, match="list_cap must be 0 or a power of two >= 16"):
-        DecodeConfig(list_cap=True)
+def test_prefetch_is_checked():
     with pytest.raises(TypeError, match="DecodeConfig.prefetch must be a bool"):
         DecodeConfig(prefetch=1)
     x, gate, up, down, theta = _problem(1, 32, 64)
     with pytest.raises(ValueError, match="prefetch .* needs config.stream"):
-        _run(x, gate, up, down, theta, dataclasses.replace(LISTED, prefetch=True))
+        _run(x, gate, up, down, theta, dataclasses.replace(SMALL, prefetch=True))
 
 
 @pytest.mark.parametrize("m", [3, 16, 64])

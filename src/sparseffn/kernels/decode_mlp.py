@@ -223,8 +223,6 @@ def _decode_gate_up_kernel(
     h_ptr,  # out, x's dtype: h_t [H, M_PAD] (stride_hm 1, stride_hh M_PAD) or h [M, H] (H, 1)
     flags_ptr,  # [H] int32 out
     count_ptr,  # [n_counts] int32 out: zeros (K2's arrival counters)
-    list_ptr,  # [LIST_CAP] int32 out: the active units, appended in no set order (LIST_CAP > 0)
-    listed_ptr,  # [2] int32: units appended to list_ptr (zero on entry), K2's arrivals (LIST_CAP > 0)
     M,
     D,
     H,
@@ -246,7 +244,6 @@ def _decode_gate_up_kernel(
     COMPACT_UP: tl.constexpr,  # 3+ tokens, sparse, gated: the up pass over the active units gathered (_compact_up)
     UP_K: tl.constexpr,
     UP_STAGES: tl.constexpr,
-    LIST_CAP: tl.constexpr,  # one token, sparse: > 0, the active units also appended to list_ptr
     PREFETCH: tl.constexpr,  # with PDL and STREAM at one token: the first gate tile loaded before pdl_wait
     PDL: tl.constexpr,  # launched as a programmatic dependent: nothing but weights read before pdl_wait
     DOT_IN_FP32: tl.constexpr,
@@ -286,11 +283,6 @@ def _decode_gate_up_kernel(
         on = ~(p <= 0) & row_in[:, None] & unit_in[None, :]  # [M_PAD, BLOCK_H] > 0 or NaN
         active = tl.max(on.to(tl.int32), axis=0)  # [BLOCK_H] 1 if any token
         h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
-        if LIST_CAP > 0:  # appended before the up pass, so the atomic's round trip overlaps it
-            n_block = tl.sum(active, axis=0)
-            if n_block != 0:
-                slot = tl.atomic_add(listed_ptr, n_block, sem="relaxed") + tl.cumsum(active, axis=0) - active
-                tl.store(list_ptr + slot, units, mask=(active != 0) & (slot < LIST_CAP))  # past it: K2 scans flags
         if GATED and not COMPACT:  # else _compact_up reads the up rows
             if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
                 u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
@@ -332,13 +324,39 @@ def _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL: tl.conste
     return y
 
 
-@triton.jit
-def _listed_sum(h_ptr, flags_ptr, list_ptr, down_t_ptr, lo, hi, cols, col_in, rows, row_in, stride_dh,
-                M_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                PREFIX: tl.constexpr, DOT_IN_FP32: tl.constexpr):
-    """[ROWS, BLOCK_D] fp32 Σ over the active units j in [lo, hi) of h_t[j, :M] ⊗ down_t[j, cols], ascending
-    j: the units compacted into list_ptr[lo:] by a prefix sum over the flags (every program of the span
-    writes the same list, so no program waits for another), then summed BLOCK_S at a time."""
+@triton.jit(do_not_specialize=["M"])
+def _decode_down_kernel(
+    h_ptr,  # [H, M_PAD] x's dtype (h_t)
+    flags_ptr,  # [H] int32
+    list_ptr,  # [H] int32 scratch: the active units of each span, ascending
+    down_t_ptr,  # [H, D]
+    y_ptr,  # [M, D] out, x's dtype
+    res_ptr,  # [M, D] added to y (RESIDUAL; may be y itself), else None
+    part_ptr,  # [SPLIT, M, D] fp32 scratch: each span's partial sum (SPLIT > 1)
+    count_ptr,  # [cdiv(D, BLOCK_D)] int32, zero on entry: spans done per column block (SPLIT > 1)
+    M,
+    D,
+    H,
+    stride_dh,
+    stride_ym,
+    stride_rm,
+    M_PAD: tl.constexpr,
+    ROWS: tl.constexpr,  # 1 (CUDA-core products) or M_PAD padded to >= 16 (tl.dot)
+    SPLIT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREFIX: tl.constexpr,  # flags per step of the compaction
+    RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
+    DOT_IN_FP32: tl.constexpr,
+):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
+    c_block = tl.program_id(0)
+    span = tl.cdiv(H, SPLIT)
+    lo = tl.program_id(1) * span
+    hi = tl.minimum(H, lo + span)
+    # 1. the span's active units, compacted in ascending order (the same list in every program of the span)
     n_active = tl.sum(tl.zeros((1,), tl.int32), axis=0)
     for u0 in range(lo, hi, PREFIX):
         u = u0 + tl.arange(0, PREFIX)  # [PREFIX]
@@ -346,6 +364,11 @@ def _listed_sum(h_ptr, flags_ptr, list_ptr, down_t_ptr, lo, hi, cols, col_in, ro
         tl.store(list_ptr + lo + n_active + tl.cumsum(f, 0) - f, u, mask=f != 0)
         n_active += tl.sum(f, axis=0)
     tl.debug_barrier()  # the list this program stored is what it reads below
+    # 2. the span's part of y[:, cols]
+    cols = c_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    col_in = cols < D
+    rows = tl.arange(0, ROWS)  # [ROWS]
+    row_in = rows < M
     if ROWS == 1:
         acc2 = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)  # [BLOCK_S, BLOCK_D] products, summed once
     else:
@@ -365,89 +388,23 @@ def _listed_sum(h_ptr, flags_ptr, list_ptr, down_t_ptr, lo, hi, cols, col_in, ro
             acc = mma(hv, w, acc, DOT_IN_FP32)
     if ROWS == 1:
         acc = tl.sum(acc2, axis=0)[None, :]
-    return acc
-
-
-@triton.jit(do_not_specialize=["M"])
-def _decode_down_kernel(
-    h_ptr,  # [H, M_PAD] x's dtype (h_t)
-    flags_ptr,  # [H] int32
-    list_ptr,  # [max(H, LIST_CAP)] int32 scratch: the active units of each span, ascending; LIST_CAP: K1's list
-    listed_ptr,  # [2] int32: K1's appended units, arrivals here (LIST_CAP > 0; left zero)
-    down_t_ptr,  # [H, D]
-    y_ptr,  # [M, D] out, x's dtype
-    res_ptr,  # [M, D] added to y (RESIDUAL; may be y itself), else None
-    part_ptr,  # [SPLIT, M, D] fp32 scratch: each span's partial sum (SPLIT > 1)
-    count_ptr,  # [cdiv(D, BLOCK_D)] int32, zero on entry: spans done per column block (SPLIT > 1)
-    M,
-    D,
-    H,
-    stride_dh,
-    stride_ym,
-    stride_rm,
-    M_PAD: tl.constexpr,
-    ROWS: tl.constexpr,  # 1 (CUDA-core products) or M_PAD padded to >= 16 (tl.dot)
-    SPLIT: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREFIX: tl.constexpr,  # flags per step of the compaction
-    LIST_CAP: tl.constexpr,  # > 0 (one token, SPLIT 1): the units K1 appended, sorted, unless more than LIST_CAP
-    RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
-    DOT_IN_FP32: tl.constexpr,
-):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)
-    c_block = tl.program_id(0)
-    cols = c_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    col_in = cols < D
-    rows = tl.arange(0, ROWS)  # [ROWS]
-    row_in = rows < M
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     out = row_in[:, None] & col_in[None, :]
-    if LIST_CAP > 0:
-        # K1's list: one round trip for its length and entries (those past the length are stale), then one
-        # for the rows, instead of the compaction's chain
-        n_listed = tl.load(listed_ptr)
-        slot = tl.arange(0, LIST_CAP)
-        entries = tl.load(list_ptr + slot)  # [LIST_CAP]
-        arrived = tl.atomic_add(listed_ptr + 1, 1, sem="release")  # after this program's read of the length
-        if n_listed <= LIST_CAP:
-            units = tl.sort(tl.where(slot < n_listed, entries, H))  # [LIST_CAP] ascending, H past every unit
-            valid = units < H
-            w = tl.load(down_t_ptr + units.to(tl.int64)[:, None] * stride_dh + cols[None, :],
-                        mask=valid[:, None] & col_in[None, :], other=0.0)  # [LIST_CAP, BLOCK_D]
-            hv = tl.load(h_ptr + units, mask=valid, other=0.0)  # [LIST_CAP]
-            acc = tl.sum(hv.to(tl.float32)[:, None] * w.to(tl.float32), axis=0)[None, :]  # [1, BLOCK_D]
-        else:  # K1 stored only LIST_CAP of them: the flags, compacted (the same units, ascending)
-            acc = _listed_sum(h_ptr, flags_ptr, list_ptr, down_t_ptr, 0, H, cols, col_in, rows, row_in, stride_dh,
-                              M_PAD, ROWS, BLOCK_S, BLOCK_D, PREFIX, DOT_IN_FP32)
+    if SPLIT == 1:
         tl.store(y_ptrs, _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL, y_ptr.dtype.element_ty),
                  mask=out)
-        if arrived == tl.num_programs(0) - 1:  # every program has read the length: both left zero
-            tl.atomic_xchg(listed_ptr + 1, 0, sem="acquire")
-            tl.atomic_xchg(listed_ptr, 0, sem="relaxed")
     else:
-        span = tl.cdiv(H, SPLIT)
-        lo = tl.program_id(1) * span
-        hi = tl.minimum(H, lo + span)
-        acc = _listed_sum(h_ptr, flags_ptr, list_ptr, down_t_ptr, lo, hi, cols, col_in, rows, row_in, stride_dh,
-                          M_PAD, ROWS, BLOCK_S, BLOCK_D, PREFIX, DOT_IN_FP32)  # this span's part of y[:, cols]
-        if SPLIT == 1:
-            tl.store(y_ptrs, _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL,
+        # 3. the span's partial to scratch; the last span to finish this column block sums all spans
+        # in span order (deterministic whichever arrives last) and writes y
+        parts = part_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]  # span 0's [ROWS, BLOCK_D]
+        tl.store(parts + tl.program_id(1).to(tl.int64) * M * D, acc, mask=out)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if tl.atomic_add(count_ptr + c_block, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+            for t in range(SPLIT):
+                total += tl.load(parts + t * M * D, mask=out, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, _plus_residual(total, res_ptr, rows, cols, stride_rm, out, RESIDUAL,
                                             y_ptr.dtype.element_ty), mask=out)
-        else:
-            # the span's partial to scratch; the last span to finish this column block sums all spans
-            # in span order (deterministic whichever arrives last) and writes y
-            parts = part_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]  # span 0's [ROWS, BLOCK_D]
-            tl.store(parts + tl.program_id(1).to(tl.int64) * M * D, acc, mask=out)
-            tl.debug_barrier()  # every thread's partial is stored before the release below
-            if tl.atomic_add(count_ptr + c_block, 1, sem="acq_rel") == SPLIT - 1:
-                total = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
-                for t in range(SPLIT):
-                    total += tl.load(parts + t * M * D, mask=out, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptrs, _plus_residual(total, res_ptr, rows, cols, stride_rm, out, RESIDUAL,
-                                                y_ptr.dtype.element_ty), mask=out)
 
 
 _gate_up_launch = Launcher(_decode_gate_up_kernel)
@@ -516,13 +473,11 @@ def decode_mlp(
 
 
 def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=None, norm_weight=None, eps=0.0,
-                      residual=False, act="sparse", counters=None) -> torch.Tensor:
+                      residual=False, act="sparse") -> torch.Tensor:
     """`decode_mlp` on arguments that meet its contract, unchecked. Fused variants (the decode engine's):
     norm_weight: x goes through RMSNorm(norm_weight, eps) first, in K1; residual: returns x + the MLP's
     output (added in K2's write); act "relu" / "silu": the dense MLP, every unit read and rounded as
-    torch rounds it (K2 then sums every unit). fp32 x and weights run exactly (tl.dot in IEEE fp32).
-    counters: where config.list_cap is taken (one token, sparse), int32 [2] zeros that K1 counts its
-    appended units in and K2 leaves zero (None: new zeros); a caller keeping one set saves a launch."""
+    torch rounds it (K2 then sums every unit). fp32 x and weights run exactly (tl.dot in IEEE fp32)."""
     m, d = x.shape
     h = first_weight.shape[0]
     y = torch.empty((m, d), dtype=x.dtype, device=x.device)
@@ -536,26 +491,22 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
     config = fitted(config, d)
-    list_cap = config.list_cap if m == 1 and act == "sparse" else 0
     block_d = down_block(config, d, num_sms(x.device) if x.is_cuda else 4)
     col_blocks = cdiv(d, block_d)
-    split = 1 if list_cap else min(config.split, h)
+    split = min(config.split, h)
     hidden = torch.empty((h, mp), dtype=x.dtype, device=x.device)  # h_t
-    lists = max(h, list_cap)
-    scratch = torch.empty(h + lists + col_blocks, dtype=torch.int32, device=x.device)  # flags, list, counters
-    flags, unit_list, counts = scratch[:h], scratch[h:h + lists], scratch[h + lists:]
-    if list_cap and counters is None:
-        counters = torch.zeros(2, dtype=torch.int32, device=x.device)
+    scratch = torch.empty(2 * h + col_blocks, dtype=torch.int32, device=x.device)  # flags, list, counters
+    flags, unit_list, counts = scratch[:h], scratch[h:2 * h], scratch[2 * h:]
     parts = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=x.device)
     dot_fp32 = interpreting() or x.dtype == torch.float32
     launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, 1, mp, flags, counts,
-                   col_blocks if split > 1 else 0, config, act, unit_list, counters, list_cap)
+                   col_blocks if split > 1 else 0, config, act)
     _down_launch[(col_blocks, split)](
-        hidden, flags, unit_list, counters, down_t, y, x if residual else None, parts, counts, m, d, h,
-        down_t.stride(0), y.stride(0), x.stride(0),
+        hidden, flags, unit_list, down_t, y, x if residual else None, parts, counts, m, d, h, down_t.stride(0),
+        y.stride(0), x.stride(0),
         M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
-        LIST_CAP=list_cap, RESIDUAL=residual, DOT_IN_FP32=dot_fp32, num_warps=config.down_warps,
-        num_stages=config.down_stages, **pdl_options(config.pdl, x.device),
+        RESIDUAL=residual, DOT_IN_FP32=dot_fp32, num_warps=config.down_warps, num_stages=config.down_stages,
+        **pdl_options(config.pdl, x.device),
     )
     return y
 
@@ -564,10 +515,9 @@ ACTS = {"sparse": 0, "relu": 1, "silu": 2}  # K1's ACT: sparse relu, or the dens
 
 
 def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, stride_hm, stride_hh, flags,
-                   counts, n_counts, config, act, unit_list=None, counters=None, list_cap=0) -> None:
+                   counts, n_counts, config, act) -> None:
     """K1 into `hidden` (h_t [H, M_PAD]: strides 1, M_PAD; or h [M, H]: H, 1), `flags` [H] and zeroed
-    `counts` [n_counts]; list_cap > 0: the active units also appended to `unit_list`, counted in
-    counters[0]; arguments as `launch_decode_mlp`'s."""
+    `counts` [n_counts]; arguments as `launch_decode_mlp`'s."""
     m, d = x.shape
     if config.stream and m != 1:
         raise ValueError(f"config.stream is a one-token field, got {m} tokens")
@@ -580,12 +530,11 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
     gated = up_weight is not None
     up = up_weight if gated else first_weight
     _gate_up_launch[(cdiv(h, config.block_h),)](
-        x, norm_weight, first_weight, up, threshold, hidden, flags, counts, unit_list, counters, m, d, h, n_counts,
-        float(eps), x.stride(0), first_weight.stride(0), up.stride(0), stride_hm, stride_hh,
+        x, norm_weight, first_weight, up, threshold, hidden, flags, counts, m, d, h, n_counts, float(eps),
+        x.stride(0), first_weight.stride(0), up.stride(0), stride_hm, stride_hh,
         GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
         M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k, STREAM=config.stream,
         COMPACT_UP=config.compact_up and act == "sparse", UP_K=min(config.up_k, max(16, next_power_of_2(d))),
-        UP_STAGES=config.up_stages, LIST_CAP=list_cap, PREFETCH=config.prefetch,
-        DOT_IN_FP32=interpreting() or x.dtype == torch.float32,
+        UP_STAGES=config.up_stages, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting() or x.dtype == torch.float32,
         num_warps=config.gate_warps, num_stages=config.gate_stages, **pdl_options(config.pdl, x.device),
     )

@@ -114,8 +114,6 @@ class DecodeEngine:
         hkv = self.layers[0].wk.shape[0] // self.cos.shape[1]
         # the split-KV combine's arrival counters, left zero by every call: one set shared by all layers
         self.counters = torch.zeros(batch_size * hkv, dtype=torch.int32, device=self.device)
-        # the sparse MLP's list length and arrivals at one token, left zero by every call (shared, as above)
-        self.mlp_counters = torch.zeros(2, dtype=torch.int32, device=self.device)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.planned = False
 
@@ -172,7 +170,7 @@ class DecodeEngine:
             hidden = decode_out_proj(attn, layer.wo, layer.bo, hidden)
             threshold = layer.mlp.threshold if isinstance(layer.mlp, SparseMLP) and layer.mlp.has_threshold else None
             hidden = decode_mlp_block(hidden, layer.mlp_norm, layer.mlp_eps, layer.gate, layer.up, layer.down,
-                                      threshold, act=layer.act, sparse=layer.sparse, counters=self.mlp_counters)
+                                      threshold, act=layer.act, sparse=layer.sparse)
         return self.lm_head(self.norm(hidden))
 
 

@@ -29,19 +29,14 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def decode_mlp_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor | None,
                      up_weight: torch.Tensor, down_weight: torch.Tensor, threshold: torch.Tensor | None = None, *,
-                     act: str = "relu", sparse: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, D] = x + MLP(RMSNorm(x)) (module docstring). counters: None, or int32 [2] zeros the sparse path
-    counts its list of active units in at one token and leaves zero (launch_decode_mlp); one set may
-    serve every call on a stream, saving each call its own zeroed tensor."""
+                     act: str = "relu", sparse: bool = False) -> torch.Tensor:
+    """[M, D] = x + MLP(RMSNorm(x)) (module docstring)."""
     _check(x, norm_weight, eps, gate_weight, up_weight, down_weight, threshold, act, sparse)
-    if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
-                                 or counters.shape != (2,) or counters.device != x.device):
-        raise ValueError(f"counters must be None or an int32 tensor [2] of zeros on {x.device}")
     first = gate_weight if gate_weight is not None else up_weight
     up = up_weight if gate_weight is not None else None
     if sparse:
         return launch_decode_mlp(x, first, up, down_weight.t(), threshold, norm_weight=norm_weight, eps=eps,
-                                 residual=True, counters=counters)
+                                 residual=True)
     if stored_transposed(down_weight):
         return launch_decode_mlp(x, first, up, down_weight.t(), threshold, norm_weight=norm_weight, eps=eps,
                                  residual=True, act=act)

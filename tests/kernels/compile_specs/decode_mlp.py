@@ -12,7 +12,6 @@ from sparseffn.kernels.decode_dense_mlp import _dense_down_kernel
 from sparseffn.kernels.decode_mlp import ACTS, PADDED_TOKENS, _decode_down_kernel, _decode_gate_up_kernel, down_block
 
 ENGINE_TOKENS = (1, 16)  # padded token counts of the decode engine's fused variants checked here
-LIST_CAP = 256  # config.list_cap compiled for the engine's one-token sparse pair
 D = 2048  # the model width the specs are built for (the 2b model's)
 
 
@@ -22,29 +21,21 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
     one token config.stream (the streamed K1), and from 16 padded tokens config.compact_up, the public
-    op's and the engine's; the engine's sparse pair at one token also with config.list_cap; on Hopper
-    the engine's bf16 kernels also with config.pdl, and its streamed K1 with pdl and config.prefetch."""
+    op's and the engine's; on Hopper the engine's bf16 kernels also with config.pdl, and its streamed K1
+    with pdl and config.prefetch."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
         if "PDL" in fn.arg_names:
             constexprs.setdefault("PDL", False)
-        for name in ("LIST_CAP", "PREFETCH"):
-            if name in fn.arg_names:
-                constexprs.setdefault(name, 0 if name == "LIST_CAP" else False)
+        if "PREFETCH" in fn.arg_names:
+            constexprs.setdefault("PREFETCH", False)
         for name in constexprs:
             signature.setdefault(name, "constexpr")
         spec = (fn, signature, constexprs)
         specs.append(spec + (({"num_warps": warps, "num_stages": stages},) if with_options else ()))
         options = specs[-1][3:]
         engine = constexprs.get("NORM") or constexprs.get("RESIDUAL")
-        listed = (engine and constexprs.get("M_PAD") == 1 and constexprs.get("ACT", 0) == 0
-                  and "LIST_CAP" in fn.arg_names)
-        k2_listed = dict(constexprs, LIST_CAP=LIST_CAP, SPLIT=1, BLOCK_D=16)
-        if listed and "SPLIT" in constexprs and not any(s[0] is fn and s[2] == k2_listed for s in specs):  # K2
-            specs.append((fn, signature, k2_listed) + options)
-        elif listed and "SPLIT" not in constexprs:  # K1
-            specs.append((fn, signature, dict(constexprs, LIST_CAP=LIST_CAP)) + options)
         # config.pdl (Hopper on): the engine's bf16 kernels (norm fused into K1, residual into K2)
         if arch >= HOPPER and "PDL" in fn.arg_names and engine and "bf16" in signature.get("x_ptr", signature["h_ptr"]):
             specs.append((fn, signature, dict(constexprs, PDL=True)) + options)
@@ -69,8 +60,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                     continue
                 sig = {"x_ptr": f"*{ty}", "norm_ptr": f"*{ty}" if norm else "constexpr", "first_ptr": f"*{ty}",
                        "up_ptr": f"*{ty}", "threshold_ptr": "*fp32" if has_threshold else "constexpr",
-                       "h_ptr": f"*{ty}", "flags_ptr": "*i32", "count_ptr": "*i32", "list_ptr": "*i32",
-                       "listed_ptr": "*i32", "M": "i32", "D": "i32",
+                       "h_ptr": f"*{ty}", "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32",
                        "H": "i32", "n_counts": "i32", "eps": "fp32", "stride_xm": "i32", "stride_fh": "i32",
                        "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32"}
                 k1 = default_config(mp, arch, dense=act != "sparse", norm=norm)
@@ -86,8 +76,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             # (residual, config): the public op's; the engine's sparse and dense (every unit) down kernels
             downs = [(False, cfg)] + ([(True, cfg), (True, dense_cfg)] if mp in ENGINE_TOKENS else [])
             for residual, k2 in downs:
-                sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "listed_ptr": "*i32",
-                       "down_t_ptr": f"*{ty}",
+                sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
                        "y_ptr": f"*{ty}", "res_ptr": f"*{ty}" if residual else "constexpr", "part_ptr": "*fp32",
                        "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32", "stride_dh": "i32", "stride_ym": "i32",
                        "stride_rm": "i32"}

@@ -20,9 +20,7 @@ class DecodeConfig:
     split spans of the units per column block. compact_up (3+ tokens, sparse): K1's up pass over its
     active units gathered 16 at a time, up_k columns per step, up_stages deep (decode_mlp._compact_up).
     pdl: K1 and K2 launched as programmatic dependents (Hopper on; _runtime.pdl_options); prefetch (with
-    pdl and stream): K1's first gate tile loaded before the wait. list_cap (one token, sparse; 0 off, else a
-    power of two >= 16): K1 also appends its active units to a list, which K2 sorts and sums in one tile
-    (no compaction, one span) while it holds at most list_cap units, else K2 compacts the flags."""
+    pdl and stream): K1's first gate tile loaded before the wait."""
 
     block_h: int = 16
     block_k: int = 256
@@ -40,7 +38,6 @@ class DecodeConfig:
     up_stages: int = 2
     pdl: bool = False  # Hopper on: programmatic dependent launch (each kernel may start before the last ends)
     prefetch: bool = False  # with pdl and stream: K1's first weight tile loaded before the wait
-    list_cap: int = 0  # one token, sparse: K1's appended list of active units, summed by K2 when it fits
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_h", "block_k", "gate_warps", "gate_stages", "block_s",
@@ -50,9 +47,6 @@ class DecodeConfig:
                             at_least=((("block_k", "block_s", "up_k"), 16, "tl.dot"),
                                       (("block_h",), 2, "a 2-D tile")),
                             flags=("stream", "compact_up", "pdl", "prefetch"))
-        if (isinstance(self.list_cap, bool) or not isinstance(self.list_cap, int)
-                or (self.list_cap != 0 and (self.list_cap < 16 or self.list_cap & (self.list_cap - 1)))):
-            raise ValueError(f"DecodeConfig.list_cap must be 0 or a power of two >= 16, got {self.list_cap!r}")
         if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
                                          or self.block_d < 16 or self.block_d & (self.block_d - 1)):
             raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
