@@ -14,8 +14,8 @@ launcher's default config without AttentionConfig.prefetch against it with (the 
 (the sparse step, auto) and pdl_dense (every MLP dense) set the configs' pdl field (programmatic
 dependent launch) on every engine kernel at once, then on all but one kind, and with o_proj at one token
 in one K step (its weight tile loaded before the wait). overlap (the sparse step) and overlap_dense (every
-MLP dense), batch 1: the defaults against those before config.prefetch (q/k/v without it, o_proj in two
-steps, the sparse K1 unstreamed), alternated.
+MLP dense), batch 1: the one-token kernels without config.prefetch (o_proj in two steps, the sparse K1
+unstreamed) and with it (o_proj in one step, the sparse K1 streamed), alternated.
 """
 
 import dataclasses
@@ -69,18 +69,20 @@ def _variants(kernel: str, batch: int) -> list:
         if mp == 1:
             variants.append(dict(on, out_proj=dataclasses.replace(on["out_proj"], block_k=2048, prefetch=True)))
         return variants
-    if kernel in ("overlap", "overlap_dense"):  # one token: {kernel: config}, alternated
+    if kernel in ("overlap", "overlap_dense"):  # one token: {kernel: config}, without prefetch and with, twice
         if mp != 1:
             return []
         qkv, out = projection_config(1, qkv=True), projection_config(1, qkv=False)
         sparse, dense = default_config(1, norm=True), default_config(1, dense=True, norm=True)
-        base = {"qkv": qkv, "out_proj": out, "mlp_sparse": sparse, "mlp_dense": dense}
-        # the defaults before config.prefetch: o_proj in two steps, the sparse K1 unstreamed
-        before = {"qkv": dataclasses.replace(qkv, prefetch=False),
-                  "out_proj": dataclasses.replace(out, block_k=1024, prefetch=False),
-                  "mlp_sparse": dataclasses.replace(sparse, stream=False, prefetch=False),
-                  "mlp_dense": dataclasses.replace(dense, prefetch=False)}
-        return [base, before, base, before]
+        off = {"qkv": dataclasses.replace(qkv, prefetch=False),
+               "out_proj": dataclasses.replace(out, block_k=1024, prefetch=False),  # two steps
+               "mlp_sparse": dataclasses.replace(sparse, stream=False, prefetch=False),
+               "mlp_dense": dataclasses.replace(dense, prefetch=False)}
+        on = {"qkv": dataclasses.replace(qkv, prefetch=True),
+              "out_proj": dataclasses.replace(out, block_k=2048, prefetch=True),  # one step
+              "mlp_sparse": dataclasses.replace(sparse, stream=True, prefetch=True),
+              "mlp_dense": dataclasses.replace(dense, prefetch=True)}
+        return [off, on, off, on]
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []
