@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call (<= 6 minutes) for config.prefetch at one token in the decode engine: the GPU tests of the
 # engine and of the prefetching kernels (it changes no bit), the engine's step sweep of the `overlap` group
-# (sparse step) and `overlap_dense` (dense step) at batch 1 (decode_engine_sweep.py: the defaults against
-# those before prefetch, alternated), then `bench decode-model --step` at batch 1. CSVs and logs under OUT;
-# GIT_SHA names them.
+# (sparse step) and `overlap_dense` (dense step) at batch 1 (decode_engine_sweep.py: prefetch off and on,
+# alternated), then `bench decode-model --step` at batch 1. CSVs and logs under OUT; GIT_SHA names them.
 # Usage: bash benchmarks/probes/decode_overlap.sh OUT [GIT_SHA]
 set -uo pipefail
 out=${1:?usage: bash benchmarks/probes/decode_overlap.sh OUT [GIT_SHA]}

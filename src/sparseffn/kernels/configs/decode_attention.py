@@ -80,7 +80,7 @@ def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool =
     if m_padded == 1 and k <= 2048:
         return ProjectionConfig(block_n=2, block_k=max(16, next_power_of_2(k)), pdl=pdl, prefetch=pdl)
     if m_padded <= 2:
-        return ProjectionConfig(block_n=2, block_k=1024 if m_padded == 1 else 2048, pdl=pdl_by_default(m_padded))
+        return ProjectionConfig(block_n=2, block_k=1024 if m_padded == 1 else 2048, pdl=pdl)
     if not qkv:
         block_n, block_k, stages = 16, 256, 4
     else:
