@@ -15,7 +15,9 @@ launcher's default config without AttentionConfig.prefetch against it with (the 
 dependent launch) on every engine kernel at once, then on all but one kind, and with o_proj at one token
 in one K step (its weight tile loaded before the wait). overlap (the sparse step) and overlap_dense (every
 MLP dense), batch 1: the one-token kernels without config.prefetch (o_proj in two steps, the sparse K1
-unstreamed) and with it (o_proj in one step, the sparse K1 streamed), alternated.
+unstreamed) and with it (o_proj in one step, the sparse K1 streamed), alternated. whole_row (the sparse
+step) and whole_row_dense, batch 1: q/k/v's and K1's whole 2048-column rows read before the PDL wait
+(streamed in one step, with prefetch) at a few tile heights, against the defaults (first and last).
 """
 
 import dataclasses
@@ -83,6 +85,19 @@ def _variants(kernel: str, batch: int) -> list:
               "mlp_sparse": dataclasses.replace(sparse, stream=True, prefetch=True),
               "mlp_dense": dataclasses.replace(dense, prefetch=True)}
         return [off, on, off, on]
+    if kernel in ("whole_row", "whole_row_dense"):  # one token: q/k/v's and K1's whole rows read before the wait
+        if mp != 1:
+            return []
+        dense = kernel == "whole_row_dense"
+        base = {"qkv": projection_config(1, qkv=True), "out_proj": projection_config(1, qkv=False),
+                "mlp_sparse": default_config(1, norm=True), "mlp_dense": default_config(1, dense=True, norm=True)}
+        k1 = "mlp_dense" if dense else "mlp_sparse"
+        whole = dict(stream=True, block_k=2048, prefetch=True)
+        qkv = [dataclasses.replace(base["qkv"], block_n=n, num_warps=w, **whole) for n, w in ((2, 4), (4, 4), (8, 4),
+                                                                                               (8, 8))]
+        mlp = [dataclasses.replace(base[k1], block_h=h, gate_warps=w, **whole) for h, w in ((4, 4), (8, 8))]
+        variants = [base] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp]
+        return variants + [dict(base, qkv=qkv[1], **{k1: mlp[0]}), base]
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []
@@ -152,7 +167,9 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "pdl": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
                 "pdl_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
                 "overlap": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
-                "overlap_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down")}
+                "overlap_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
+                "whole_row": ("qkv_rope", "out_proj", "gate_up", "_decode_down"),
+                "whole_row_dense": ("qkv_rope", "out_proj", "gate_up", "_decode_down")}
 
 
 def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_dense,attention,qkv,out_proj") -> None:
@@ -164,7 +181,7 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
     rows = []
     for batch, prompt in prompts.items():
         for kernel in kernels.split(","):
-            mode = "dense" if kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense") else "auto"
+            mode = "dense" if kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense", "whole_row_dense") else "auto"
             for layer in layers:
                 layer.mode = mode
             for i, config in enumerate(_variants(kernel, batch)):

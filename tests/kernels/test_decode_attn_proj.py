@@ -154,11 +154,13 @@ def test_qkv_rope_streamed_at_one_token(block_k):
     check_qkv(p, launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=config))
 
 
-def test_prefetch_gives_the_same_bits():
-    """config.prefetch (with pdl, the first weight tile loaded before the wait; where pdl is dropped, as
-    under the interpreter, the same loads after it): q, the cache writes and o_proj's output unchanged."""
+@pytest.mark.parametrize("block_k", [32, 128], ids=["steps", "one_step"])
+def test_prefetch_gives_the_same_bits(block_k):
+    """config.prefetch (with pdl, the first weight tile, or in one step the whole row, loaded before the
+    wait; where pdl is dropped, as under the interpreter, the same loads after it): q, the cache writes and
+    o_proj's output unchanged."""
     p = qkv_problem(1, 80, 4, 2, 16, 12, bias=True, seed=13)
-    config = ProjectionConfig(block_n=4, block_k=32, stream=True, pdl=True)
+    config = ProjectionConfig(block_n=4, block_k=block_k, stream=True, pdl=True)
     before = p["k_cache"].clone(), p["v_cache"].clone()
     want = launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=config)
     caches = p["k_cache"].clone(), p["v_cache"].clone()
@@ -169,7 +171,7 @@ def test_prefetch_gives_the_same_bits():
     with pytest.raises(ValueError, match="needs config.stream"):
         launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=ProjectionConfig(block_n=4, block_k=32, prefetch=True))
     attn, wo, bo, residual = _out_problem(1, 96, 72, bias=True, seed=6)
-    for config in (ProjectionConfig(block_n=4, block_k=32, stream=True, pdl=True),
+    for config in (ProjectionConfig(block_n=4, block_k=block_k, stream=True, pdl=True),
                    ProjectionConfig(block_n=4, block_k=128, pdl=True)):  # streamed, and one K step
         want = launch_decode_out_proj(attn, wo, bo, residual, config=config)
         got = launch_decode_out_proj(attn, wo, bo, residual, config=dataclasses.replace(config, prefetch=True))

@@ -26,6 +26,7 @@ SMALL = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, prefix=64) 
 LARGE = DecodeConfig(block_h=32, block_k=128, block_s=32, block_d=64)
 SPLIT = DecodeConfig(block_h=16, block_k=64, block_s=16, block_d=32, prefix=64, split=3)  # spans summed at the end
 STREAM = DecodeConfig(block_h=8, block_k=32, block_s=16, block_d=32, prefix=64, stream=True)  # 3 steps at D = 80
+STREAM_ONE = dataclasses.replace(STREAM, block_k=128)  # the whole row in one tile
 # 3+ tokens: the up pass over each block's active units gathered 16 at a time, in steps of up_k columns
 COMPACT = DecodeConfig(block_h=32, block_k=64, block_s=16, block_d=32, prefix=64, compact_up=True, up_k=32)
 
@@ -92,22 +93,25 @@ def test_matches_reference(m, gated):
         assert torch.equal(y, _run(x, gate, up, down, theta, SPLIT))  # spans summed in span order
 
 
+@pytest.mark.parametrize("stream", [STREAM, STREAM_ONE], ids=["steps", "one_step"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_streamed_one_token_matches_reference_and_repeats_bitwise(gated):
+def test_streamed_one_token_matches_reference_and_repeats_bitwise(gated, stream):
     x, gate, up, down, theta = _problem(1, 80, 200, gated=gated, active=0.08, seed=11, threshold=True)
-    y = _run(x, gate, up, down, theta, STREAM)
+    y = _run(x, gate, up, down, theta, stream)
     _check(y, x, gate, up, down, theta)
-    assert torch.equal(y, _run(x, gate, up, down, theta, STREAM))
+    assert torch.equal(y, _run(x, gate, up, down, theta, stream))
     plain = _run(x, gate, up, down, theta, SMALL)  # the same units active; fp32 sums in another order
     assert (y.float() - plain.float()).abs().max() <= 2 * torch.finfo(x.dtype).eps * plain.float().abs().max()
 
 
+@pytest.mark.parametrize("stream", [STREAM, STREAM_ONE], ids=["steps", "one_step"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_streamed_with_prefetch_gives_the_same_bits(gated):
-    """config.prefetch (with pdl, the first gate tile loaded before the wait; where pdl is dropped, as
-    under the interpreter, the same load after it): the streamed K1's output unchanged."""
+def test_streamed_with_prefetch_gives_the_same_bits(gated, stream):
+    """config.prefetch (with pdl, the first gate tile, or in one step the whole row, loaded before the wait;
+    where pdl is dropped, as under the interpreter, the same load after it): the streamed K1's output
+    unchanged."""
     x, gate, up, down, theta = _problem(1, 80, 200, gated=gated, active=0.08, seed=12, threshold=True)
-    config = dataclasses.replace(STREAM, pdl=True)
+    config = dataclasses.replace(stream, pdl=True)
     assert torch.equal(_run(x, gate, up, down, theta, dataclasses.replace(config, prefetch=True)),
                        _run(x, gate, up, down, theta, config))
 

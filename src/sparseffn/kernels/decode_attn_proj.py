@@ -207,7 +207,7 @@ def _decode_qkv_rope_kernel(
         if not EARLY:
             w0 = _weight_tile(w_ptr, units, unit_in, D, stride_w, BLOCK_K)
         acc, _ = _streamed_dot(w0, x_ptr, w_ptr, units, unit_in, D, stride_w, norm_ptr, tl.zeros((1,), tl.float32),
-                               eps, True, True, BLOCK_N, BLOCK_K)  # [1, BLOCK_N] fp32
+                               eps, True, True, BLOCK_N, BLOCK_K, ONE_STEP)  # [1, BLOCK_N] fp32
     else:
         acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
                                M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
@@ -270,14 +270,14 @@ def _decode_out_proj_kernel(
     pdl_wait(PDL)
     if EARLY and STREAM:
         acc, _ = _streamed_dot(w, a_ptr, w_ptr, units, unit_in, K, stride_w, None, tl.zeros((1,), tl.float32), 0.0,
-                               False, False, BLOCK_N, BLOCK_K)  # [1, BLOCK_N] fp32
+                               False, False, BLOCK_N, BLOCK_K, ONE_STEP)  # [1, BLOCK_N] fp32
     elif EARLY:  # the products of _rows_normed_dot's one-token step, summed the same way
         k = tl.arange(0, BLOCK_K)
         av = tl.load(a_ptr + k[None, :], mask=(k < K)[None, :], other=0.0)  # [1, BLOCK_K]
         acc = tl.sum(w.to(tl.float32) * av.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N] fp32
     else:
         acc = _rows_normed_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w, None, None,
-                               M_PAD, BLOCK_N, BLOCK_K, False, STREAM, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+                               M_PAD, BLOCK_N, BLOCK_K, False, STREAM, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty

@@ -84,14 +84,15 @@ def _weight_tile(w_ptr, units, unit_on, D, stride_wh, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _streamed_dot(w, x_ptr, w_ptr, units, unit_on, D, stride_wh, norm_ptr, rstd, eps, NORM: tl.constexpr,
-                  NEED_RSTD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                  NEED_RSTD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr):
     """One token: ([1, BLOCK_H] fp32 x · w[units]^T over all of D, rstd [1]), w the first tile
     (`_weight_tile`, loaded by the caller: before the PDL wait where it prefetches). Each step issues the
     next step's loads (weight, x and norm tiles) before it reduces its own, so its products wait on loads
     issued a step earlier and a weight tile stays in flight while the program computes; the products
     are summed per step (no [BLOCK_H, BLOCK_K] fp32 accumulator). NORM: x RMS-normalized with rstd,
     which NEED_RSTD computes here after the first weight tile's load is issued, so the pass over x
-    (L2-resident) overlaps it."""
+    (L2-resident) overlaps it. ONE_STEP (D <= BLOCK_K): w is the whole row, no next tile is loaded (nor
+    held in registers); the same bits as the loop's one step."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
     x_row = x_ptr + tl.zeros((1, BLOCK_K), dtype=tl.int32)  # [1, BLOCK_K] the token's row
@@ -104,18 +105,23 @@ def _streamed_dot(w, x_ptr, w_ptr, units, unit_on, D, stride_wh, norm_ptr, rstd,
     xv = tl.load(x_row + offs_k[None, :], mask=k_in[None, :], other=0.0)  # [1, BLOCK_K]
     nw = tl.load(norm_ptr + offs_k, mask=k_in, other=0.0) if NORM else None
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k = k0 + BLOCK_K + offs_k  # the next step's columns; past D on the last step: masked, no traffic
-        k_in = k < D
-        w_next = tl.load(w_rows + k[None, :], mask=unit_on[:, None] & k_in[None, :], other=0.0)
-        x_next = tl.load(x_row + k[None, :], mask=k_in[None, :], other=0.0)
+    if ONE_STEP:
         if NORM:
-            nw_next = tl.load(norm_ptr + k, mask=k_in, other=0.0)
             xv = _normed_by(xv, nw, rstd[:, None])
-            nw = nw_next
         acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32), axis=1)
-        w = w_next
-        xv = x_next
+    else:
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + BLOCK_K + offs_k  # the next step's columns; past D on the last step: masked, no traffic
+            k_in = k < D
+            w_next = tl.load(w_rows + k[None, :], mask=unit_on[:, None] & k_in[None, :], other=0.0)
+            x_next = tl.load(x_row + k[None, :], mask=k_in[None, :], other=0.0)
+            if NORM:
+                nw_next = tl.load(norm_ptr + k, mask=k_in, other=0.0)
+                xv = _normed_by(xv, nw, rstd[:, None])
+                nw = nw_next
+            acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32), axis=1)
+            w = w_next
+            xv = x_next
     return acc[None, :], rstd
 
 
@@ -124,22 +130,22 @@ def _rows_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, strid
               M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     """`_rows_normed_dot` without the norm."""
     return _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, None, None,
-                            M_PAD, BLOCK_H, BLOCK_K, False, False, DOT_IN_FP32)
+                            M_PAD, BLOCK_H, BLOCK_K, False, False, False, DOT_IN_FP32)
 
 
 @triton.jit
 def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_wh, norm_ptr, rstd,
                      M_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                     STREAM: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+                     STREAM: tl.constexpr, ONE_STEP: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     """[M_PAD, BLOCK_H] fp32: x[rows] · w[units]^T over all of D; rows of w with unit_on false are
     masked off (no memory traffic). NORM: x is first RMS-normalized (`_normed`, rstd [M_PAD] per row).
     M_PAD < 16: CUDA-core products, each weight tile loaded once and multiplied by the tokens one after
     the other. M_PAD >= 16: the MMA computes the transposed product, units as its M dimension (as fast
     on sm_90, and sm_100's compiler fails on the other form at 64 tokens). STREAM at one token:
-    `_streamed_dot`'s loop."""
+    `_streamed_dot`'s loop (ONE_STEP: D <= BLOCK_K)."""
     if STREAM and M_PAD == 1:
         acc, rstd = _streamed_dot(_weight_tile(w_ptr, units, unit_on, D, stride_wh, BLOCK_K), x_ptr, w_ptr, units,
-                                  unit_on, D, stride_wh, norm_ptr, rstd, 0.0, NORM, False, BLOCK_H, BLOCK_K)
+                                  unit_on, D, stride_wh, norm_ptr, rstd, 0.0, NORM, False, BLOCK_H, BLOCK_K, ONE_STEP)
         return acc
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
@@ -241,6 +247,7 @@ def _decode_gate_up_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STREAM: tl.constexpr,  # one token: _streamed_dot's loop
+    ONE_STEP: tl.constexpr,  # D <= BLOCK_K (with STREAM: the whole row in one tile, no next tile)
     COMPACT_UP: tl.constexpr,  # 3+ tokens, sparse, gated: the up pass over the active units gathered (_compact_up)
     UP_K: tl.constexpr,
     UP_STAGES: tl.constexpr,
@@ -269,12 +276,12 @@ def _decode_gate_up_kernel(
         if not EARLY:
             w0 = _weight_tile(first_ptr, units, unit_in, D, stride_fh, BLOCK_K)
         acc, rstd = _streamed_dot(w0, x_ptr, first_ptr, units, unit_in, D, stride_fh, norm_ptr, rstd, eps, NORM,
-                                  NORM, BLOCK_H, BLOCK_K)
+                                  NORM, BLOCK_H, BLOCK_K, ONE_STEP)
     else:
         if NORM:  # every program normalizes the few rows of x itself (an L2-resident re-read)
             rstd = _rows_rstd(x_ptr, rows, row_in, D, stride_xm, eps, M_PAD, BLOCK_K)
         acc = _rows_normed_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_fh, norm_ptr,
-                               rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, False, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+                               rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, False, False, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
     if ACT == 0:
         if HAS_THRESHOLD:
             theta = tl.load(threshold_ptr + units, mask=unit_in, other=0.0)  # [BLOCK_H] fp32
@@ -286,7 +293,7 @@ def _decode_gate_up_kernel(
         if GATED and not COMPACT:  # else _compact_up reads the up rows
             if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
                 u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
-                                     norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM,
+                                     norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM, ONE_STEP,
                                      DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32, 0 off `active`
                 h = h * u
     else:  # dense, rounded as the torch MLP rounds: act(g) and u in x's dtype, then their product
@@ -301,7 +308,8 @@ def _decode_gate_up_kernel(
             h = (gf / (1.0 + tl.exp(-gf))).to(out_dtype).to(tl.float32)  # silu
         if GATED:
             u = _rows_normed_dot(x_ptr, up_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_uh, norm_ptr,
-                                 rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
+                                 rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM, ONE_STEP,
+                                 DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
             h = h * u.to(out_dtype).to(tl.float32)
         active = unit_in.to(tl.int32)  # K2 then reads every unit
     h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
@@ -534,6 +542,7 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
         x.stride(0), first_weight.stride(0), up.stride(0), stride_hm, stride_hh,
         GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
         M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k, STREAM=config.stream,
+        ONE_STEP=d <= config.block_k,
         COMPACT_UP=config.compact_up and act == "sparse", UP_K=min(config.up_k, max(16, next_power_of_2(d))),
         UP_STAGES=config.up_stages, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting() or x.dtype == torch.float32,
         num_warps=config.gate_warps, num_stages=config.gate_stages, **pdl_options(config.pdl, x.device),

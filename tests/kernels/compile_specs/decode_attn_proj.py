@@ -16,7 +16,8 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants the launchers use on a GPU of
     capability `arch`: bf16 / fp16, every padded token count with its default configs (q/k/v's and
     o_proj's), head dims 64 and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit
-    rotary tables, D in one step or several; at one token also the streamed loops (config.stream) and
+    rotary tables, D in one step or several; at one token also the streamed loops (config.stream, q/k/v's in
+    two steps and in one) and
     o_proj in one K step; on Hopper the bf16 kernels at 1 and 16 tokens also with config.pdl, and the
     one-token streamed or one-step ones with pdl and config.prefetch."""
     specs = []
@@ -49,10 +50,11 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                              "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh", "stride_vs"):
                     sig[name] = "i32"
                 one_step = (mp <= 2) == (head_dim == 64)  # D = 2048 fits a step at 1-2 tokens; both forms compiled
-                for stream in (False, True) if mp == 1 else (False,):
-                    qkv_cfg = dataclasses.replace(cfg, stream=stream, block_k=1024 if stream else cfg.block_k)
+                # (stream, block_k): the default; at one token streamed in two steps and in one (the whole row)
+                for stream, block_k in ((False, cfg.block_k),) + (((True, 1024), (True, 2048)) if mp == 1 else ()):
+                    qkv_cfg = dataclasses.replace(cfg, stream=stream, block_k=block_k)
                     cx = {"HEAD_DIM": head_dim, "HAS_BIAS": bias, "M_PAD": mp, "BLOCK_N": qkv_cfg.block_n,
-                          "BLOCK_K": qkv_cfg.block_k, "ONE_STEP": one_step and not stream, "STREAM": stream,
+                          "BLOCK_K": block_k, "ONE_STEP": block_k >= 2048 if stream else one_step, "STREAM": stream,
                           "DOT_IN_FP32": False}
                     for name in ("bq_ptr", "bk_ptr", "bv_ptr"):
                         if bias:

@@ -20,7 +20,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
-    one token config.stream (the streamed K1), and from 16 padded tokens config.compact_up, the public
+    one token config.stream (the streamed K1; the engine's also in one step of the whole row), and from 16 padded tokens config.compact_up, the public
     op's and the engine's; on Hopper the engine's bf16 kernels also with config.pdl, and its streamed K1
     with pdl and config.prefetch."""
     specs = []
@@ -66,13 +66,16 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 k1 = default_config(mp, arch, dense=act != "sparse", norm=norm)
                 k1 = fit_shared_memory(dataclasses.replace(k1, stream=stream, compact_up=compact), mp, arch)
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "ACT": ACTS[act], "NORM": norm, "M_PAD": mp,
-                      "BLOCK_H": k1.block_h, "BLOCK_K": k1.block_k, "STREAM": stream, "COMPACT_UP": compact,
+                      "BLOCK_H": k1.block_h, "BLOCK_K": k1.block_k, "STREAM": stream, "ONE_STEP": D <= k1.block_k,
+                      "COMPACT_UP": compact,
                       "UP_K": min(k1.up_k, D),
                       "UP_STAGES": k1.up_stages, "DOT_IN_FP32": False}
                 for name, absent in (("threshold_ptr", not has_threshold), ("norm_ptr", not norm)):
                     if absent:
                         cx[name] = None
                 add(_decode_gate_up_kernel, sig, cx, k1.gate_warps, k1.gate_stages)
+                if stream and norm and k1.block_k < D:  # the engine's K1 streamed in one step: the whole row
+                    add(_decode_gate_up_kernel, sig, dict(cx, BLOCK_K=D, ONE_STEP=True), k1.gate_warps, k1.gate_stages)
             # (residual, config): the public op's; the engine's sparse and dense (every unit) down kernels
             downs = [(False, cfg)] + ([(True, cfg), (True, dense_cfg)] if mp in ENGINE_TOKENS else [])
             for residual, k2 in downs:
