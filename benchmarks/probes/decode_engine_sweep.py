@@ -17,7 +17,8 @@ in one K step (its weight tile loaded before the wait). overlap (the sparse step
 MLP dense), batch 1: the one-token kernels without config.prefetch (o_proj in two steps, the sparse K1
 unstreamed) and with it (o_proj in one step, the sparse K1 streamed), alternated. whole_row (the sparse
 step) and whole_row_dense, batch 1: q/k/v's and K1's whole 2048-column rows read before the PDL wait
-(streamed in one step, with prefetch) at a few tile heights, against the defaults (first and last).
+(streamed in one step, with prefetch) at a few tile heights, against q/k/v in two 1024-column steps (first
+and second last).
 """
 
 import dataclasses
@@ -96,8 +97,9 @@ def _variants(kernel: str, batch: int) -> list:
         qkv = [dataclasses.replace(base["qkv"], block_n=n, num_warps=w, **whole) for n, w in ((2, 4), (4, 4), (8, 4),
                                                                                                (8, 8))]
         mlp = [dataclasses.replace(base[k1], block_h=h, gate_warps=w, **whole) for h, w in ((4, 4), (8, 8))]
-        variants = [base] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp]
-        return variants + [dict(base, qkv=qkv[1], **{k1: mlp[0]}), base]
+        two = dict(base, qkv=dataclasses.replace(base["qkv"], block_n=4, block_k=1024, stream=True, prefetch=True))
+        variants = [two] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp]
+        return variants + [dict(base, qkv=qkv[1], **{k1: mlp[0]}), two, dict(base, qkv=qkv[1])]
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []

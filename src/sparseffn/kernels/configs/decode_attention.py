@@ -65,9 +65,9 @@ def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool =
     """The q/k/v kernel's config (qkv) or o_proj's, for a reduction of length k (D for q/k/v, Hq·d for
     o_proj). One or two tokens: two units per program and whole-row steps (decode_linear's CUDA-core
     shape: many small programs keep rows in flight, the loop is not pipelined); at one token q/k/v four
-    units in two streamed steps (5% faster than two whole-row units), o_proj in one step where k fits
-    2048 columns (else two of 1024), both with prefetch (their first weight tile read before the PDL
-    wait, while the launch before still runs; it paid in the engine's step sweep). 16 to
+    units streamed and o_proj two, each in one step of the whole row where k fits 2048 columns (else
+    steps of 1024), with prefetch (the first tile, so the whole row where it fits, read before the PDL
+    wait while the launch before still runs; it paid in the engine's step sweep). 16 to
     64 padded tokens: tl.dot tiles of 16 units, so a 2048-unit o_proj still has a program per SM
     (each streams its rows through a 4-stage pipeline, enough bytes in flight for its SM's share of
     the bandwidth); q/k/v (6144 units) in 32-unit tiles: 256-column steps in 3 stages at 16 tokens,
@@ -76,7 +76,8 @@ def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool =
     (decode_engine_sweep.csv). pdl: _runtime.pdl_by_default."""
     pdl = pdl_by_default(m_padded)
     if m_padded == 1 and qkv:
-        return ProjectionConfig(block_n=4, block_k=1024, stream=True, pdl=pdl, prefetch=pdl)
+        return ProjectionConfig(block_n=4, block_k=min(max(16, next_power_of_2(k)), 2048) if k <= 2048 else 1024,
+                                stream=True, pdl=pdl, prefetch=pdl)
     if m_padded == 1 and k <= 2048:
         return ProjectionConfig(block_n=2, block_k=max(16, next_power_of_2(k)), pdl=pdl, prefetch=pdl)
     if m_padded <= 2:
