@@ -17,8 +17,8 @@ in one K step (its weight tile loaded before the wait). overlap (the sparse step
 MLP dense), batch 1: the one-token kernels without config.prefetch (o_proj in two steps, the sparse K1
 unstreamed) and with it (o_proj in one step, the sparse K1 streamed), alternated. whole_row (the sparse
 step) and whole_row_dense, batch 1: q/k/v's and K1's whole 2048-column rows read before the PDL wait
-(streamed in one step, with prefetch) at a few tile heights, against q/k/v in two 1024-column steps (first
-and second last).
+(streamed in one step, with prefetch) at a few tile heights, against q/k/v in two 1024-column steps (the
+first and the eighth variants); then K1's whole rows at 2 units and o_proj's at 4 and 8, against the defaults.
 """
 
 import dataclasses
@@ -96,10 +96,12 @@ def _variants(kernel: str, batch: int) -> list:
         whole = dict(stream=True, block_k=2048, prefetch=True)
         qkv = [dataclasses.replace(base["qkv"], block_n=n, num_warps=w, **whole) for n, w in ((2, 4), (4, 4), (8, 4),
                                                                                                (8, 8))]
-        mlp = [dataclasses.replace(base[k1], block_h=h, gate_warps=w, **whole) for h, w in ((4, 4), (8, 8))]
+        mlp = [dataclasses.replace(base[k1], block_h=h, gate_warps=w, **whole) for h, w in ((4, 4), (8, 8), (2, 4))]
+        out = [dataclasses.replace(base["out_proj"], block_n=n) for n in (4, 8)]  # o_proj's whole rows: 4 or 8 units
         two = dict(base, qkv=dataclasses.replace(base["qkv"], block_n=4, block_k=1024, stream=True, prefetch=True))
-        variants = [two] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp]
-        return variants + [dict(base, qkv=qkv[1], **{k1: mlp[0]}), two, dict(base, qkv=qkv[1])]
+        variants = [two] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp[:2]]
+        variants += [dict(base, qkv=qkv[1], **{k1: mlp[0]}), two, dict(base, qkv=qkv[1])]
+        return variants + [dict(base, **{k1: mlp[2]})] + [dict(base, out_proj=c) for c in out] + [base]
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []
