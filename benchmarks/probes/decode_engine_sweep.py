@@ -185,7 +185,8 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
     rows = []
     for batch, prompt in prompts.items():
         for kernel in kernels.split(","):
-            mode = "dense" if kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense", "whole_row_dense") else "auto"
+            dense = kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense", "whole_row_dense")
+            mode = "dense" if dense else "auto"
             for layer in layers:
                 layer.mode = mode
             for i, config in enumerate(_variants(kernel, batch)):

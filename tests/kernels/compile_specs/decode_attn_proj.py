@@ -16,10 +16,9 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     """(jit_function, signature, constexprs[, options]) of the variants the launchers use on a GPU of
     capability `arch`: bf16 / fp16, every padded token count with its default configs (q/k/v's and
     o_proj's), head dims 64 and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit
-    rotary tables, D in one step or several; at one token also the streamed loops (config.stream, q/k/v's in
-    two steps and in one) and
-    o_proj in one K step; on Hopper the bf16 kernels at 1 and 16 tokens also with config.pdl, and the
-    one-token streamed or one-step ones with pdl and config.prefetch."""
+    rotary tables, D in one step or several; at one token also the streamed loops (config.stream, q/k/v's
+    in two steps and in one) and o_proj in one K step; on Hopper the bf16 kernels at 1 and 16 tokens also
+    with config.pdl, and the one-token streamed or one-step ones with pdl and config.prefetch."""
     specs = []
 
     def add(fn, signature, constexprs, config):

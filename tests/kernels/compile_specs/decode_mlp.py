@@ -20,9 +20,9 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
-    one token config.stream (the streamed K1; the engine's also in one step of the whole row), and from 16 padded tokens config.compact_up, the public
-    op's and the engine's; on Hopper the engine's bf16 kernels also with config.pdl, and its streamed K1
-    with pdl and config.prefetch."""
+    one token config.stream (the streamed K1; the engine's also in one step of the whole row), and from
+    16 padded tokens config.compact_up, the public op's and the engine's; on Hopper the engine's bf16
+    kernels also with config.pdl, and its streamed K1 with pdl and config.prefetch."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -67,9 +67,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 k1 = fit_shared_memory(dataclasses.replace(k1, stream=stream, compact_up=compact), mp, arch)
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "ACT": ACTS[act], "NORM": norm, "M_PAD": mp,
                       "BLOCK_H": k1.block_h, "BLOCK_K": k1.block_k, "STREAM": stream, "ONE_STEP": D <= k1.block_k,
-                      "COMPACT_UP": compact,
-                      "UP_K": min(k1.up_k, D),
-                      "UP_STAGES": k1.up_stages, "DOT_IN_FP32": False}
+                      "COMPACT_UP": compact, "UP_K": min(k1.up_k, D), "UP_STAGES": k1.up_stages, "DOT_IN_FP32": False}
                 for name, absent in (("threshold_ptr", not has_threshold), ("norm_ptr", not norm)):
                     if absent:
                         cx[name] = None

@@ -76,7 +76,7 @@ def projection_config(m_padded: int, arch: tuple[int, int] = HOPPER, qkv: bool =
     (decode_engine_sweep.csv). pdl: _runtime.pdl_by_default."""
     pdl = pdl_by_default(m_padded)
     if m_padded == 1 and qkv:
-        return ProjectionConfig(block_n=4, block_k=min(max(16, next_power_of_2(k)), 2048) if k <= 2048 else 1024,
+        return ProjectionConfig(block_n=4, block_k=max(16, next_power_of_2(k)) if k <= 2048 else 1024,
                                 stream=True, pdl=pdl, prefetch=pdl)
     if m_padded == 1 and k <= 2048:
         return ProjectionConfig(block_n=2, block_k=max(16, next_power_of_2(k)), pdl=pdl, prefetch=pdl)
