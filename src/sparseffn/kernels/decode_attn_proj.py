@@ -268,13 +268,9 @@ def _decode_out_proj_kernel(
     if EARLY:  # weights: no launch writes them
         w = _weight_tile(w_ptr, units, unit_in, K, stride_w, BLOCK_K)  # [BLOCK_N, BLOCK_K]
     pdl_wait(PDL)
-    if EARLY and STREAM:
+    if EARLY:  # streamed, or in one step: the products of _rows_normed_dot's one-token step, summed the same way
         acc, _ = _streamed_dot(w, a_ptr, w_ptr, units, unit_in, K, stride_w, None, tl.zeros((1,), tl.float32), 0.0,
                                False, False, BLOCK_N, BLOCK_K, ONE_STEP)  # [1, BLOCK_N] fp32
-    elif EARLY:  # the products of _rows_normed_dot's one-token step, summed the same way
-        k = tl.arange(0, BLOCK_K)
-        av = tl.load(a_ptr + k[None, :], mask=(k < K)[None, :], other=0.0)  # [1, BLOCK_K]
-        acc = tl.sum(w.to(tl.float32) * av.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N] fp32
     else:
         acc = _rows_normed_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w, None, None,
                                M_PAD, BLOCK_N, BLOCK_K, False, STREAM, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
