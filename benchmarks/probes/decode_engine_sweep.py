@@ -19,6 +19,9 @@ unstreamed) and with it (o_proj in one step, the sparse K1 streamed), alternated
 step) and whole_row_dense, batch 1: q/k/v's and K1's whole 2048-column rows read before the PDL wait
 (streamed in one step, with prefetch) at a few tile heights, against q/k/v in two 1024-column steps (the
 first and the eighth variants); then K1's whole rows at 2 units and o_proj's at 4 and 8, against the defaults.
+down_chain (the sparse step) and down_dense (every MLP dense), batch 1, the defaults first and last: the
+sparse down pass with every flag compacted in one step (split 1, or 2 spans) at a few column blocks, and the
+dense one (every unit, no list) streamed (DecodeConfig.down_stream) at a few tiles and spans.
 """
 
 import dataclasses
@@ -102,6 +105,22 @@ def _variants(kernel: str, batch: int) -> list:
         variants = [two] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp[:2]]
         variants += [dict(base, qkv=qkv[1], **{k1: mlp[0]}), two, dict(base, qkv=qkv[1])]
         return variants + [dict(base, **{k1: mlp[2]})] + [dict(base, out_proj=c) for c in out] + [base]
+    if kernel in ("down_chain", "down_dense"):  # one token: the down pass's round trips, and its dense read
+        if mp != 1:
+            return []
+        if kernel == "down_chain":  # the sparse step: one compaction step of every flag (split 1), or 2 spans
+            base = default_config(1, norm=True)
+            grid = [dict(split=1, prefix=8192, block_d=16, block_s=32, down_warps=16),
+                    dict(split=1, prefix=8192, block_d=32, block_s=64, down_warps=16),
+                    dict(split=1, prefix=8192, block_d=64, block_s=64, down_warps=16),
+                    dict(split=2, prefix=4096, block_d=32, block_s=64, down_warps=8),
+                    dict(split=1, prefix=4096, block_d=32, block_s=64, down_warps=8)]
+            return [{"mlp_sparse": c} for c in [base] + [dataclasses.replace(base, **v) for v in grid] + [base]]
+        base = default_config(1, dense=True, norm=True)  # every MLP dense: K2 over every unit, no list
+        grid = [dict(down_stream=True), dict(down_stream=True, block_s=64),
+                dict(down_stream=True, block_s=64, split=16), dict(down_stream=True, block_d=128, down_warps=8),
+                dict(split=16), dict(down_stream=True, block_s=64, block_d=128)]
+        return [{"mlp_dense": c} for c in [base] + [dataclasses.replace(base, **v) for v in grid] + [base]]
     if kernel == "mlp_sparse_compact":
         if mp < 16:
             return []
@@ -173,7 +192,8 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "overlap": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
                 "overlap_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
                 "whole_row": ("qkv_rope", "out_proj", "gate_up", "_decode_down"),
-                "whole_row_dense": ("qkv_rope", "out_proj", "gate_up", "_decode_down")}
+                "whole_row_dense": ("qkv_rope", "out_proj", "gate_up", "_decode_down"),
+                "down_chain": ("gate_up", "_decode_down"), "down_dense": ("gate_up", "_decode_down")}
 
 
 def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_dense,attention,qkv,out_proj") -> None:
@@ -185,7 +205,8 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
     rows = []
     for batch, prompt in prompts.items():
         for kernel in kernels.split(","):
-            dense = kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense", "whole_row_dense")
+            dense = kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense", "whole_row_dense",
+                                                                 "down_dense")
             mode = "dense" if dense else "auto"
             for layer in layers:
                 layer.mode = mode

@@ -22,7 +22,8 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
     one token config.stream (the streamed K1; the engine's also in one step of the whole row), and from
     16 padded tokens config.compact_up, the public op's and the engine's; on Hopper the engine's bf16
-    kernels also with config.pdl, and its streamed K1 with pdl and config.prefetch."""
+    kernels also with config.pdl, and its streamed K1 with pdl and config.prefetch; at one token the engine's
+    dense down pass with config.down_stream and its sparse one in one compaction step (split 1)."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -39,7 +40,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
         # config.pdl (Hopper on): the engine's bf16 kernels (norm fused into K1, residual into K2)
         if arch >= HOPPER and "PDL" in fn.arg_names and engine and "bf16" in signature.get("x_ptr", signature["h_ptr"]):
             specs.append((fn, signature, dict(constexprs, PDL=True)) + options)
-            if constexprs.get("STREAM") and constexprs["M_PAD"] == 1:  # config.prefetch
+            if "PREFETCH" in fn.arg_names and constexprs.get("STREAM") and constexprs["M_PAD"] == 1:  # config.prefetch
                 specs.append((fn, signature, dict(constexprs, PDL=True, PREFETCH=True)) + options)
 
     for dtype in (torch.bfloat16, torch.float16):
@@ -75,15 +76,18 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 if stream and norm and k1.block_k < D:  # the engine's K1 streamed in one step: the whole row
                     add(_decode_gate_up_kernel, sig, dict(cx, BLOCK_K=D, ONE_STEP=True), k1.gate_warps, k1.gate_stages)
             # (residual, config): the public op's; the engine's sparse and dense (every unit) down kernels
-            downs = [(False, cfg)] + ([(True, cfg), (True, dense_cfg)] if mp in ENGINE_TOKENS else [])
-            for residual, k2 in downs:
+            downs = [(False, cfg, False)] + ([(True, cfg, False), (True, dense_cfg, True)] if mp in ENGINE_TOKENS else [])
+            if mp == 1:  # the engine's dense down pass streamed, and its sparse one in one compaction step
+                downs += [(True, dataclasses.replace(dense_cfg, down_stream=True), True),
+                          (True, dataclasses.replace(cfg, split=1, prefix=8192), False)]
+            for residual, k2, all_units in downs:
                 sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
                        "y_ptr": f"*{ty}", "res_ptr": f"*{ty}" if residual else "constexpr", "part_ptr": "*fp32",
                        "count_ptr": "*i32", "M": "i32", "D": "i32", "H": "i32", "stride_dh": "i32", "stride_ym": "i32",
                        "stride_rm": "i32"}
                 cx = {"M_PAD": mp, "ROWS": down_rows(mp), "SPLIT": k2.split, "BLOCK_S": k2.block_s,
-                      "BLOCK_D": down_block(k2, D, 132), "PREFIX": k2.prefix, "RESIDUAL": residual,
-                      "DOT_IN_FP32": False}
+                      "BLOCK_D": down_block(k2, D, 132), "PREFIX": k2.prefix, "ALL_UNITS": all_units,
+                      "STREAM": k2.down_stream, "RESIDUAL": residual, "DOT_IN_FP32": False}
                 if not residual:
                     cx["res_ptr"] = None
                 add(_decode_down_kernel, sig, cx, k2.down_warps, k2.down_stages)
