@@ -22,6 +22,9 @@ first and the eighth variants); then K1's whole rows at 2 units and o_proj's at 
 down_chain (the sparse step) and down_dense (every MLP dense), batch 1, the defaults first and last: the
 sparse down pass with every flag compacted in one step (split 1, or 2 spans) at a few column blocks, and the
 dense one (every unit, no list) streamed (DecodeConfig.down_stream) at a few tiles and spans.
+down_dense_rows (every MLP dense, batch 1): the down weight stored transposed (the sparse model's layout,
+decode_mlp's K2 over every unit) against a contiguous [D, H] copy (a dense model's layout, decode_dense_mlp's
+row products), alternated.
 """
 
 import dataclasses
@@ -31,6 +34,7 @@ import time
 import torch
 
 import sparseffn.ops.decode_attention as attention_ops
+import sparseffn.models.decode_step as decode_step
 import sparseffn.ops.decode_block as block_ops
 from decode_step import kernel_us
 from sparseffn.bench.common import write_csv
@@ -44,6 +48,7 @@ from sparseffn.models.generate import CapturedDecoder
 NEW = 40  # generated tokens per variant: the replays timed
 REPLAYS = 20  # decode_step.py's profiled replays
 OVERRIDE: dict[str, object] = {}  # kernel -> the config its launches take while a variant runs
+ROWS_DOWN = "rows_down"  # an OVERRIDE key: the engine's dense MLPs get the down weight as [D, H] rows
 
 
 def _patch() -> None:
@@ -59,6 +64,15 @@ def _patch() -> None:
         return mlp(*args, **kwargs, config=OVERRIDE.get(which))
 
     block_ops.launch_decode_mlp = mlp_launch
+    layer_of = decode_step._layer
+
+    def layer(*args, **kwargs):  # ROWS_DOWN: a contiguous copy of the transposed down weight, so the dense
+        made = layer_of(*args, **kwargs)  # block takes kernels/decode_dense_mlp.py's row products (a dense
+        if OVERRIDE.get(ROWS_DOWN):  # model's own layout)
+            made.down = made.down.contiguous()
+        return made
+
+    decode_step._layer = layer
 
 
 def _variants(kernel: str, batch: int) -> list:
@@ -105,7 +119,7 @@ def _variants(kernel: str, batch: int) -> list:
         variants = [two] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp[:2]]
         variants += [dict(base, qkv=qkv[1], **{k1: mlp[0]}), two, dict(base, qkv=qkv[1])]
         return variants + [dict(base, **{k1: mlp[2]})] + [dict(base, out_proj=c) for c in out] + [base]
-    if kernel in ("down_chain", "down_dense"):  # one token: the down pass's round trips, and its dense read
+    if kernel in ("down_chain", "down_dense", "down_dense_rows"):  # one token: the down pass's round trips, and its dense read
         if mp != 1:
             return []
         if kernel == "down_chain":  # the sparse step: one compaction step of every flag (split 1), or 2 spans
@@ -116,6 +130,8 @@ def _variants(kernel: str, batch: int) -> list:
                     dict(split=2, prefix=4096, block_d=32, block_s=64, down_warps=8),
                     dict(split=1, prefix=4096, block_d=32, block_s=64, down_warps=8)]
             return [{"mlp_sparse": c} for c in [base] + [dataclasses.replace(base, **v) for v in grid] + [base]]
+        if kernel == "down_dense_rows":  # the dense step with the down weight transposed (K2) or as rows
+            return [{}, {ROWS_DOWN: True}, {}, {ROWS_DOWN: True}]
         base = default_config(1, dense=True, norm=True)  # every MLP dense: K2 over every unit, no list
         grid = [dict(down_stream=True), dict(down_stream=True, block_s=64),
                 dict(down_stream=True, block_s=64, split=16), dict(down_stream=True, block_d=128, down_warps=8),
@@ -193,7 +209,8 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "overlap_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
                 "whole_row": ("qkv_rope", "out_proj", "gate_up", "_decode_down"),
                 "whole_row_dense": ("qkv_rope", "out_proj", "gate_up", "_decode_down"),
-                "down_chain": ("gate_up", "_decode_down"), "down_dense": ("gate_up", "_decode_down")}
+                "down_chain": ("gate_up", "_decode_down"), "down_dense": ("gate_up", "_decode_down"),
+                "down_dense_rows": ("gate_up", "_decode_down", "_dense_down")}
 
 
 def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_dense,attention,qkv,out_proj") -> None:
@@ -206,7 +223,7 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
     for batch, prompt in prompts.items():
         for kernel in kernels.split(","):
             dense = kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense", "whole_row_dense",
-                                                                 "down_dense")
+                                                                 "down_dense", "down_dense_rows")
             mode = "dense" if dense else "auto"
             for layer in layers:
                 layer.mode = mode
