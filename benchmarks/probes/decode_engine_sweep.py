@@ -24,7 +24,8 @@ sparse down pass with every flag compacted in one step (split 1, or 2 spans) at 
 dense one (every unit, no list) streamed (DecodeConfig.down_stream) at a few tiles and spans.
 down_dense_rows (every MLP dense, batch 1): the down weight stored transposed (the sparse model's layout,
 decode_mlp's K2 over every unit) against a contiguous [D, H] copy (a dense model's layout, decode_dense_mlp's
-row products), alternated.
+row products), alternated. attention_split (batch 1): attention with prefetch in fewer splits of longer blocks
+(every older slot of a split read before the PDL wait), against the default 16 splits of 64 slots.
 """
 
 import dataclasses
@@ -176,6 +177,12 @@ def _variants(kernel: str, batch: int) -> list:
                   ((1, 64, 2, 128), (2, 64, 2, 128), (8, 64, 2, 128), (4, 32, 2, 128), (4, 128, 2, 128),
                    (4, 64, 3, 64), (8, 32, 2, 64))]
         return [base] + [dataclasses.replace(base, **v) for v in k1 + k2]
+    if kernel == "attention_split":  # one token, prefetch: every older slot before the wait in fewer, longer splits
+        if mp != 1:
+            return []
+        grid = [(8, 128, 4), (4, 256, 8), (32, 32, 2), (8, 128, 8), (16, 64, 2)]
+        base = AttentionConfig(pdl=True, prefetch=True)  # attention_config's at one token: 16 splits of 64 slots
+        return [base] + [dataclasses.replace(base, splits=s, block_s=b, num_warps=w) for s, b, w in grid] + [base]
     if kernel == "attention_prefetch":  # without AttentionConfig.prefetch, then with it (the engine's default)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         return [attention_config(batch * 32, sms), attention_config(batch * 32, sms, prefetch=True)]  # 2b: 32 kv heads
@@ -202,6 +209,7 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "mlp_dense_one_token": ("gate_up", "_decode_down"), "qkv_one_token": ("qkv_rope",),
                 "out_proj_one_token": ("out_proj",), "mlp_sparse_compact": ("gate_up", "_decode_down"),
                 "attention": ("decode_attention",), "attention_prefetch": ("decode_attention",),
+                "attention_split": ("decode_attention",),
                 "qkv": ("qkv_rope",), "out_proj": ("out_proj",),
                 "pdl": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
                 "pdl_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
@@ -233,6 +241,7 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
                     OVERRIDE.update(config)
                 else:
                     name = kernel.removesuffix("_one_token").removesuffix("_compact").removesuffix("_prefetch")
+                    name = name.removesuffix("_split")
                     OVERRIDE[name] = config
                 t0 = time.perf_counter()
                 try:
