@@ -21,7 +21,8 @@ step) and whole_row_dense, batch 1: q/k/v's and K1's whole 2048-column rows read
 first and the eighth variants); then K1's whole rows at 2 units and o_proj's at 4 and 8, against the defaults.
 down_chain (the sparse step) and down_dense (every MLP dense), batch 1, the defaults first and last: the
 sparse down pass with every flag compacted in one step (split 1, or 2 spans) at a few column blocks, and the
-dense one (every unit, no list) streamed (DecodeConfig.down_stream) at a few tiles and spans.
+dense one (every unit, no list) at a few tiles and spans (at 636bbd5 also streamed, a config field since
+removed).
 down_dense_rows (every MLP dense, batch 1): the down weight stored transposed (the sparse model's layout,
 decode_mlp's K2 over every unit) against a contiguous [D, H] copy (a dense model's layout, decode_dense_mlp's
 row products), alternated. attention_split (batch 1): attention with prefetch in fewer splits of longer blocks
@@ -134,9 +135,8 @@ def _variants(kernel: str, batch: int) -> list:
         if kernel == "down_dense_rows":  # the dense step with the down weight transposed (K2) or as rows
             return [{}, {ROWS_DOWN: True}, {}, {ROWS_DOWN: True}]
         base = default_config(1, dense=True, norm=True)  # every MLP dense: K2 over every unit, no list
-        grid = [dict(down_stream=True), dict(down_stream=True, block_s=64),
-                dict(down_stream=True, block_s=64, split=16), dict(down_stream=True, block_d=128, down_warps=8),
-                dict(split=16), dict(down_stream=True, block_s=64, block_d=128)]
+        grid = [dict(split=8), dict(split=16, block_s=64), dict(split=32), dict(split=16, block_d=128, down_warps=8),
+                dict(split=8)]
         return [{"mlp_dense": c} for c in [base] + [dataclasses.replace(base, **v) for v in grid] + [base]]
     if kernel == "mlp_sparse_compact":
         if mp < 16:

@@ -66,8 +66,8 @@ def test_release_first_then_only_weights_before_the_wait():
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines()]
     kernels = {name for name, _, _ in rows}
-    assert kernels == {"_decode_gate_up_kernel", "_decode_down_kernel", "_decode_qkv_rope_kernel",
-                       "_decode_out_proj_kernel", "_decode_attention_kernel"}, kernels
+    assert kernels == {"_decode_gate_up_kernel", "_decode_down_kernel", "_dense_down_kernel",
+                       "_decode_qkv_rope_kernel", "_decode_out_proj_kernel", "_decode_attention_kernel"}, kernels
     for name, early, order in rows:
         assert order.startswith("L") and order.count("W") == 1 and order.count("L") == 1, (name, order)
         before = order[1:order.index("W")]

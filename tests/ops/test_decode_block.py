@@ -135,40 +135,29 @@ def test_compact_up_with_norm_and_residual(m):
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("down_stream", [False, True])
 @pytest.mark.parametrize("act", ["relu", "silu"])
-def test_one_token_streamed_dense(act, down_stream):
-    """The dense MLP (every unit, act relu / silu) with the streamed K1 loops and, with down_stream, the
-    streamed down pass (3 steps a span), fp32 against fp64; in bf16 down_stream changes no bit."""
-    config = DecodeConfig(block_h=8, block_k=16, block_s=16, block_d=32, prefix=64, split=2, stream=True,
-                          down_stream=down_stream)
-    for dtype in (torch.float32, torch.bfloat16):
-        x, nw, gate, up, down, theta = _problem(1, 48, 80, dtype, seed=13, threshold=act == "relu")
-        run = lambda c: launch_decode_mlp(x, gate, up, down.t().contiguous(), theta, norm_weight=nw,  # noqa: E731
-                                          eps=EPS, residual=True, act=act, config=c)
-        y = run(config)
-        if dtype == torch.float32:
-            ref = _reference(x, nw, gate, up, down, theta, act)
-            assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
-        else:
-            assert torch.equal(y, run(dataclasses.replace(config, down_stream=not down_stream)))
+def test_one_token_streamed_dense(act):
+    """The dense MLP (every unit, act relu / silu) with the streamed K1 loops, fp32 against fp64."""
+    x, nw, gate, up, down, theta = _problem(1, 48, 80, torch.float32, seed=13, threshold=act == "relu")
+    config = DecodeConfig(block_h=8, block_k=16, block_s=16, block_d=32, prefix=64, split=2, stream=True)
+    y = launch_decode_mlp(x, gate, up, down.t().contiguous(), theta, norm_weight=nw, eps=EPS, residual=True,
+                          act=act, config=config)
+    ref = _reference(x, nw, gate, up, down, theta, act)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("split", [1, 3])
-def test_one_token_sparse_down_in_one_compaction_step(split):
-    """The sparse down pass at one token with the whole span's flags in one compaction step (prefix >= H /
-    split) and the residual loaded first: fp32 against fp64; in bf16 the same bits as 16-flag steps."""
-    config = DecodeConfig(block_h=8, block_k=16, block_s=16, block_d=32, prefix=128, split=split, stream=True)
-    for dtype in (torch.float32, torch.bfloat16):
-        x, nw, gate, up, down, theta = _problem(1, 48, 80, dtype, seed=15, active=0.3)
-        run = lambda c: launch_decode_mlp(x, gate, up, down.t().contiguous(), theta, norm_weight=nw,  # noqa: E731
-                                          eps=EPS, residual=True, config=c)
-        y = run(config)
-        if dtype == torch.float32:
-            ref = _reference(x, nw, gate, up, down, theta, "relu")
-            assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
-        else:
-            assert torch.equal(y, run(dataclasses.replace(config, prefix=16)))
+@pytest.mark.parametrize("transposed", [True, False])
+def test_one_token_dense_with_prefetch_gives_the_same_bits(transposed):
+    """config.prefetch with pdl (K1's first gate tile and, for the [D, H] down weight, the row products'
+    first down tile read before the wait; where pdl is dropped, as under the interpreter, after it): the
+    dense block's output unchanged, bf16, several K steps (H = 80 over 16-column steps)."""
+    x, nw, gate, up, down, theta = _problem(1, 48, 80, torch.bfloat16, seed=16)
+    config = DecodeConfig(block_h=8, block_k=16, block_s=16, block_d=32, prefix=64, split=2, stream=True, pdl=True)
+    run = lambda c: (launch_decode_mlp(x, gate, up, down.t().contiguous(), theta, norm_weight=nw,  # noqa: E731
+                                       eps=EPS, residual=True, act="relu", config=c) if transposed else
+                     launch_dense_mlp_rows_down(x, gate, up, down.contiguous(), theta, act="relu", norm_weight=nw,
+                                                eps=EPS, residual=True, config=c))
+    assert torch.equal(run(dataclasses.replace(config, prefetch=True)), run(config))
 
 
 def test_sparse_skips_inactive_units_yet_equals_dense_relu():
@@ -189,12 +178,6 @@ def test_rejects_bad_arguments():
         decode_mlp_block(x, nw, EPS, gate, up, down, theta, act="silu")
     with pytest.raises(ValueError, match="one-token field, got 2 tokens"):  # the dense rows path's K1 too
         launch_dense_mlp_rows_down(x, gate, up, down, theta, act="relu", config=DecodeConfig(stream=True))
-    with pytest.raises(ValueError, match="down_stream is a one-token field, got 2 tokens"):
-        launch_decode_mlp(x, gate, up, down.t().contiguous(), theta, act="relu", config=DecodeConfig(down_stream=True))
-    with pytest.raises(ValueError, match="down_stream streams the dense MLP"):
-        launch_decode_mlp(x[:1], gate, up, down.t().contiguous(), theta, config=DecodeConfig(down_stream=True))
-    with pytest.raises(TypeError, match="down_stream must be a bool"):
-        DecodeConfig(down_stream=1)
     with pytest.raises(ValueError, match="norm_weight must be"):
         decode_mlp_block(x, nw[:-1], EPS, gate, up, down)
     with pytest.raises(ValueError, match="x must be a tensor"):

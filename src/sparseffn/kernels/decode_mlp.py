@@ -14,11 +14,9 @@ and down matrices only the rows of units some token activates.
         3. SPLIT == 1: y[:, cols] = part_0. Else part_s goes to fp32 scratch and an atomic counter per
            column block; the span arriving last sums the parts in span order (deterministic) into y.
 Fused variants (the decode engine's): NORM, x is Llama's RMSNorm of x (each K1 program computes its
-rows' rstd, x being L2-resident); RESIDUAL, K2 writes x + y (at one token the residual tile is loaded
-first, in flight with the flags); ACT relu / silu, the dense MLP (every unit read; K2 sums every unit of
-its span without flags or list, and at one token with config.down_stream loads each step's tiles a step
-ahead; act(g) and u rounded as torch rounds them). config.pdl (Hopper on): K1 and K2 launched as
-programmatic dependents (_runtime).
+rows' rstd, x being L2-resident); RESIDUAL, K2 writes x + y; ACT relu / silu, the dense MLP (every unit
+read, K2 summing every unit of its span without flags or list; act(g) and u rounded as torch rounds
+them). config.pdl (Hopper on): K1 and K2 launched as programmatic dependents (_runtime).
 Why. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D] matrices, this
 path the gate matrix plus two D-rows per active unit, once per call; no host sync (CUDA-graph capturable).
 
@@ -327,21 +325,11 @@ def _decode_gate_up_kernel(
 def _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL: tl.constexpr, dtype: tl.constexpr):
     """acc [R, BLOCK_D] fp32 rounded to dtype; RESIDUAL: plus res[rows, cols], rounded again (torch's
     `residual + mlp(x)` in dtype)."""
+    y = acc.to(dtype)
     if RESIDUAL:
-        return _plus_tile(acc, _residual_tile(res_ptr, rows, cols, stride_rm, out), dtype)
-    return acc.to(dtype)
-
-
-@triton.jit
-def _residual_tile(res_ptr, rows, cols, stride_rm, out):
-    """[R, BLOCK_D] res[rows, cols], 0 off `out`."""
-    return tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out, other=0.0)
-
-
-@triton.jit
-def _plus_tile(acc, r, dtype: tl.constexpr):
-    """acc rounded to dtype, plus the residual tile r, rounded again (`_plus_residual` with r loaded)."""
-    return (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
+        r = tl.load(res_ptr + rows.to(tl.int64)[:, None] * stride_rm + cols[None, :], mask=out, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    return y
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -367,25 +355,16 @@ def _decode_down_kernel(
     BLOCK_D: tl.constexpr,
     PREFIX: tl.constexpr,  # flags per step of the compaction
     ALL_UNITS: tl.constexpr,  # the dense MLP: every unit of the span, no flags read, no list
-    STREAM: tl.constexpr,  # one token, ALL_UNITS: the next step's tiles loaded before the current one is summed
     RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
 ):
-    tl.static_assert(not STREAM or (ALL_UNITS and ROWS == 1), "STREAM: one token, every unit")
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
     c_block = tl.program_id(0)
     span = tl.cdiv(H, SPLIT)
     lo = tl.program_id(1) * span
     hi = tl.minimum(H, lo + span)
-    cols = c_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    col_in = cols < D
-    rows = tl.arange(0, ROWS)  # [ROWS]
-    row_in = rows < M
-    out = row_in[:, None] & col_in[None, :]
-    if ROWS == 1 and RESIDUAL:  # one token: the residual's load in flight with the first ones below
-        res = _residual_tile(res_ptr, rows, cols, stride_rm, out)
     if ALL_UNITS:
         n_active = hi - lo
     else:
@@ -398,45 +377,37 @@ def _decode_down_kernel(
             n_active += tl.sum(f, axis=0)
         tl.debug_barrier()  # the list this program stored is what it reads below
     # 2. the span's part of y[:, cols], ascending units, BLOCK_S at a time
+    cols = c_block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    col_in = cols < D
+    rows = tl.arange(0, ROWS)  # [ROWS]
+    row_in = rows < M
     if ROWS == 1:
         acc2 = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)  # [BLOCK_S, BLOCK_D] products, summed once
     else:
         acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)  # [ROWS, BLOCK_D] fp32
-    if STREAM:
-        s = tl.arange(0, BLOCK_S)
-        w, hv = _down_tile(h_ptr, down_t_ptr, lo + s, s < n_active, cols, col_in, stride_dh)
-        for s0 in range(0, n_active, BLOCK_S):
-            s = s0 + BLOCK_S + tl.arange(0, BLOCK_S)  # the next step's; past the span on the last: no traffic
-            w_next, h_next = _down_tile(h_ptr, down_t_ptr, lo + s, s < n_active, cols, col_in, stride_dh)
+    for s0 in range(0, n_active, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        valid = s < n_active
+        if ALL_UNITS:
+            units = (lo + s).to(tl.int64)
+        else:
+            units = tl.load(list_ptr + lo + s, mask=valid, other=0).to(tl.int64)  # [BLOCK_S]
+        w = tl.load(down_t_ptr + units[:, None] * stride_dh + cols[None, :],
+                    mask=valid[:, None] & col_in[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+        if ROWS == 1:
+            hv = tl.load(h_ptr + units, mask=valid, other=0.0)  # [BLOCK_S]
             acc2 += hv.to(tl.float32)[:, None] * w.to(tl.float32)
-            w = w_next
-            hv = h_next
-    else:
-        for s0 in range(0, n_active, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-            valid = s < n_active
-            if ALL_UNITS:
-                units = (lo + s).to(tl.int64)
-            else:
-                units = tl.load(list_ptr + lo + s, mask=valid, other=0).to(tl.int64)  # [BLOCK_S]
-            if ROWS == 1:
-                w, hv = _down_tile(h_ptr, down_t_ptr, units, valid, cols, col_in, stride_dh)
-                acc2 += hv.to(tl.float32)[:, None] * w.to(tl.float32)
-            else:
-                w = tl.load(down_t_ptr + units[:, None] * stride_dh + cols[None, :],
-                            mask=valid[:, None] & col_in[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-                hv = tl.load(h_ptr + units[None, :] * M_PAD + rows[:, None],
-                             mask=row_in[:, None] & valid[None, :], other=0.0)  # [ROWS, BLOCK_S]
-                acc = mma(hv, w, acc, DOT_IN_FP32)
+        else:
+            hv = tl.load(h_ptr + units[None, :] * M_PAD + rows[:, None],
+                         mask=row_in[:, None] & valid[None, :], other=0.0)  # [ROWS, BLOCK_S]
+            acc = mma(hv, w, acc, DOT_IN_FP32)
     if ROWS == 1:
         acc = tl.sum(acc2, axis=0)[None, :]
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    out = row_in[:, None] & col_in[None, :]
     if SPLIT == 1:
-        if ROWS == 1 and RESIDUAL:
-            tl.store(y_ptrs, _plus_tile(acc, res, y_ptr.dtype.element_ty), mask=out)
-        else:
-            tl.store(y_ptrs, _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL,
-                                            y_ptr.dtype.element_ty), mask=out)
+        tl.store(y_ptrs, _plus_residual(acc, res_ptr, rows, cols, stride_rm, out, RESIDUAL, y_ptr.dtype.element_ty),
+                 mask=out)
     else:
         # 3. the span's partial to scratch; the last span to finish this column block sums all spans
         # in span order (deterministic whichever arrives last) and writes y
@@ -447,19 +418,8 @@ def _decode_down_kernel(
             total = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
             for t in range(SPLIT):
                 total += tl.load(parts + t * M * D, mask=out, other=0.0, cache_modifier=".cg")
-            if ROWS == 1 and RESIDUAL:
-                tl.store(y_ptrs, _plus_tile(total, res, y_ptr.dtype.element_ty), mask=out)
-            else:
-                tl.store(y_ptrs, _plus_residual(total, res_ptr, rows, cols, stride_rm, out, RESIDUAL,
-                                                y_ptr.dtype.element_ty), mask=out)
-
-
-@triton.jit
-def _down_tile(h_ptr, down_t_ptr, units, valid, cols, col_in, stride_dh):
-    """One token: (down_t[units, cols] [BLOCK_S, BLOCK_D], h_t[units] [BLOCK_S]), 0 off `valid`."""
-    w = tl.load(down_t_ptr + units.to(tl.int64)[:, None] * stride_dh + cols[None, :],
-                mask=valid[:, None] & col_in[None, :], other=0.0)
-    return w, tl.load(h_ptr + units, mask=valid, other=0.0)
+            tl.store(y_ptrs, _plus_residual(total, res_ptr, rows, cols, stride_rm, out, RESIDUAL,
+                                            y_ptr.dtype.element_ty), mask=out)
 
 
 _gate_up_launch = Launcher(_decode_gate_up_kernel)
@@ -560,7 +520,7 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
         hidden, flags, unit_list, down_t, y, x if residual else None, parts, counts, m, d, h, down_t.stride(0),
         y.stride(0), x.stride(0),
         M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
-        ALL_UNITS=act != "sparse", STREAM=config.down_stream, RESIDUAL=residual, DOT_IN_FP32=dot_fp32,
+        ALL_UNITS=act != "sparse", RESIDUAL=residual, DOT_IN_FP32=dot_fp32,
         num_warps=config.down_warps, num_stages=config.down_stages,
         **pdl_options(config.pdl, x.device),
     )
@@ -575,12 +535,8 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
     """K1 into `hidden` (h_t [H, M_PAD]: strides 1, M_PAD; or h [M, H]: H, 1), `flags` [H] and zeroed
     `counts` [n_counts]; arguments as `launch_decode_mlp`'s."""
     m, d = x.shape
-    for field in ("stream", "down_stream"):
-        if getattr(config, field) and m != 1:
-            raise ValueError(f"config.{field} is a one-token field, got {m} tokens")
-    if config.down_stream and act == "sparse":
-        raise ValueError("config.down_stream streams the dense MLP's down pass over every unit: it needs a dense "
-                         "act ('relu' / 'silu')")
+    if config.stream and m != 1:
+        raise ValueError(f"config.stream is a one-token field, got {m} tokens")
     if config.prefetch and not config.stream:
         raise ValueError("config.prefetch loads the first tile of the streamed one-token loop: it needs "
                          "config.stream")

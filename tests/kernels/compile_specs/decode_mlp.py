@@ -20,10 +20,10 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     capability `arch`: bf16/fp16, gated or not, threshold on/off, every padded M with its default
     config; and the decode engine's (norm fused into K1, residual into the down kernels, dense
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
-    one token config.stream (the streamed K1; the engine's also in one step of the whole row), and from
+    one token config.stream (the streamed K1, the engine's also in one step of the whole row, and the
+    streamed row products of the dense down pass in Hugging Face's layout), and from
     16 padded tokens config.compact_up, the public op's and the engine's; on Hopper the engine's bf16
-    kernels also with config.pdl, and its streamed K1 with pdl and config.prefetch; at one token the engine's
-    dense down pass with config.down_stream and its sparse one in one compaction step (split 1)."""
+    kernels also with config.pdl, and its streamed K1 with pdl and config.prefetch."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -77,9 +77,6 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                     add(_decode_gate_up_kernel, sig, dict(cx, BLOCK_K=D, ONE_STEP=True), k1.gate_warps, k1.gate_stages)
             # (residual, config): the public op's; the engine's sparse and dense (every unit) down kernels
             downs = [(False, cfg, False)] + ([(True, cfg, False), (True, dense_cfg, True)] if mp in ENGINE_TOKENS else [])
-            if mp == 1:  # the engine's dense down pass streamed, and its sparse one in one compaction step
-                downs += [(True, dataclasses.replace(dense_cfg, down_stream=True), True),
-                          (True, dataclasses.replace(cfg, split=1, prefix=8192), False)]
             for residual, k2, all_units in downs:
                 sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
                        "y_ptr": f"*{ty}", "res_ptr": f"*{ty}" if residual else "constexpr", "part_ptr": "*fp32",
@@ -87,7 +84,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                        "stride_rm": "i32"}
                 cx = {"M_PAD": mp, "ROWS": down_rows(mp), "SPLIT": k2.split, "BLOCK_S": k2.block_s,
                       "BLOCK_D": down_block(k2, D, 132), "PREFIX": k2.prefix, "ALL_UNITS": all_units,
-                      "STREAM": k2.down_stream, "RESIDUAL": residual, "DOT_IN_FP32": False}
+                      "RESIDUAL": residual, "DOT_IN_FP32": False}
                 if not residual:
                     cx["res_ptr"] = None
                 add(_decode_down_kernel, sig, cx, k2.down_warps, k2.down_stages)
@@ -95,7 +92,8 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 sig = {"h_ptr": f"*{ty}", "down_ptr": f"*{ty}", "res_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32",
                        "D": "i32", "H": "i32", "stride_hm": "i32", "stride_dd": "i32", "stride_rm": "i32",
                        "stride_ym": "i32"}
-                cx = {"M_PAD": mp, "BLOCK_D": dense_cfg.block_h if mp < 16 else 16, "BLOCK_K": dense_cfg.block_k,
-                      "RESIDUAL": True, "DOT_IN_FP32": False}
-                add(_dense_down_kernel, sig, cx, dense_cfg.gate_warps, dense_cfg.gate_stages)
+                engine_cfg = default_config(mp, arch, dense=True, norm=True)  # the engine's: norm fused into K1
+                cx = {"M_PAD": mp, "BLOCK_D": engine_cfg.block_h if mp < 16 else 16, "BLOCK_K": engine_cfg.block_k,
+                      "STREAM": engine_cfg.stream, "ONE_STEP": False, "RESIDUAL": True, "DOT_IN_FP32": False}
+                add(_dense_down_kernel, sig, cx, engine_cfg.gate_warps, engine_cfg.gate_stages)
     return specs

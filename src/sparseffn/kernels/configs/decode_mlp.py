@@ -17,8 +17,7 @@ class DecodeConfig:
     gate_stages, stream (one token only: the next weight tile loaded while the current one is reduced,
     decode_mlp._streamed_dot). K2: block_s list entries per step, block_d output columns per program
     (None: enough programs to fill the GPU), down_warps / down_stages, prefix flags per compaction step,
-    split spans of the units per column block, down_stream (one token, the dense MLP: K2's next
-    tiles loaded while the current ones are summed). compact_up (3+ tokens, sparse): K1's up pass over its
+    split spans of the units per column block. compact_up (3+ tokens, sparse): K1's up pass over its
     active units gathered 16 at a time, up_k columns per step, up_stages deep (decode_mlp._compact_up).
     pdl: K1 and K2 launched as programmatic dependents (Hopper on; _runtime.pdl_options); prefetch (with
     pdl and stream): K1's first gate tile loaded before the wait."""
@@ -33,7 +32,6 @@ class DecodeConfig:
     down_stages: int = 3
     prefix: int = 4096  # flags per step of K2's compaction
     split: int = 1  # K2's programs per column block, each over one span of the units
-    down_stream: bool = False  # one token, dense: K2's next tiles loaded while the current ones are summed
     stream: bool = False  # one token: K1's loops keep the next weight tile in flight
     compact_up: bool = False  # 3+ tokens: K1's up pass on its active units only, gathered
     up_k: int = 1024
@@ -48,7 +46,7 @@ class DecodeConfig:
                                            "up_k"),
                             at_least=((("block_k", "block_s", "up_k"), 16, "tl.dot"),
                                       (("block_h",), 2, "a 2-D tile")),
-                            flags=("stream", "down_stream", "compact_up", "pdl", "prefetch"))
+                            flags=("stream", "compact_up", "pdl", "prefetch"))
         if self.block_d is not None and (isinstance(self.block_d, bool) or not isinstance(self.block_d, int)
                                          or self.block_d < 16 or self.block_d & (self.block_d - 1)):
             raise ValueError(f"DecodeConfig.block_d must be None or a power of two >= 16, got {self.block_d!r}")
@@ -72,7 +70,7 @@ def default_config(m_padded: int, arch: tuple[int, int] = HOPPER, dense: bool = 
     its two steps with prefetch, the first tile read before the PDL wait); more tokens: tl.dot tiles,
     pipelined, and at 16 the engine's sparse K1 with compact_up. The down kernel splits the units into 4
     to 8 spans (more programs); dense (`dense`: every unit summed, act relu / silu): 8 spans (measured at
-    1, 16 and 64 tokens). pdl: _runtime.pdl_by_default."""
+    16 and 64 tokens), 16 at one token (the engine's step sweep on an H100). pdl: _runtime.pdl_by_default."""
     if m_padded == 1:
         pdl = pdl_by_default(m_padded)
         config = DecodeConfig(block_h=4, block_k=1024 if norm else 2048, gate_stages=1, block_s=128, block_d=64,
@@ -87,7 +85,7 @@ def default_config(m_padded: int, arch: tuple[int, int] = HOPPER, dense: bool = 
         config = DecodeConfig(block_h=64, block_k=128, gate_stages=4, block_s=128, block_d=64, down_stages=4,
                               prefix=8192, split=4)
     if dense:
-        config = dataclasses.replace(config, split=8)
+        config = dataclasses.replace(config, split=16 if m_padded == 1 else 8)
     if m_padded < 16:
         return config
     if arch >= (10, 0):  # Triton 3.6's TMEM layout pass fails on 64-unit tiles there (compile check)
