@@ -27,6 +27,9 @@ down_dense_rows (every MLP dense, batch 1): the down weight stored transposed (t
 decode_mlp's K2 over every unit) against a contiguous [D, H] copy (a dense model's layout, decode_dense_mlp's
 row products), alternated. attention_split (batch 1): attention with prefetch in fewer splits of longer blocks
 (every older slot of a split read before the PDL wait), against the default 16 splits of 64 slots.
+ablate (the sparse step) and ablate_dense (every MLP dense), batch 1: the step with one op's launches skipped
+(q/k/v, attention, o_proj, the whole MLP, or the down kernel alone), its first output for each layer returned
+instead, so the step's drop is that op's cost on the critical path (the defaults first and last).
 """
 
 import dataclasses
@@ -36,6 +39,7 @@ import time
 import torch
 
 import sparseffn.ops.decode_attention as attention_ops
+import sparseffn.kernels.decode_mlp as decode_mlp
 import sparseffn.models.decode_step as decode_step
 import sparseffn.ops.decode_block as block_ops
 from decode_step import kernel_us
@@ -51,21 +55,56 @@ NEW = 40  # generated tokens per variant: the replays timed
 REPLAYS = 20  # decode_step.py's profiled replays
 OVERRIDE: dict[str, object] = {}  # kernel -> the config its launches take while a variant runs
 ROWS_DOWN = "rows_down"  # an OVERRIDE key: the engine's dense MLPs get the down weight as [D, H] rows
+ABLATE = "ablate"  # an OVERRIDE key: the op whose launches a variant skips (ablate groups)
+STORED: dict[tuple, torch.Tensor] = {}  # (op, layer's weight address) -> the op's first real output
+
+
+class _NoLaunch:
+    """A launcher that launches nothing (decode_mlp's K2 under the `down` ablation)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _ablatable(op: str, launch, key_arg: int):
+    """launch, or under OVERRIDE[ABLATE] == op no launch: the op's output from its first call for this
+    layer (a real value, so the layers after it see realistic inputs) is returned instead."""
+    def run(*args, **kwargs):
+        if OVERRIDE.get(ABLATE) != op:
+            return launch(*args, **kwargs)
+        key = (op, args[key_arg].data_ptr())
+        if key not in STORED:
+            STORED[key] = launch(*args, **kwargs).clone()
+        return STORED[key]
+    return run
 
 
 def _patch() -> None:
     """Route the engine's launches through OVERRIDE (the ops modules look their launchers up per call)."""
     qkv, out, attn, mlp = (attention_ops.launch_decode_qkv_rope, attention_ops.launch_decode_out_proj,
                            attention_ops.launch_decode_attention, block_ops.launch_decode_mlp)
-    attention_ops.launch_decode_qkv_rope = lambda *a, **k: qkv(*a, **k, config=OVERRIDE.get("qkv"))
-    attention_ops.launch_decode_out_proj = lambda *a, **k: out(*a, **k, config=OVERRIDE.get("out_proj"))
-    attention_ops.launch_decode_attention = lambda *a, **k: attn(*a, **k, config=OVERRIDE.get("attention"))
+    attention_ops.launch_decode_qkv_rope = _ablatable(
+        "qkv", lambda *a, **k: qkv(*a, **k, config=OVERRIDE.get("qkv")), 3)  # wq
+    attention_ops.launch_decode_out_proj = _ablatable(
+        "out_proj", lambda *a, **k: out(*a, **k, config=OVERRIDE.get("out_proj")), 1)  # wo
+    attention_ops.launch_decode_attention = _ablatable(
+        "attention", lambda *a, **k: attn(*a, **k, config=OVERRIDE.get("attention")), 1)  # the key cache
 
     def mlp_launch(*args, **kwargs):
         which = "mlp_sparse" if kwargs.get("act", "sparse") == "sparse" else "mlp_dense"
-        return mlp(*args, **kwargs, config=OVERRIDE.get(which))
+        if OVERRIDE.get(ABLATE) != "down":
+            return mlp(*args, **kwargs, config=OVERRIDE.get(which))
+        key = ("down", args[1].data_ptr())  # the gate weight
+        if key not in STORED:
+            STORED[key] = mlp(*args, **kwargs, config=OVERRIDE.get(which)).clone()
+        launcher, decode_mlp._down_launch = decode_mlp._down_launch, _NoLaunch()
+        try:
+            mlp(*args, **kwargs, config=OVERRIDE.get(which))  # K1 only
+        finally:
+            decode_mlp._down_launch = launcher
+        return STORED[key]
 
-    block_ops.launch_decode_mlp = mlp_launch
+    block_ops.launch_decode_mlp = _ablatable("mlp", mlp_launch, 1)
     layer_of = decode_step._layer
 
     def layer(*args, **kwargs):  # ROWS_DOWN: a contiguous copy of the transposed down weight, so the dense
@@ -121,7 +160,7 @@ def _variants(kernel: str, batch: int) -> list:
         variants = [two] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp[:2]]
         variants += [dict(base, qkv=qkv[1], **{k1: mlp[0]}), two, dict(base, qkv=qkv[1])]
         return variants + [dict(base, **{k1: mlp[2]})] + [dict(base, out_proj=c) for c in out] + [base]
-    if kernel in ("down_chain", "down_dense", "down_dense_rows"):  # one token: the down pass's round trips, and its dense read
+    if kernel in ("down_chain", "down_dense", "down_dense_rows", "ablate", "ablate_dense"):  # one token: the down pass's round trips, and its dense read
         if mp != 1:
             return []
         if kernel == "down_chain":  # the sparse step: one compaction step of every flag (split 1), or 2 spans
@@ -132,6 +171,9 @@ def _variants(kernel: str, batch: int) -> list:
                     dict(split=2, prefix=4096, block_d=32, block_s=64, down_warps=8),
                     dict(split=1, prefix=4096, block_d=32, block_s=64, down_warps=8)]
             return [{"mlp_sparse": c} for c in [base] + [dataclasses.replace(base, **v) for v in grid] + [base]]
+        if kernel in ("ablate", "ablate_dense"):  # each op's launches skipped in turn, its first output replayed
+            ops = ("qkv", "attention", "out_proj", "mlp", "down")
+            return [{}] + [{ABLATE: op} for op in ops] + [{}]
         if kernel == "down_dense_rows":  # the dense step with the down weight transposed (K2) or as rows
             return [{}, {ROWS_DOWN: True}, {}, {ROWS_DOWN: True}]
         base = default_config(1, dense=True, norm=True)  # every MLP dense: K2 over every unit, no list
@@ -218,7 +260,9 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "whole_row": ("qkv_rope", "out_proj", "gate_up", "_decode_down"),
                 "whole_row_dense": ("qkv_rope", "out_proj", "gate_up", "_decode_down"),
                 "down_chain": ("gate_up", "_decode_down"), "down_dense": ("gate_up", "_decode_down"),
-                "down_dense_rows": ("gate_up", "_decode_down", "_dense_down")}
+                "down_dense_rows": ("gate_up", "_decode_down", "_dense_down"),
+                "ablate": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
+                "ablate_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down")}
 
 
 def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_dense,attention,qkv,out_proj") -> None:
@@ -231,12 +275,13 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
     for batch, prompt in prompts.items():
         for kernel in kernels.split(","):
             dense = kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense", "whole_row_dense",
-                                                                 "down_dense", "down_dense_rows")
+                                                                 "down_dense", "down_dense_rows", "ablate_dense")
             mode = "dense" if dense else "auto"
             for layer in layers:
                 layer.mode = mode
             for i, config in enumerate(_variants(kernel, batch)):
                 OVERRIDE.clear()
+                STORED.clear()
                 if isinstance(config, dict):  # the pdl group: every kernel's config
                     OVERRIDE.update(config)
                 else:
