@@ -13,7 +13,8 @@ from sparseffn.bench.common import write_csv
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.bench.timing import cuda_graphed, run_metadata, time_fn
 from sparseffn.kernels import decode_mlp as dm
-from sparseffn.kernels._runtime import cdiv, num_sms
+from sparseffn.kernels._runtime import capability, cdiv, num_sms
+from sparseffn.kernels.configs.decode_mlp import default_config
 from sparseffn.ops.twell_mlp import dense_mlp
 
 
@@ -23,29 +24,21 @@ def parts(m, d=2048, h=5632, nnz=29):
     x, gate, up = mlp.x, mlp.gate_weight, mlp.up_weight
     down_t = mlp.down_weight.t().contiguous()
     mp = dm.m_pad(m)
-    cfg = dm.default_config(mp, (9, 0))
-    block_d = dm.down_block(cfg, d, num_sms(dev))
-    cols = cdiv(d, block_d)
-    split = min(cfg.split, h)
+    cfg = dm.fitted(default_config(mp, capability(dev)), d)  # the public op's
+    cols = cdiv(d, dm.down_block(cfg, d, num_sms(dev)))
     hidden = torch.empty((h, mp), dtype=x.dtype, device=dev)
-    scratch = torch.empty(2 * h + cols, dtype=torch.int32, device=dev)
-    flags, lst, counts = scratch[:h], scratch[h:2 * h], scratch[2 * h:]
-    part_buf = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=dev)
+    scratch = torch.empty(2 * h + cols, dtype=torch.int32, device=dev)  # flags, list, counters
     y = torch.empty((m, d), dtype=x.dtype, device=dev)
     tiny = torch.zeros(16, device=dev)
+    counted = cols if min(cfg.split, h) > 1 else 0
 
     def k1():
-        dm._gate_up_launch[(cdiv(h, cfg.block_h),)](
-            x, gate, up, None, hidden, flags, counts, m, d, h, cols if split > 1 else 0, x.stride(0), gate.stride(0),
-            up.stride(0), GATED=True, HAS_THRESHOLD=False, M_PAD=mp, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-            DOT_IN_FP32=False, num_warps=cfg.gate_warps, num_stages=cfg.gate_stages)
+        dm.launch_gate_up(x, None, 0.0, gate, up, None, hidden, 1, mp, scratch[:h], scratch[2 * h:], counted, cfg,
+                          "sparse")
 
     def k2():
-        counts.zero_() if split > 1 else None
-        dm._down_launch[(cols, split)](
-            hidden, flags, lst, down_t, y, part_buf, counts, m, d, h, down_t.stride(0), y.stride(0), M_PAD=mp,
-            ROWS=dm.down_rows(mp), SPLIT=split, BLOCK_S=cfg.block_s, BLOCK_D=block_d, PREFIX=cfg.prefix,
-            DOT_IN_FP32=False, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
+        scratch[2 * h:].zero_()  # K1 zeroes the counters before each K2
+        dm.launch_down(hidden, scratch, down_t, y, None, cfg, "sparse")
 
     k1()
     out = {}

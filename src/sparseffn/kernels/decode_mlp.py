@@ -511,20 +511,30 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     split = min(config.split, h)
     hidden = torch.empty((h, mp), dtype=x.dtype, device=x.device)  # h_t
     scratch = torch.empty(2 * h + col_blocks, dtype=torch.int32, device=x.device)  # flags, list, counters
-    flags, unit_list, counts = scratch[:h], scratch[h:2 * h], scratch[2 * h:]
-    parts = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=x.device)
-    dot_fp32 = interpreting() or x.dtype == torch.float32
+    flags, counts = scratch[:h], scratch[2 * h:]
     launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, 1, mp, flags, counts,
                    col_blocks if split > 1 else 0, config, act)
-    _down_launch[(col_blocks, split)](
-        hidden, flags, unit_list, down_t, y, x if residual else None, parts, counts, m, d, h, down_t.stride(0),
-        y.stride(0), x.stride(0),
-        M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
-        ALL_UNITS=act != "sparse", RESIDUAL=residual, DOT_IN_FP32=dot_fp32,
-        num_warps=config.down_warps, num_stages=config.down_stages,
-        **pdl_options(config.pdl, x.device),
-    )
+    launch_down(hidden, scratch, down_t, y, x if residual else None, config, act)
     return y
+
+
+def launch_down(hidden, scratch, down_t, y, residual, config, act) -> None:
+    """K2 into y [M, D] from K1's h_t `hidden` [H, M_PAD] and scratch (flags [H], then the list [H] and
+    the counters [column blocks], zeroed by K1 where split > 1); residual [M, D] added, or None;
+    config fitted (`launch_decode_mlp`)."""
+    m, d = y.shape
+    h, mp = hidden.shape
+    block_d = down_block(config, d, num_sms(y.device) if y.is_cuda else 4)
+    split = min(config.split, h)
+    parts = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=y.device)
+    _down_launch[(cdiv(d, block_d), split)](
+        hidden, scratch[:h], scratch[h:2 * h], down_t, y, residual, parts, scratch[2 * h:], m, d, h, down_t.stride(0),
+        y.stride(0), 0 if residual is None else residual.stride(0),
+        M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
+        ALL_UNITS=act != "sparse", RESIDUAL=residual is not None,
+        DOT_IN_FP32=interpreting() or y.dtype == torch.float32, num_warps=config.down_warps,
+        num_stages=config.down_stages, **pdl_options(config.pdl, y.device),
+    )
 
 
 ACTS = {"sparse": 0, "relu": 1, "silu": 2}  # K1's ACT: sparse relu, or the dense MLP with this activation
