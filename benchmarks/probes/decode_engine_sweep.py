@@ -160,7 +160,7 @@ def _variants(kernel: str, batch: int) -> list:
         variants = [two] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp[:2]]
         variants += [dict(base, qkv=qkv[1], **{k1: mlp[0]}), two, dict(base, qkv=qkv[1])]
         return variants + [dict(base, **{k1: mlp[2]})] + [dict(base, out_proj=c) for c in out] + [base]
-    if kernel in ("down_chain", "down_dense", "down_dense_rows", "ablate", "ablate_dense"):  # one token: the down pass's round trips, and its dense read
+    if kernel in ("down_chain", "down_dense", "down_dense_rows", "ablate", "ablate_dense"):  # one token
         if mp != 1:
             return []
         if kernel == "down_chain":  # the sparse step: one compaction step of every flag (split 1), or 2 spans

@@ -203,10 +203,10 @@ def test_compile_specs_cover_variants():
     specs = compile_specs(with_options=True)
     names = {(s[0].fn.__name__ if hasattr(s[0], "fn") else s[0].__name__) for s in specs}
     assert names == {"_decode_gate_up_kernel", "_decode_down_kernel", "_dense_down_kernel"}
-    streamed = [s[2] for s in specs if s[2].get("STREAM") and s[0].__name__ == "_decode_gate_up_kernel"]
+    streamed = [c for c in specs_of(specs, "_decode_gate_up_kernel") if c.get("STREAM")]
     assert {(c["M_PAD"], c["ACT"], c["NORM"]) for c in streamed} == {(1, 0, False), (1, 0, True), (1, 1, True),
                                                                      (1, 2, True)}
-    rows_down = [s[2] for s in specs if s[0].__name__ == "_dense_down_kernel"]  # the engine's, Hugging Face's layout
+    rows_down = specs_of(specs, "_dense_down_kernel")  # the engine's, for Hugging Face's [D, H] down weight
     assert {(c["M_PAD"], c["STREAM"], c.get("PDL"), c.get("PREFETCH")) for c in rows_down} >= {
         (1, True, False, False), (1, True, True, True), (16, False, False, False)}
     assert {c["ALL_UNITS"] for c in specs_of(specs, "_decode_down_kernel")} == {False, True}

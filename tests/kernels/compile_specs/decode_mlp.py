@@ -76,7 +76,9 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 if stream and norm and k1.block_k < D:  # the engine's K1 streamed in one step: the whole row
                     add(_decode_gate_up_kernel, sig, dict(cx, BLOCK_K=D, ONE_STEP=True), k1.gate_warps, k1.gate_stages)
             # (residual, config): the public op's; the engine's sparse and dense (every unit) down kernels
-            downs = [(False, cfg, False)] + ([(True, cfg, False), (True, dense_cfg, True)] if mp in ENGINE_TOKENS else [])
+            downs = [(False, cfg, False)]  # (residual, config, every unit)
+            if mp in ENGINE_TOKENS:
+                downs += [(True, cfg, False), (True, dense_cfg, True)]
             for residual, k2, all_units in downs:
                 sig = {"h_ptr": f"*{ty}", "flags_ptr": "*i32", "list_ptr": "*i32", "down_t_ptr": f"*{ty}",
                        "y_ptr": f"*{ty}", "res_ptr": f"*{ty}" if residual else "constexpr", "part_ptr": "*fp32",

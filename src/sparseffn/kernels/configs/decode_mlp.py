@@ -70,7 +70,7 @@ def default_config(m_padded: int, arch: tuple[int, int] = HOPPER, dense: bool = 
     its two steps with prefetch, the first tile read before the PDL wait); more tokens: tl.dot tiles,
     pipelined, and at 16 the engine's sparse K1 with compact_up. The down kernel splits the units into 4
     to 8 spans (more programs); dense (`dense`: every unit summed, act relu / silu): 8 spans (measured at
-    16 and 64 tokens), 16 at one token (the engine's step sweep on an H100). pdl: _runtime.pdl_by_default."""
+    16 and 64 tokens), 16 at one token (the engine's step sweep, H100 and H200). pdl: _runtime.pdl_by_default."""
     if m_padded == 1:
         pdl = pdl_by_default(m_padded)
         config = DecodeConfig(block_h=4, block_k=1024 if norm else 2048, gate_stages=1, block_s=128, block_d=64,
