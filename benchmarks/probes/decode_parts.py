@@ -13,7 +13,7 @@ from sparseffn.bench.common import write_csv
 from sparseffn.bench.synthetic import synthetic_mlp
 from sparseffn.bench.timing import cuda_graphed, run_metadata, time_fn
 from sparseffn.kernels import decode_mlp as dm
-from sparseffn.kernels._runtime import capability, cdiv, num_sms
+from sparseffn.kernels._runtime import capability
 from sparseffn.kernels.configs.decode_mlp import default_config
 from sparseffn.ops.twell_mlp import dense_mlp
 
@@ -25,12 +25,10 @@ def parts(m, d=2048, h=5632, nnz=29):
     down_t = mlp.down_weight.t().contiguous()
     mp = dm.m_pad(m)
     cfg = dm.fitted(default_config(mp, capability(dev)), d)  # the public op's
-    cols = cdiv(d, dm.down_block(cfg, d, num_sms(dev)))
     hidden = torch.empty((h, mp), dtype=x.dtype, device=dev)
-    scratch = torch.empty(2 * h + cols, dtype=torch.int32, device=dev)  # flags, list, counters
+    scratch, counted = dm.down_scratch(cfg, d, h, dev)
     y = torch.empty((m, d), dtype=x.dtype, device=dev)
     tiny = torch.zeros(16, device=dev)
-    counted = cols if min(cfg.split, h) > 1 else 0
 
     def k1():
         dm.launch_gate_up(x, None, 0.0, gate, up, None, hidden, 1, mp, scratch[:h], scratch[2 * h:], counted, cfg,

@@ -506,28 +506,35 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
     config = fitted(config, d)
-    block_d = down_block(config, d, num_sms(x.device) if x.is_cuda else 4)
-    col_blocks = cdiv(d, block_d)
-    split = min(config.split, h)
     hidden = torch.empty((h, mp), dtype=x.dtype, device=x.device)  # h_t
-    scratch = torch.empty(2 * h + col_blocks, dtype=torch.int32, device=x.device)  # flags, list, counters
-    flags, counts = scratch[:h], scratch[2 * h:]
-    launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, 1, mp, flags, counts,
-                   col_blocks if split > 1 else 0, config, act)
+    scratch, n_counts = down_scratch(config, d, h, x.device)
+    launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, 1, mp, scratch[:h],
+                   scratch[2 * h:], n_counts, config, act)
     launch_down(hidden, scratch, down_t, y, x if residual else None, config, act)
     return y
 
 
+def down_grid(config: DecodeConfig, d: int, h: int, device: torch.device) -> tuple[int, int, int]:
+    """K2's (columns per program, column blocks, spans) for width d and h units on `device`."""
+    block_d = down_block(config, d, num_sms(device) if device.type == "cuda" else 4)
+    return block_d, cdiv(d, block_d), min(config.split, h)
+
+
+def down_scratch(config: DecodeConfig, d: int, h: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """K2's int32 scratch (flags [H], list [H], counters [column blocks]) and how many counters K1 zeroes
+    (none with one span)."""
+    _, col_blocks, split = down_grid(config, d, h, device)
+    return torch.empty(2 * h + col_blocks, dtype=torch.int32, device=device), col_blocks if split > 1 else 0
+
+
 def launch_down(hidden, scratch, down_t, y, residual, config, act) -> None:
-    """K2 into y [M, D] from K1's h_t `hidden` [H, M_PAD] and scratch (flags [H], then the list [H] and
-    the counters [column blocks], zeroed by K1 where split > 1); residual [M, D] added, or None;
-    config fitted (`launch_decode_mlp`)."""
+    """K2 into y [M, D] from K1's h_t `hidden` [H, M_PAD] and `down_scratch`'s scratch (counters zeroed
+    by K1); residual [M, D] added, or None; config fitted (`launch_decode_mlp`)."""
     m, d = y.shape
     h, mp = hidden.shape
-    block_d = down_block(config, d, num_sms(y.device) if y.is_cuda else 4)
-    split = min(config.split, h)
+    block_d, col_blocks, split = down_grid(config, d, h, y.device)
     parts = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=y.device)
-    _down_launch[(cdiv(d, block_d), split)](
+    _down_launch[(col_blocks, split)](
         hidden, scratch[:h], scratch[h:2 * h], down_t, y, residual, parts, scratch[2 * h:], m, d, h, down_t.stride(0),
         y.stride(0), 0 if residual is None else residual.stride(0),
         M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
