@@ -75,3 +75,21 @@ def test_table_has_the_user_compiled_rows_under_their_own_norms():
     table = decode_model_table(rows).splitlines()
     assert "| fused | 1 | captured | 2.000 / 2.100 | 1.600 / 2.100 | **1.25x** |" in table[2]
     assert "| torch | 1 | user-compiled | 2.000 / 2.100 | 1.500 / 2.100 | **1.33x** |" in table[3]
+
+
+def test_dense_rows_layout_is_a_dense_models_and_is_undone():
+    """The dense row is timed with the down weight as [D, H] rows too (a dense model's layout); after the
+    block each SparseMLP stores it transposed again, the same Parameter and values."""
+    from sparseffn.bench.decode_model import _down_stored
+    from sparseffn.ops.twell_mlp import stored_transposed
+
+    model, layers, _, _ = build_bench_model(_cfg(), torch.device("cpu"))
+    params = [layer.down_proj.weight for layer in layers]
+    before = [p.detach().clone() for p in params]
+    with _down_stored(layers, "rows"):
+        assert all(p.is_contiguous() and not stored_transposed(p) for p in params)
+    assert all(stored_transposed(p) for p in params)
+    assert all(layer.down_proj.weight is p for layer, p in zip(layers, params))
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    with _down_stored(layers, "transposed"):
+        assert all(stored_transposed(p) for p in params)
