@@ -30,8 +30,6 @@ row products), alternated. attention_split (batch 1): attention with prefetch in
 ablate (the sparse step) and ablate_dense (every MLP dense), batch 1: the step with one op's launches skipped
 (q/k/v, attention, o_proj, the whole MLP, or the down kernel alone), its first output for each layer returned
 instead, so the step's drop is that op's cost on the critical path (the defaults first and last).
-l2 (the sparse step) and l2_dense (every MLP dense), batch 1: the engine's L2_PREFETCH (what attention and the
-down pass ask into L2 for the reads after them, kernels/l2_prefetch.py) at a few plans, none first and last.
 """
 
 import dataclasses
@@ -58,7 +56,6 @@ REPLAYS = 20  # decode_step.py's profiled replays
 OVERRIDE: dict[str, object] = {}  # kernel -> the config its launches take while a variant runs
 ROWS_DOWN = "rows_down"  # an OVERRIDE key: the engine's dense MLPs get the down weight as [D, H] rows
 ABLATE = "ablate"  # an OVERRIDE key: the op whose launches a variant skips (ablate groups)
-L2 = "l2"  # an OVERRIDE key: the engine's L2_PREFETCH while a variant runs (l2 groups)
 STORED: dict[tuple, torch.Tensor] = {}  # (op, layer's weight address) -> the op's first real output
 
 
@@ -163,13 +160,6 @@ def _variants(kernel: str, batch: int) -> list:
         variants = [two] + [dict(base, qkv=c) for c in qkv] + [dict(base, **{k1: c}) for c in mlp[:2]]
         variants += [dict(base, qkv=qkv[1], **{k1: mlp[0]}), two, dict(base, qkv=qkv[1])]
         return variants + [dict(base, **{k1: mlp[2]})] + [dict(base, out_proj=c) for c in out] + [base]
-    if kernel in ("l2", "l2_dense"):  # one token: what attention and the down pass prefetch into L2
-        if mp != 1:
-            return []
-        down = "dense_down" if kernel == "l2_dense" else "down"
-        plans = [{"attention": ("wo",)}, {"attention": ("wo", "gate")}, {down: ("qkv",)},
-                 {"attention": ("wo", "gate"), down: ("qkv",)}, {"attention": ("gate",), down: ("qkv",)}]
-        return [{}] + [{L2: plan} for plan in plans] + [{}]
     if kernel in ("down_chain", "down_dense", "down_dense_rows", "ablate", "ablate_dense"):  # one token
         if mp != 1:
             return []
@@ -272,9 +262,7 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "down_chain": ("gate_up", "_decode_down"), "down_dense": ("gate_up", "_decode_down"),
                 "down_dense_rows": ("gate_up", "_decode_down", "_dense_down"),
                 "ablate": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
-                "ablate_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
-                "l2": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
-                "l2_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down")}
+                "ablate_dense": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down")}
 
 
 def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_dense,attention,qkv,out_proj") -> None:
@@ -287,18 +275,15 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
     for batch, prompt in prompts.items():
         for kernel in kernels.split(","):
             dense = kernel.startswith("mlp_dense") or kernel in ("pdl_dense", "overlap_dense", "whole_row_dense",
-                                                                 "down_dense", "down_dense_rows", "ablate_dense",
-                                                                 "l2_dense")
+                                                                 "down_dense", "down_dense_rows", "ablate_dense")
             mode = "dense" if dense else "auto"
             for layer in layers:
                 layer.mode = mode
             for i, config in enumerate(_variants(kernel, batch)):
                 OVERRIDE.clear()
                 STORED.clear()
-                decode_step.L2_PREFETCH.clear()
                 if isinstance(config, dict):  # the pdl group: every kernel's config
                     OVERRIDE.update(config)
-                    decode_step.L2_PREFETCH.update(OVERRIDE.pop(L2, {}))
                 else:
                     name = kernel.removesuffix("_one_token").removesuffix("_compact").removesuffix("_prefetch")
                     name = name.removesuffix("_split")

@@ -11,8 +11,7 @@
         flight together), writes o and resets the counter to zero for the next call.
     config.pdl (Hopper on): launched as a programmatic dependent (_runtime); config.prefetch: positions,
     valid_from and the first block's slots before positions[b] are read before the wait (the caller's
-    contract: no kernel still running writes them; the slot at positions[b] is read after it). l2_ptr: a
-    list of weights the launch prefetches into L2 once past the wait (kernels/l2_prefetch.py).
+    contract: no kernel still running writes them; the slot at positions[b] is read after it).
 
 Why. Work scales with each sequence's length, not the cache's: a split's slots come from positions[b]
 and valid_from[b] read on the device, so a 4096-slot cache at position 600 reads ~600 rows, and the
@@ -40,7 +39,6 @@ import triton.language as tl
 from sparseffn.kernels._runtime import (cdiv, interpreting, mma, next_power_of_2, num_sms, pdl_launch_dependents,
                                         pdl_options, pdl_wait)
 from sparseffn.kernels.configs.decode_attention import AttentionConfig, attention_config
-from sparseffn.kernels.l2_prefetch import l2_options, prefetch_l2
 from sparseffn.kernels.launch import Launcher
 
 __all__ = ["group_rows", "launch_decode_attention", "num_splits"]
@@ -79,7 +77,6 @@ def _decode_attention_kernel(
     part_ptr,  # [B·Hkv, SPLITS, G_PAD, BLOCK_D] fp32 scratch (SPLITS > 1)
     stat_ptr,  # [B·Hkv, SPLITS, 2, G_PAD] fp32 scratch: m, l
     count_ptr,  # [B·Hkv] int32, zero on entry, left zero
-    l2_ptr,  # an l2_ranges list prefetched into L2 after the wait, or None (kernels/l2_prefetch.py)
     HQ,
     HKV,
     SPLITS,
@@ -96,8 +93,6 @@ def _decode_attention_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     PREFETCH: tl.constexpr,  # positions and the first block's older slots read before pdl_wait (config.prefetch)
     DOT_IN_FP32: tl.constexpr,
-    L2_RANGES: tl.constexpr,
-    L2_LANES: tl.constexpr,
 ):
     pdl_launch_dependents(PDL)
     if not PREFETCH:
@@ -129,7 +124,6 @@ def _decode_attention_kernel(
         pdl_wait(PDL)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dcol[None, :],
                 mask=r_in[:, None] & d_in[None, :], other=0.0)  # [G_PAD, BLOCK_D]
-    prefetch_l2(l2_ptr, bg * SPLITS + split, tl.num_programs(0) * SPLITS, L2_RANGES, L2_LANES)  # after the wait
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), tl.float32)
@@ -203,11 +197,10 @@ def num_splits(config: AttentionConfig, programs: int, s_max: int, sms: int) -> 
 
 
 def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, counters=None,
-                            prefetch=False, l2=None, *, config: AttentionConfig | None = None) -> torch.Tensor:
+                            prefetch=False, *, config: AttentionConfig | None = None) -> torch.Tensor:
     """o [B, Hq·d] on arguments that meet ops.decode_attention's contract, unchecked. counters: int32
     zeros, at least B·Hkv of them (None: allocated here), left zero. prefetch: the caller meets
-    AttentionConfig.prefetch's contract (the default config may then take it; a given config decides).
-    l2: an l2_ranges list the launch prefetches into L2, or None."""
+    AttentionConfig.prefetch's contract (the default config may then take it; a given config decides)."""
     b, hq, d = q.shape
     hkv, s_max = k_cache.shape[1], k_cache.shape[2]
     sms = num_sms(q.device) if q.is_cuda else 4
@@ -226,12 +219,12 @@ def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=
         parts = stats = torch.empty(0, dtype=torch.float32, device=q.device)
         counters = torch.empty(0, dtype=torch.int32, device=q.device)
     _launch[(b * hkv, splits)](
-        q, k_cache, v_cache, positions, valid_from, o, parts, stats, counters, l2, hq, hkv, splits,
+        q, k_cache, v_cache, positions, valid_from, o, parts, stats, counters, hq, hkv, splits,
         float(scaling) * math.log2(math.e), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         HEAD_DIM=d, GROUP=group, G_PAD=g_pad, SPLITS_PAD=next_power_of_2(splits), BLOCK_S=config.block_s,
-        BLOCK_D=block_d, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting(), **l2_options(l2, config.num_warps),
+        BLOCK_D=block_d, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, q.device),
     )
     return o

@@ -38,7 +38,6 @@ import triton.language as tl
 from sparseffn.kernels._runtime import (capability, cdiv, check_capability, check_few_tokens, interpreting, mma,
                                         next_power_of_2, num_sms, pdl_launch_dependents, pdl_options, pdl_wait)
 from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config, down_rows
-from sparseffn.kernels.l2_prefetch import l2_options, prefetch_l2
 from sparseffn.kernels.launch import Launcher
 
 MAX_TOKENS = 64
@@ -343,7 +342,6 @@ def _decode_down_kernel(
     res_ptr,  # [M, D] added to y (RESIDUAL; may be y itself), else None
     part_ptr,  # [SPLIT, M, D] fp32 scratch: each span's partial sum (SPLIT > 1)
     count_ptr,  # [cdiv(D, BLOCK_D)] int32, zero on entry: spans done per column block (SPLIT > 1)
-    l2_ptr,  # an l2_ranges list prefetched into L2 after the wait, or None (kernels/l2_prefetch.py)
     M,
     D,
     H,
@@ -360,14 +358,10 @@ def _decode_down_kernel(
     RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent: nothing read or written before pdl_wait
     DOT_IN_FP32: tl.constexpr,
-    L2_RANGES: tl.constexpr,
-    L2_LANES: tl.constexpr,
 ):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
     c_block = tl.program_id(0)
-    prefetch_l2(l2_ptr, tl.program_id(1) * tl.num_programs(0) + c_block, tl.num_programs(0) * tl.num_programs(1),
-                L2_RANGES, L2_LANES)
     span = tl.cdiv(H, SPLIT)
     lo = tl.program_id(1) * span
     hi = tl.minimum(H, lo + span)
@@ -494,12 +488,11 @@ def decode_mlp(
 
 
 def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=None, norm_weight=None, eps=0.0,
-                      residual=False, act="sparse", l2=None) -> torch.Tensor:
+                      residual=False, act="sparse") -> torch.Tensor:
     """`decode_mlp` on arguments that meet its contract, unchecked. Fused variants (the decode engine's):
     norm_weight: x goes through RMSNorm(norm_weight, eps) first, in K1; residual: returns x + the MLP's
     output (added in K2's write); act "relu" / "silu": the dense MLP, every unit read and rounded as
-    torch rounds it (K2 then sums every unit). fp32 x and weights run exactly (tl.dot in IEEE fp32).
-    l2: an l2_ranges list K2 prefetches into L2 (kernels/l2_prefetch.py), or None."""
+    torch rounds it (K2 then sums every unit). fp32 x and weights run exactly (tl.dot in IEEE fp32)."""
     m, d = x.shape
     h = first_weight.shape[0]
     y = torch.empty((m, d), dtype=x.dtype, device=x.device)
@@ -517,7 +510,7 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     scratch, n_counts = down_scratch(config, d, h, x.device)
     launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, 1, mp, scratch[:h],
                    scratch[2 * h:], n_counts, config, act)
-    launch_down(hidden, scratch, down_t, y, x if residual else None, config, act, l2)
+    launch_down(hidden, scratch, down_t, y, x if residual else None, config, act)
     return y
 
 
@@ -534,19 +527,18 @@ def down_scratch(config: DecodeConfig, d: int, h: int, device: torch.device) -> 
     return torch.empty(2 * h + col_blocks, dtype=torch.int32, device=device), col_blocks if split > 1 else 0
 
 
-def launch_down(hidden, scratch, down_t, y, residual, config, act, l2=None) -> None:
+def launch_down(hidden, scratch, down_t, y, residual, config, act) -> None:
     """K2 into y [M, D] from K1's h_t `hidden` [H, M_PAD] and `down_scratch`'s scratch (counters zeroed
-    by K1); residual [M, D] added, or None; config fitted (`launch_decode_mlp`); l2: an l2_ranges list K2
-    prefetches into L2, or None."""
+    by K1); residual [M, D] added, or None; config fitted (`launch_decode_mlp`)."""
     m, d = y.shape
     h, mp = hidden.shape
     block_d, col_blocks, split = down_grid(config, d, h, y.device)
     parts = torch.empty((split, m, d) if split > 1 else (0,), dtype=torch.float32, device=y.device)
     _down_launch[(col_blocks, split)](
-        hidden, scratch[:h], scratch[h:2 * h], down_t, y, residual, parts, scratch[2 * h:], l2, m, d, h,
-        down_t.stride(0), y.stride(0), 0 if residual is None else residual.stride(0),
+        hidden, scratch[:h], scratch[h:2 * h], down_t, y, residual, parts, scratch[2 * h:], m, d, h, down_t.stride(0),
+        y.stride(0), 0 if residual is None else residual.stride(0),
         M_PAD=mp, ROWS=down_rows(mp), SPLIT=split, BLOCK_S=config.block_s, BLOCK_D=block_d, PREFIX=config.prefix,
-        ALL_UNITS=act != "sparse", RESIDUAL=residual is not None, **l2_options(l2, config.down_warps),
+        ALL_UNITS=act != "sparse", RESIDUAL=residual is not None,
         DOT_IN_FP32=interpreting() or y.dtype == torch.float32, num_warps=config.down_warps,
         num_stages=config.down_stages, **pdl_options(config.pdl, y.device),
     )

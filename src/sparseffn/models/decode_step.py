@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from sparseffn.kernels._runtime import VALIDATED_CAPABILITIES, capability
-from sparseffn.kernels.l2_prefetch import L2_CAPABILITY, l2_ranges
 from sparseffn.nn.fused import FusedRMSNorm, has_fused_rope
 from sparseffn.nn.projections import is_plain
 from sparseffn.nn.sparse_mlp import SparseMLP
@@ -49,10 +48,6 @@ DTYPES = (torch.bfloat16, torch.float16)
 # CapturedDecoder(engine="auto") takes the engine up to this batch size: on the 2b model its step was faster
 # than the captured Hugging Face step at batches 1, 4 and 16 and slower at 64 (H200 and H100; 17-63 not timed)
 AUTO_MAX_BATCH = 16
-# At batch 1, what a layer's latency-bound launches ask into L2 for the reads after them (kernels/l2_prefetch.py):
-# "attention" names its layer's "wo" / "gate" (the up weight where there is no gate); "down" (a sparse layer's
-# down pass) and "dense_down" (a dense layer's over a transposed down weight) name "qkv", the next layer's.
-L2_PREFETCH: dict[str, tuple[str, ...]] = {}
 _NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 _ACTS = {"silu": "silu", "swish": "silu", "relu": "relu"}
 
@@ -120,7 +115,6 @@ class DecodeEngine:
         # the split-KV combine's arrival counters, left zero by every call: one set shared by all layers
         self.counters = torch.zeros(batch_size * hkv, dtype=torch.int32, device=self.device)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.l2_lists: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * len(self.layers)
         self.planned = False
 
     def plan(self) -> None:
@@ -143,26 +137,7 @@ class DecodeEngine:
             if auto:
                 mlp.activity.last[decision.kind] = decision.mode
             mlp.__dict__["last_decision"] = decision
-        self.l2_lists = self._l2_lists()
         self.planned = True
-
-    def _l2_lists(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Per layer, the L2 prefetch lists (l2_ranges) of its attention and down launches under L2_PREFETCH,
-        None where empty: at batch 1 on a GPU that has the instruction, else none."""
-        lists = [(None, None)] * len(self.layers)
-        if (self.batch_size != 1 or not L2_PREFETCH or self.device.type != "cuda"
-                or capability(self.device) < L2_CAPABILITY):
-            return lists
-        for i, layer in enumerate(self.layers):
-            after = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            weights = {"wo": [layer.wo], "gate": [layer.gate if layer.gate is not None else layer.up],
-                       "qkv": [after.wq, after.wk, after.wv] if after is not None else []}
-            attention = [w for name in L2_PREFETCH.get("attention", ()) for w in weights[name]]
-            down = [w for name in L2_PREFETCH.get("down" if layer.sparse else "dense_down", ()) for w in weights[name]]
-            if not stored_transposed(layer.down):  # the [D, H] down kernel takes no list
-                down = []
-            lists[i] = (l2_ranges(*attention) if attention else None, l2_ranges(*down) if down else None)
-        return lists
 
     def attach(self, cache, shift: torch.Tensor | None) -> None:
         """Take the filled StaticCache's tensors; shift [B, 1]: each row's left padding (None: none),
@@ -186,16 +161,16 @@ class DecodeEngine:
         left padding (zeros: none). Writes each layer's k and v at the rows' positions."""
         positions = position - shift[:, 0]  # [B] rotary position = cache slot after `attach`
         hidden = self.embed(ids[:, 0])  # [B, D]
-        for layer, (keys, values), (attention_l2, down_l2) in zip(self.layers, self.caches, self.l2_lists):
+        for layer, (keys, values) in zip(self.layers, self.caches):
             q = decode_qkv_rope(hidden, layer.attn_norm, layer.attn_eps, layer.wq, layer.wk, layer.wv, layer.bq,
                                 layer.bk, layer.bv, self.cos, self.sin, positions, keys, values)
             # prefetch: positions come from the step's first op, the older cache slots from earlier steps
             attn = decode_attention(q, keys, values, positions, layer.scaling, counters=self.counters,
-                                    prefetch=True, l2_prefetch=attention_l2)
+                                    prefetch=True)
             hidden = decode_out_proj(attn, layer.wo, layer.bo, hidden)
             threshold = layer.mlp.threshold if isinstance(layer.mlp, SparseMLP) and layer.mlp.has_threshold else None
             hidden = decode_mlp_block(hidden, layer.mlp_norm, layer.mlp_eps, layer.gate, layer.up, layer.down,
-                                      threshold, act=layer.act, sparse=layer.sparse, l2_prefetch=down_l2)
+                                      threshold, act=layer.act, sparse=layer.sparse)
         return self.lm_head(self.norm(hidden))
 
 

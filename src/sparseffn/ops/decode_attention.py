@@ -6,7 +6,7 @@
         q/k/v projections (+ optional biases), RoPE of q and k at positions[b] (Hugging Face rotary
         layout), k and v written into k_cache / v_cache [B, Hkv, S_max, d] at [b, :, positions[b]].
     decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *, counters=None,
-                     prefetch=False, l2_prefetch=None) -> [B, Hq·d]
+                     prefetch=False) -> [B, Hq·d]
         softmax(q k^T · scaling) v over slots valid_from[b] .. positions[b] inclusive, fp32 softmax
         and accumulation, q's dtype, laid out as o_proj reads it.
     decode_out_proj(attn, wo, bo, residual, *, out=None) -> [B, D]
@@ -32,7 +32,6 @@ import torch
 from sparseffn.kernels._runtime import DTYPES, check_capability, interpreting
 from sparseffn.kernels.decode_attention import launch_decode_attention
 from sparseffn.kernels.decode_attn_proj import launch_decode_out_proj, launch_decode_qkv_rope
-from sparseffn.kernels.l2_prefetch import check_l2
 from sparseffn.ops.dispatch import eager_call
 
 MAX_BATCH = 64
@@ -119,13 +118,12 @@ def _(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, po
 @torch.library.custom_op("sparseffn::decode_attention", mutates_args=("counters",))
 def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                   scaling: float, valid_from: torch.Tensor | None, counters: torch.Tensor | None,
-                  prefetch: bool, l2_prefetch: torch.Tensor | None) -> torch.Tensor:
-    return launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from, counters, prefetch,
-                                   l2_prefetch)
+                  prefetch: bool) -> torch.Tensor:
+    return launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from, counters, prefetch)
 
 
 @_attention_op.register_fake
-def _(q, k_cache, v_cache, positions, scaling, valid_from, counters, prefetch, l2_prefetch):
+def _(q, k_cache, v_cache, positions, scaling, valid_from, counters, prefetch):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
@@ -177,7 +175,7 @@ def decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table,
 
 
 def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *, counters=None,
-                     prefetch=False, l2_prefetch=None) -> torch.Tensor:
+                     prefetch=False) -> torch.Tensor:
     """[B, Hq·d] in q's dtype: each query head q [B, Hq, d] attends to its key/value head's cache slots
     valid_from[b] .. positions[b] (module docstring). Rows with valid_from[b] > positions[b] have
     nothing to attend to and come out NaN.
@@ -189,10 +187,7 @@ def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *
     prefetch: the caller's promise that no kernel still running on the device writes positions,
     valid_from or any cache slot but positions[b] (true in a decode step: positions come from its first
     op, the older slots from earlier steps); where the launch is a programmatic dependent (few sequences,
-    Hopper) the kernel then reads them before waiting for the launch before it. The same result.
-
-    l2_prefetch: an `l2_ranges` list of weights (the launches after it: o_proj, the MLP's gate) the
-    launch asks into L2 once it runs (kernels/l2_prefetch.py; Hopper on), or None. The same result."""
+    Hopper) the kernel then reads them before waiting for the launch before it. The same result."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [B, Hq, d], got {getattr(q, 'shape', type(q).__name__)}")
     if q.dtype not in DTYPES:
@@ -217,9 +212,8 @@ def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *
             raise ValueError(f"counters must hold at least B·Hkv = {b * hkv} int32 zeros, got {counters.shape[0]}")
     if not isinstance(prefetch, bool):
         raise TypeError(f"prefetch must be a bool, got {type(prefetch).__name__}")
-    check_l2(l2_prefetch, q.device)
-    args = (q, k_cache, v_cache, positions, float(scaling), valid_from, counters, prefetch, l2_prefetch)
-    if eager_call(q, k_cache, v_cache, positions, valid_from, counters, l2_prefetch):
+    args = (q, k_cache, v_cache, positions, float(scaling), valid_from, counters, prefetch)
+    if eager_call(q, k_cache, v_cache, positions, valid_from, counters):
         return launch_decode_attention(*args)
     return _attention_op(*args)
 

@@ -21,7 +21,6 @@ import torch
 from sparseffn.kernels._runtime import check_capability, interpreting
 from sparseffn.kernels.decode_dense_mlp import launch_dense_mlp_rows_down
 from sparseffn.kernels.decode_mlp import MAX_TOKENS, launch_decode_mlp
-from sparseffn.kernels.l2_prefetch import check_l2
 from sparseffn.ops.twell_mlp import stored_transposed
 
 ACTS = ("relu", "silu")
@@ -30,22 +29,17 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def decode_mlp_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor | None,
                      up_weight: torch.Tensor, down_weight: torch.Tensor, threshold: torch.Tensor | None = None, *,
-                     act: str = "relu", sparse: bool = False, l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, D] = x + MLP(RMSNorm(x)) (module docstring). l2_prefetch: an `l2_ranges` list of weights the
-    down launch asks into L2 once it runs (kernels/l2_prefetch.py; Hopper on; the same result), or None;
-    taken by the down kernel of a transposed down weight only."""
+                     act: str = "relu", sparse: bool = False) -> torch.Tensor:
+    """[M, D] = x + MLP(RMSNorm(x)) (module docstring)."""
     _check(x, norm_weight, eps, gate_weight, up_weight, down_weight, threshold, act, sparse)
-    check_l2(l2_prefetch, x.device)
     first = gate_weight if gate_weight is not None else up_weight
     up = up_weight if gate_weight is not None else None
     if sparse:
         return launch_decode_mlp(x, first, up, down_weight.t(), threshold, norm_weight=norm_weight, eps=eps,
-                                 residual=True, l2=l2_prefetch)
+                                 residual=True)
     if stored_transposed(down_weight):
         return launch_decode_mlp(x, first, up, down_weight.t(), threshold, norm_weight=norm_weight, eps=eps,
-                                 residual=True, act=act, l2=l2_prefetch)
-    if l2_prefetch is not None:
-        raise ValueError("l2_prefetch is taken by the down kernel of a transposed down weight; this one is [D, H]")
+                                 residual=True, act=act)
     return launch_dense_mlp_rows_down(x, first, up, down_weight, threshold, act=act, norm_weight=norm_weight,
                                       eps=eps, residual=True)
 

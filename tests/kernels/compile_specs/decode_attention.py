@@ -14,8 +14,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     uses with its default config: bf16 / fp16, head dims 64 and 128, no GQA (one query row) and
     GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions),
     1, 2 and 16 splits (the combine's width); one split with the config of a pair per SM or more; on
-    Hopper (`arch`) the bf16 ones also with config.pdl, with pdl and config.prefetch, and with those and
-    an L2 prefetch list of two weights (kernels/l2_prefetch.py)."""
+    Hopper (`arch`) the bf16 ones also with config.pdl, and with pdl and config.prefetch."""
     specs = []
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
@@ -31,8 +30,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                 sig[name] = "i32"
             cx = {"HEAD_DIM": head_dim, "GROUP": group, "G_PAD": group_rows(group), "SPLITS_PAD": splits_pad,
                   "BLOCK_S": cfg.block_s,
-                  "BLOCK_D": head_dim, "PDL": False, "PREFETCH": False, "DOT_IN_FP32": False, "l2_ptr": None,
-                  "L2_RANGES": 0, "L2_LANES": 32 * cfg.num_warps}
+                  "BLOCK_D": head_dim, "PDL": False, "PREFETCH": False, "DOT_IN_FP32": False}
             if not with_from:
                 cx["from_ptr"] = None
             sig = {name: sig.get(name, "constexpr") for name in _decode_attention_kernel.arg_names}
@@ -41,7 +39,4 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             if arch >= HOPPER and dtype == torch.bfloat16:
                 specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True)) + options)
                 specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True, PREFETCH=True)) + options)
-                l2 = {k: v for k, v in cx.items() if k != "l2_ptr"}  # the engine's: o_proj and the gate into L2
-                specs.append((_decode_attention_kernel, dict(sig, l2_ptr="*i64"),
-                              dict(l2, PDL=True, PREFETCH=True, L2_RANGES=2)) + options)
     return specs

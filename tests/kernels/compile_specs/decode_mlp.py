@@ -23,8 +23,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     one token config.stream (the streamed K1, the engine's also in one step of the whole row, and the
     streamed row products of the dense down pass in Hugging Face's layout), and from
     16 padded tokens config.compact_up, the public op's and the engine's; on Hopper the engine's bf16
-    kernels also with config.pdl, its streamed K1 with pdl and config.prefetch, and its one-token down kernels
-    with pdl and an L2 prefetch list of three weights (kernels/l2_prefetch.py)."""
+    kernels also with config.pdl, and its streamed K1 with pdl and config.prefetch."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -32,11 +31,6 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             constexprs.setdefault("PDL", False)
         if "PREFETCH" in fn.arg_names:
             constexprs.setdefault("PREFETCH", False)
-        if "L2_RANGES" in fn.arg_names:  # no prefetch list, unless a caller below gives one
-            constexprs.setdefault("L2_RANGES", 0)
-            constexprs.setdefault("L2_LANES", 32 * warps)
-            if not constexprs["L2_RANGES"]:
-                constexprs["l2_ptr"] = None
         for name in constexprs:
             signature.setdefault(name, "constexpr")
         spec = (fn, signature, constexprs)
@@ -48,9 +42,6 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             specs.append((fn, signature, dict(constexprs, PDL=True)) + options)
             if "PREFETCH" in fn.arg_names and constexprs.get("STREAM") and constexprs["M_PAD"] == 1:  # config.prefetch
                 specs.append((fn, signature, dict(constexprs, PDL=True, PREFETCH=True)) + options)
-            if "L2_RANGES" in fn.arg_names and constexprs["M_PAD"] == 1:  # the engine's: the next q/k/v into L2
-                l2 = {k: v for k, v in constexprs.items() if k != "l2_ptr"}
-                specs.append((fn, dict(signature, l2_ptr="*i64"), dict(l2, PDL=True, L2_RANGES=3)) + options)
 
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
