@@ -122,7 +122,7 @@ def test_default_config_one_split_from_a_pair_per_sm():
     assert attention_config(32, 132) == AttentionConfig(pdl=True)
     assert num_splits(attention_config(32, 132), 32, 4096, 132) == 16
     # a caller meeting prefetch's contract: taken with pdl only
-    assert attention_config(32, 132, prefetch=True) == AttentionConfig(pdl=True, prefetch=True)
+    assert attention_config(32, 132, prefetch=True) == AttentionConfig(pdl=True, prefetch=True, num_warps=2)
     assert attention_config(132, 132, prefetch=True) == AttentionConfig(splits=1, block_s=128)
 
 

@@ -14,7 +14,8 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     uses with its default config: bf16 / fp16, head dims 64 and 128, no GQA (one query row) and
     GQA groups of 4 and 32 (tl.dot rows), valid_from absent or given (int64, int32 positions),
     1, 2 and 16 splits (the combine's width); one split with the config of a pair per SM or more; on
-    Hopper (`arch`) the bf16 ones also with config.pdl, and with pdl and config.prefetch."""
+    Hopper (`arch`) the bf16 ones also with config.pdl, and with pdl and config.prefetch (the engine's
+    one-token config's warps)."""
     specs = []
     for dtype in (torch.bfloat16, torch.float16):
         ty = TL_DTYPES[dtype]
@@ -38,5 +39,8 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             specs.append((_decode_attention_kernel, sig, cx) + options)
             if arch >= HOPPER and dtype == torch.bfloat16:
                 specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True)) + options)
-                specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True, PREFETCH=True)) + options)
+                engine = attention_config(32, 132, prefetch=True)  # the engine's at one token: fewer warps
+                engine_options = (({"num_warps": engine.num_warps, "num_stages": engine.num_stages},) if with_options
+                                  else ())
+                specs.append((_decode_attention_kernel, sig, dict(cx, PDL=True, PREFETCH=True)) + engine_options)
     return specs

@@ -97,7 +97,8 @@ def attention_config(programs: int, sms: int, prefetch: bool = False) -> Attenti
     on the 2b model 1.4x faster than two splits of 64); fewer pairs, AttentionConfig() (about 4
     programs per SM), launched with pdl (as the one-token kernels around it), and with `prefetch` (the
     caller meets AttentionConfig.prefetch's contract) reading before the wait (30-43 µs off the 2b
-    step at batch 1 on an H100; slower without pdl, at batch 16)."""
+    step at batch 1 on an H100; slower without pdl, at batch 16) at 2 warps (9-10 µs off that step on an
+    H100 and an H200 against 4)."""
     if programs >= sms:
         return AttentionConfig(splits=1, block_s=128)
-    return AttentionConfig(pdl=True, prefetch=prefetch)
+    return AttentionConfig(pdl=True, prefetch=True, num_warps=2) if prefetch else AttentionConfig(pdl=True)
