@@ -104,7 +104,10 @@ def test_plan_takes_auto_modes_decision_at_the_batch_size():
         layer.mode = "auto"
         layer.expected_nnz = 3.0
     engine = DecodeEngine(model, batch_size=4, max_length=16)
+    with pytest.raises(RuntimeError, match="plans its MLP paths at its first attach"):
+        engine.mlp_paths()
     engine.plan()
+    assert engine.mlp_paths() == ["sparse" if step_layer.sparse else "dense" for step_layer in engine.layers]
     x = torch.empty(4, model.config.hidden_size, dtype=torch.bfloat16, device=DEVICE)
     for layer, step_layer in zip(layers, engine.layers):
         with as_captured():

@@ -229,8 +229,10 @@ def _batch_rows(cfg, model, layers, prompt, common, log, user_compiled=False) ->
                 tokens = decoder.generate(prompt, cfg.new_tokens)
                 peak = torch.cuda.max_memory_allocated() / 2**20
                 steps = sorted(decoder.step_ms)
-                del decoder
-            paths = sorted({str(getattr(layer, "last_decision", None) and layer.last_decision.mode) for layer in layers})
+                engine = decoder.decode_engine  # its plan: each layer's last_decision is the prompt's by now
+                paths = sorted(set(engine.mlp_paths()) if engine is not None else
+                               {str(getattr(layer, "last_decision", None) and layer.last_decision.mode) for layer in layers})
+                del decoder, engine
             run = dict(tokens=tokens, p50=steps[len(steps) // 2], p99=steps[min(len(steps) - 1, int(0.99 * len(steps)))],
                        tokens_per_s=1e3 * batch / statistics.fmean(steps), peak=peak, paths="/".join(paths))
             if mlp == "dense":  # the dense row: the faster of the two layouts a dense model can have

@@ -139,6 +139,12 @@ class DecodeEngine:
             mlp.__dict__["last_decision"] = decision
         self.planned = True
 
+    def mlp_paths(self) -> list[str]:
+        """Each layer's MLP path in this engine's step, "sparse" or "dense", as `plan` decided it."""
+        if not self.planned:
+            raise RuntimeError("the engine plans its MLP paths at its first attach; none has happened")
+        return ["sparse" if layer.sparse else "dense" for layer in self.layers]
+
     def attach(self, cache, shift: torch.Tensor | None) -> None:
         """Take the filled StaticCache's tensors; shift [B, 1]: each row's left padding (None: none),
         by which its cache row is moved left (module docstring)."""

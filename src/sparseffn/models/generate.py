@@ -173,6 +173,11 @@ class CapturedDecoder:
         self.record_times = record_times
         self.step_ms: list[float] = []  # with record_times: GPU ms of each replayed step of the last call
 
+    @property
+    def decode_engine(self) -> DecodeEngine | None:
+        """The fused engine that computes the decode steps (engine "fused"), or None (the Hugging Face forward)."""
+        return self._engine
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int,
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
