@@ -8,10 +8,12 @@
                 x += mlp(rms(x) · ln2)
     logits = rms(x) · norm  lm_head^T
 
-The MLP is three F.linear (dense) or the public op, `sparse_mlp(mode="auto", prepared=..., expected_nnz=
-...)` with the layer's measured activity (sparse). `compile_step` wraps the one-token step in
+The MLP is three F.linear (dense, the down weight copied to [D, H] rows, a dense model's layout) or the
+public op, `sparse_mlp(mode="auto", prepared=..., expected_nnz=...)` with the layer's measured activity
+(sparse). `compile_step` wraps the one-token step in
 torch.compile(mode="reduce-overhead", fullgraph=True): Inductor kernels replayed from CUDA graphs.
-Parameters and norms are the model's own tensors (no copy); wqkv is one concatenated copy.
+Parameters and norms are the model's own tensors (no copy); wqkv is one concatenated copy, and the dense
+down weight another.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ class _Layer(nn.Module):
         self.register_buffer("wqkv", torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach())
         self.wo = attn.o_proj.weight
         self.ln1, self.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        self.gate, self.up, self.down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        self.gate, self.up = mlp.gate_proj.weight, mlp.up_proj.weight
+        # dense: the down weight as a dense model stores it ([D, H] rows); sparse: SparseMLP's transposed one
+        self.down = mlp.down_proj.weight if sparse else mlp.down_proj.weight.detach().contiguous()
         self.register_buffer("threshold", mlp.threshold)
         shape = (batch_size, self.kv_heads, max_length, self.head_dim)
         self.register_buffer("k_cache", self.wqkv.new_zeros(shape))
