@@ -96,9 +96,8 @@ def attention_config(programs: int, sms: int, prefetch: bool = False) -> Attenti
     GPU of `sms` SMs: with a pair per SM or more, one split of 128-slot steps (no combine; at batch 16
     on the 2b model 1.4x faster than two splits of 64); fewer pairs, AttentionConfig() (about 4
     programs per SM), launched with pdl (as the one-token kernels around it), and with `prefetch` (the
-    caller meets AttentionConfig.prefetch's contract) reading before the wait (30-43 µs off the 2b
-    step at batch 1 on an H100; slower without pdl, at batch 16) at 2 warps (9-10 µs off that step on an
-    H100 and an H200 against 4)."""
+    caller meets AttentionConfig.prefetch's contract) reading before the wait, at 2 warps (each faster
+    in the engine's 2b step at batch 1; prefetch slower without pdl, at batch 16: docs/decode_engine.md)."""
     if programs >= sms:
         return AttentionConfig(splits=1, block_s=128)
     return AttentionConfig(pdl=True, prefetch=True, num_warps=2) if prefetch else AttentionConfig(pdl=True)
