@@ -190,9 +190,11 @@ def _down_stored(layers, layout: str):
     """Every SparseMLP's down weight stored as `layout` inside the block: "transposed" (SparseMLP's own, which
     the sparse kernels read) or "rows" ([D, H] row-major, as a dense model stores it; the fused engine then
     runs a dense model's down kernel); SparseMLP's own layout after it."""
-    if layout == "rows":
-        for layer in layers:
-            contiguous_down_(layer)
+    if layout == "transposed":
+        yield
+        return
+    for layer in layers:
+        contiguous_down_(layer)
     try:
         yield
     finally:
@@ -201,9 +203,32 @@ def _down_stored(layers, layout: str):
             store_transposed_(layer.down_proj)
 
 
-def _batch_rows(cfg, model, layers, prompt, common, log, user_compiled=False) -> list[dict]:
+def _captured_run(model, layers, prompt, cfg, options, mode: str, layout: str) -> dict:
+    """One CapturedDecoder(**options) with every sparse layer in `mode` and the down weights stored as `layout`:
+    a generate that captures the step, then the timed one (tokens, p50 / p99 ms, tokens/s, peak MiB, paths)."""
     from sparseffn.models.generate import CapturedDecoder
 
+    with _down_stored(layers, layout):
+        _set_mode(layers, mode)
+        decoder = CapturedDecoder(model, batch_size=prompt.shape[0], max_length=cfg.prompt + cfg.new_tokens,
+                                  record_times=True, **options)
+        decoder.generate(prompt, cfg.new_tokens)  # captures the step
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        tokens = decoder.generate(prompt, cfg.new_tokens)
+        peak = torch.cuda.max_memory_allocated() / 2**20
+        steps = sorted(decoder.step_ms)
+        engine = decoder.decode_engine  # its plan: each layer's last_decision is the prompt's by now
+        paths = sorted(set(engine.mlp_paths()) if engine is not None else
+                       {str(getattr(layer, "last_decision", None) and layer.last_decision.mode) for layer in layers})
+        del decoder, engine
+    if mode == "dense":
+        paths = [f"dense, down {DOWN_LAYOUTS[layout]}"]
+    return dict(tokens=tokens, p50=steps[len(steps) // 2], p99=steps[min(len(steps) - 1, int(0.99 * len(steps)))],
+                tokens_per_s=1e3 * prompt.shape[0] / statistics.fmean(steps), peak=peak, paths="/".join(paths))
+
+
+def _batch_rows(cfg, model, layers, prompt, common, log, user_compiled=False) -> list[dict]:
     batch = prompt.shape[0]
     results = {}
     if cfg.eager:  # dense and sparse alternate over two rounds (the allocator's state and clocks hit both alike)
@@ -216,33 +241,12 @@ def _batch_rows(cfg, model, layers, prompt, common, log, user_compiled=False) ->
             results[("eager", mlp)] = min(runs, key=lambda r: r["p50"])
     providers = timed_providers(cfg)
     for provider, options in providers:
-        dense_ms = {}
-        for mlp, mode, layout in (("dense", "dense", "transposed"), ("dense", "dense", "rows"),
-                                  ("sparse", "auto", "transposed")):
-            with _down_stored(layers, layout):
-                _set_mode(layers, mode)
-                decoder = CapturedDecoder(model, batch_size=batch, max_length=cfg.prompt + cfg.new_tokens,
-                                          record_times=True, **options)
-                decoder.generate(prompt, cfg.new_tokens)  # captures the step
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                tokens = decoder.generate(prompt, cfg.new_tokens)
-                peak = torch.cuda.max_memory_allocated() / 2**20
-                steps = sorted(decoder.step_ms)
-                engine = decoder.decode_engine  # its plan: each layer's last_decision is the prompt's by now
-                paths = sorted(set(engine.mlp_paths()) if engine is not None else
-                               {str(getattr(layer, "last_decision", None) and layer.last_decision.mode) for layer in layers})
-                del decoder, engine
-            run = dict(tokens=tokens, p50=steps[len(steps) // 2], p99=steps[min(len(steps) - 1, int(0.99 * len(steps)))],
-                       tokens_per_s=1e3 * batch / statistics.fmean(steps), peak=peak, paths="/".join(paths))
-            if mlp == "dense":  # the dense row: the faster of the two layouts a dense model can have
-                dense_ms[layout] = run["p50"]
-                run["paths"] = f"dense, down {DOWN_LAYOUTS[layout]}"
-                if (provider, mlp) in results and results[(provider, mlp)]["p50"] <= run["p50"]:
-                    continue
-            results[(provider, mlp)] = run
-        log(f"batch {batch}, {provider}: dense step with the down weight stored transposed {dense_ms['transposed']:.3f} "
-            f"ms, as [D, H] rows {dense_ms['rows']:.3f} ms (the faster is the dense row)")
+        dense = {layout: _captured_run(model, layers, prompt, cfg, options, "dense", layout) for layout in DOWN_LAYOUTS}
+        results[(provider, "dense")] = min(dense.values(), key=lambda r: r["p50"])  # the faster layout's
+        results[(provider, "sparse")] = _captured_run(model, layers, prompt, cfg, options, "auto", "transposed")
+        log(f"batch {batch}, {provider}: dense step with the down weight stored transposed "
+            f"{dense['transposed']['p50']:.3f} ms, as [D, H] rows {dense['rows']['p50']:.3f} ms (the faster is the "
+            "dense row)")
     _set_mode(layers, "auto")
     if user_compiled:  # after the captured sparse run: every layer has a measured activity
         for mlp in ("dense", "sparse"):
