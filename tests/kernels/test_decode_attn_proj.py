@@ -242,3 +242,52 @@ def test_out_proj_into_the_residual_and_strided_rows():
     assert decode_out_proj(attn, wo, bo, view, out=view) is view
     assert torch.equal(view, expected)
     assert torch.equal(wide[:, 48:], torch.zeros_like(wide[:, 48:]))
+
+
+def _exact_pair(b, dim, dtype, seed):
+    """(x, pending): multiples of 1/8 whose sums are exact in 16 bits, so `x + pending` added beforehand by
+    torch is the kernels' round(x + round(pending)) bit for bit, under the interpreter's truncating casts too."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-60, 61, (b, dim), generator=g) / 8).to(dtype).to(DEVICE)
+    pending = (torch.randint(-60, 61, (b, dim), generator=g) / 8).to(DEVICE)
+    return x, pending
+
+
+@pytest.mark.parametrize("b, config", [(1, ProjectionConfig(block_n=4, block_k=32, stream=True)),
+                                       (1, ProjectionConfig(block_n=4, block_k=128, stream=True)),
+                                       (3, ProjectionConfig(block_n=16, block_k=32)),
+                                       (2, None)], ids=["streamed_steps", "streamed_one_step", "dot_rows", "default"])
+def test_pending_is_added_to_the_input_first(b, config):
+    """pending (a folded MLP's fp32 output): q/k/v and o_proj give the bits of the same launch on
+    hidden + pending added beforehand; q/k/v leave pending as it was, o_proj zeroes it."""
+    p = qkv_problem(b, 80, 4, 2, 16, 12, bias=True, seed=30 + b)
+    hidden, pending = _exact_pair(b, 80, torch.bfloat16, seed=b)
+    p["hidden"] = hidden + pending.to(hidden.dtype)
+    caches = p["k_cache"].clone(), p["v_cache"].clone()
+    want = launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), config=config)
+    written = p["k_cache"].clone(), p["v_cache"].clone()
+    p["k_cache"].copy_(caches[0]), p["v_cache"].copy_(caches[1])
+    p["hidden"] = hidden
+    kept = pending.clone()
+    got = launch_decode_qkv_rope(*(p[n] for n in QKV_ARGS), pending, config=config)
+    assert torch.equal(got, want) and torch.equal(pending, kept)
+    assert torch.equal(p["k_cache"], written[0]) and torch.equal(p["v_cache"], written[1])
+    attn, wo, bo, _ = _out_problem(b, 96, 80, bias=True, seed=b)
+    residual, pending = _exact_pair(b, 80, torch.bfloat16, seed=10 + b)
+    want = launch_decode_out_proj(attn, wo, bo, residual + pending.to(residual.dtype), config=config)
+    got = launch_decode_out_proj(attn, wo, bo, residual, None, pending, config=config)
+    assert torch.equal(got, want)
+    assert torch.equal(pending, torch.zeros_like(pending))
+
+
+def test_pending_is_checked_and_taken_by_the_ops():
+    p = qkv_problem(1, 80, 4, 2, 16, 12, bias=False, seed=40)
+    with pytest.raises(TypeError, match="pending must be torch.float32"):
+        decode_qkv_rope(*(p[n] for n in QKV_ARGS), pending=torch.zeros(1, 80, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="pending must have shape"):
+        decode_qkv_rope(*(p[n] for n in QKV_ARGS), pending=torch.zeros(2, 80, device=DEVICE))
+    attn, wo, bo, residual = _out_problem(1, 96, 80, bias=False, seed=41)
+    residual, pending = _exact_pair(1, 80, torch.bfloat16, seed=42)
+    want = decode_out_proj(attn, wo, bo, residual + pending.to(residual.dtype))
+    assert torch.equal(decode_out_proj(attn, wo, bo, residual, out=residual, pending=pending), want)
+    assert torch.equal(residual, want) and not pending.any()

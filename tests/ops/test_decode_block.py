@@ -160,6 +160,48 @@ def test_one_token_dense_with_prefetch_gives_the_same_bits(transposed):
     assert torch.equal(run(dataclasses.replace(config, prefetch=True)), run(config))
 
 
+FOLD = DecodeConfig(block_h=8, block_k=16, stream=True)  # 3 K steps over D = 48
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("config", [None, FOLD], ids=["default", "streamed_steps"])
+def test_fold_adds_the_mlp_output_into_the_buffer(gated, config):
+    """fold_into: K1 alone adds MLP(RMSNorm(x)) into the fp32 buffer (on top of what it holds), x unchanged;
+    fp32 against fp64, and the buffer rounded and added to x (as the next layer's kernels add it) within
+    the rule in bf16."""
+    x, nw, gate, up, down, theta = _problem(1, 48, 80, torch.float32, seed=21, gated=gated, active=0.3)
+    start = torch.randn(1, 48, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    fold = start.clone()
+    out = launch_decode_mlp(x, gate if gated else up, up if gated else None, down.t().contiguous(), theta,
+                            norm_weight=nw, eps=EPS, config=config, fold_into=fold)
+    ref = _reference(x, nw, gate, up, down, theta, "relu") - x.double()
+    assert out is fold
+    assert (fold.double() - start.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    x, nw, gate, up, down, theta = _problem(1, 64, 96, torch.bfloat16, seed=22, gated=gated)
+    fold = torch.zeros(1, 64, device=DEVICE)
+    decode_mlp_block(x, nw, EPS, gate, up, _down(down, True), theta, sparse=True, fold_into=fold)
+    y = x + fold.to(x.dtype)
+    ref = _reference(x, nw, gate, up, down, theta, "relu")
+    torch_err = (_torch_same_dtype(x, nw, gate, up, down, theta, "relu").double() - ref).abs().max()
+    ulp = torch.finfo(torch.bfloat16).eps
+    assert (y.double() - ref).abs().max() <= 2 * torch_err + 4 * ulp * ref.abs().max()
+
+
+def test_fold_with_no_active_unit_adds_nothing_and_is_checked():
+    x, nw, gate, up, down, _ = _problem(1, 48, 80, torch.float32, seed=23)
+    fold = torch.zeros(1, 48, device=DEVICE)
+    decode_mlp_block(x, nw, EPS, gate, up, _down(down, True), torch.full((80,), 1e4, device=DEVICE), sparse=True,
+                     fold_into=fold)
+    assert torch.equal(fold, torch.zeros_like(fold))
+    with pytest.raises(ValueError, match="fold_into is for sparse=True at one token"):
+        decode_mlp_block(x, nw, EPS, gate, up, _down(down, True), None, fold_into=fold)
+    with pytest.raises(ValueError, match="fold_into is for sparse=True at one token"):
+        decode_mlp_block(x.repeat(2, 1), nw, EPS, gate, up, _down(down, True), None, sparse=True,
+                         fold_into=fold.repeat(2, 1))
+    with pytest.raises(ValueError, match="fold_into must be an fp32 tensor"):
+        decode_mlp_block(x, nw, EPS, gate, up, _down(down, True), None, sparse=True, fold_into=fold.double())
+
+
 def test_sparse_skips_inactive_units_yet_equals_dense_relu():
     """No unit active: the sparse block returns x itself; the dense relu block agrees."""
     x, nw, gate, up, down, _ = _problem(2, 48, 80, torch.float32, seed=9)

@@ -13,6 +13,8 @@
         decode_mlp._streamed_dot (the same norm roundings), the next step's tiles loaded a step ahead.
         config.pdl (Hopper on): both launched as programmatic dependents (_runtime); with config.prefetch
         at one token (streamed, or o_proj in one K step) the first weight tile is loaded before the wait.
+    PENDING (both): x (K_qkv) and the residual (K_o) are round(x + round(pending)), pending the fp32 output
+        of the MLP before, which decode_mlp's folded K1 left unadded; K_o then zeroes its columns of it.
 
 Why. At decode (M <= 64 tokens, one per sequence) a projection is a read of its matrix: time is the
 weight bytes over the bandwidth plus one launch, so each step's norm, bias, RoPE, cache write and
@@ -37,7 +39,7 @@ import triton.language as tl
 from sparseffn.kernels._runtime import (capability, cdiv, interpreting, mma, pdl_launch_dependents, pdl_options,
                                         pdl_wait)
 from sparseffn.kernels.configs.decode_attention import ProjectionConfig, projection_config
-from sparseffn.kernels.decode_mlp import _rows_normed_dot, _streamed_dot, _weight_tile, m_pad
+from sparseffn.kernels.decode_mlp import _rows_normed_dot, _streamed_dot, _weight_tile, _x_tile, m_pad
 from sparseffn.kernels.launch import Launcher
 
 __all__ = ["launch_decode_out_proj", "launch_decode_qkv_rope"]
@@ -64,16 +66,17 @@ def _normed_product(acc, w, xv, g, rstd, dtype, M_PAD: tl.constexpr, DOT_IN_FP32
 
 
 @triton.jit
-def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
-                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr,
-                     DOT_IN_FP32: tl.constexpr):
+def _normed_rows_dot(x_ptr, pending_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_pm,
+                     stride_w, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ONE_STEP: tl.constexpr, PENDING: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     """[M_PAD, BLOCK_N] fp32: n[rows] · w[units]^T over all of D, n the RMS-normed x (module
     docstring). ONE_STEP (D <= BLOCK_K): the weight, x and norm tiles are loaded together and rstd
     comes from the x tile in registers, one memory round trip. Else a first pass over x (L2-resident)
-    gives rstd, then the product loop normalizes each x tile."""
+    gives rstd, then the product loop normalizes each x tile. PENDING: x as decode_mlp._x_tile reads it."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
+    p_rows = pending_ptr + rows.to(tl.int64)[:, None] * stride_pm if PENDING else None
     dtype = x_ptr.dtype.element_ty
     if M_PAD < 16:
         acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)  # products, summed once
@@ -82,7 +85,8 @@ def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, ep
     if ONE_STEP:
         k_in = offs_k < D
         w = tl.load(w_rows + offs_k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        xv = tl.load(x_rows + offs_k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
+        xv = _x_tile(x_rows + offs_k[None, :], p_rows + offs_k[None, :] if PENDING else None,
+                     row_in[:, None] & k_in[None, :], PENDING)  # [M_PAD, BLOCK_K]
         g = tl.load(norm_ptr + offs_k, mask=k_in, other=0.0)  # [BLOCK_K]
         xf = xv.to(tl.float32)
         rstd = _rstd(tl.sum(xf * xf, axis=1), D, eps)  # [M_PAD]
@@ -91,14 +95,16 @@ def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, ep
         sq = tl.zeros((M_PAD,), dtype=tl.float32)
         for k0 in tl.range(0, D, BLOCK_K, loop_unroll_factor=4):  # unrolled: the x loads are in flight together
             k = k0 + offs_k
-            xf = tl.load(x_rows + k[None, :], mask=row_in[:, None] & (k < D)[None, :], other=0.0).to(tl.float32)
+            xf = _x_tile(x_rows + k[None, :], p_rows + k[None, :] if PENDING else None,
+                         row_in[:, None] & (k < D)[None, :], PENDING).to(tl.float32)
             sq += tl.sum(xf * xf, axis=1)
         rstd = _rstd(sq, D, eps)
         for k0 in range(0, D, BLOCK_K):
             k = k0 + offs_k
             k_in = k < D
             w = tl.load(w_rows + k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-            xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & k_in[None, :], other=0.0)  # [M_PAD, BLOCK_K]
+            xv = _x_tile(x_rows + k[None, :], p_rows + k[None, :] if PENDING else None,
+                         row_in[:, None] & k_in[None, :], PENDING)  # [M_PAD, BLOCK_K]
             g = tl.load(norm_ptr + k, mask=k_in, other=0.0)  # [BLOCK_K]
             acc = _normed_product(acc, w, xv, g, rstd, dtype, M_PAD, DOT_IN_FP32)
     if M_PAD < 16:
@@ -111,6 +117,7 @@ def _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, ep
 @triton.jit(do_not_specialize=["M"])
 def _decode_qkv_rope_kernel(
     x_ptr,  # [M, D]
+    pending_ptr,  # [M, D] fp32 (PENDING): the previous MLP's output, added to x before the norm; else None
     norm_ptr,  # [D]
     wq_ptr,  # [Hq·d, D]
     wk_ptr,  # [Hkv·d, D]
@@ -130,6 +137,7 @@ def _decode_qkv_rope_kernel(
     HKV,
     eps,
     stride_xm,
+    stride_pm,
     stride_wq,
     stride_wk,
     stride_wv,
@@ -139,6 +147,7 @@ def _decode_qkv_rope_kernel(
     stride_vb, stride_vh, stride_vs,
     HEAD_DIM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PENDING: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -206,11 +215,13 @@ def _decode_qkv_rope_kernel(
     if STREAM and M_PAD == 1:  # the same roundings of the norm (decode_mlp._normed_by)
         if not EARLY:
             w0 = _weight_tile(w_ptr, units, unit_in, D, stride_w, BLOCK_K)
-        acc, _ = _streamed_dot(w0, x_ptr, w_ptr, units, unit_in, D, stride_w, norm_ptr, tl.zeros((1,), tl.float32),
-                               eps, True, True, BLOCK_N, BLOCK_K, ONE_STEP)  # [1, BLOCK_N] fp32
+        acc, _ = _streamed_dot(w0, x_ptr, pending_ptr, w_ptr, units, unit_in, D, stride_w, norm_ptr,
+                               tl.zeros((1,), tl.float32), eps, True, True, BLOCK_N, BLOCK_K, ONE_STEP,
+                               PENDING)  # [1, BLOCK_N] fp32
     else:
-        acc = _normed_rows_dot(x_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm, stride_w,
-                               M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
+        acc = _normed_rows_dot(x_ptr, pending_ptr, norm_ptr, w_ptr, units, unit_in, rows, row_in, D, eps, stride_xm,
+                               stride_pm, stride_w, M_PAD, BLOCK_N, BLOCK_K, ONE_STEP, PENDING,
+                               DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
     if HAS_BIAS:
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     out_dtype = q_ptr.dtype.element_ty
@@ -241,6 +252,7 @@ def _decode_out_proj_kernel(
     w_ptr,  # [N, K]
     b_ptr,  # [N] or None
     r_ptr,  # [M, N] residual
+    pending_ptr,  # [M, N] fp32 (PENDING): the previous MLP's output, added to the residual first, then zeroed
     y_ptr,  # [M, N] out (may be the residual)
     M,
     N,
@@ -248,8 +260,10 @@ def _decode_out_proj_kernel(
     stride_am,
     stride_w,
     stride_rm,
+    stride_pm,
     stride_ym,
     HAS_BIAS: tl.constexpr,
+    PENDING: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -269,8 +283,8 @@ def _decode_out_proj_kernel(
         w = _weight_tile(w_ptr, units, unit_in, K, stride_w, BLOCK_K)  # [BLOCK_N, BLOCK_K]
     pdl_wait(PDL)
     if EARLY:  # streamed, or in one step: the products of _rows_normed_dot's one-token step, summed the same way
-        acc, _ = _streamed_dot(w, a_ptr, w_ptr, units, unit_in, K, stride_w, None, tl.zeros((1,), tl.float32), 0.0,
-                               False, False, BLOCK_N, BLOCK_K, ONE_STEP)  # [1, BLOCK_N] fp32
+        acc, _ = _streamed_dot(w, a_ptr, None, w_ptr, units, unit_in, K, stride_w, None, tl.zeros((1,), tl.float32),
+                               0.0, False, False, BLOCK_N, BLOCK_K, ONE_STEP, False)  # [1, BLOCK_N] fp32
     else:
         acc = _rows_normed_dot(a_ptr, w_ptr, units, unit_in, rows, row_in, M, K, stride_am, stride_w, None, None,
                                M_PAD, BLOCK_N, BLOCK_K, False, STREAM, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_N] fp32
@@ -278,7 +292,10 @@ def _decode_out_proj_kernel(
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
     mask = row_in[:, None] & unit_in[None, :]
-    r = tl.load(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + units[None, :], mask=mask, other=0.0)
+    p_ptrs = pending_ptr + rows.to(tl.int64)[:, None] * stride_pm + units[None, :] if PENDING else None
+    r = _x_tile(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + units[None, :], p_ptrs, mask, PENDING)
+    if PENDING:  # consumed: zeros again for the MLP that adds into it next (the q/k/v launch read it before)
+        tl.store(p_ptrs, tl.zeros((M_PAD, BLOCK_N), tl.float32), mask=mask)
     y = r.to(tl.float32) + acc.to(dtype).to(tl.float32)  # [M_PAD, BLOCK_N]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + units[None, :], y.to(dtype), mask=mask)
 
@@ -299,7 +316,7 @@ def _config(m: int, k: int, device: torch.device, config: ProjectionConfig | Non
 
 
 def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions,
-                           k_cache, v_cache, *, config: ProjectionConfig | None = None) -> torch.Tensor:
+                           k_cache, v_cache, pending=None, *, config: ProjectionConfig | None = None) -> torch.Tensor:
     """q [M, Hq, d] (and k, v written into the caches) on arguments that meet ops.decode_qkv_rope's
     contract, unchecked."""
     m, d_model = hidden.shape
@@ -317,11 +334,12 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
     if has_bias:  # all three or none in the kernel: a missing one adds zeros
         bq, bk, bv = (b if b is not None else w.new_zeros(w.shape[0]) for b, w in ((bq, wq), (bk, wk), (bv, wv)))
     _qkv_launch[grid](
-        hidden, norm_weight, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, q, k_cache, v_cache,
-        m, d_model, hq, hkv, eps, hidden.stride(0), wq.stride(0), wk.stride(0), wv.stride(0),
+        hidden, pending, norm_weight, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, q, k_cache, v_cache,
+        m, d_model, hq, hkv, eps, hidden.stride(0), 0 if pending is None else pending.stride(0), wq.stride(0),
+        wk.stride(0), wv.stride(0),
         cos_table.stride(0), sin_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, HAS_BIAS=has_bias, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        HEAD_DIM=head_dim, HAS_BIAS=has_bias, PENDING=pending is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         ONE_STEP=d_model <= config.block_k, STREAM=config.stream, PREFETCH=config.prefetch,
         DOT_IN_FP32=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, hidden.device),
@@ -329,9 +347,11 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
     return q
 
 
-def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: ProjectionConfig | None = None) -> torch.Tensor:
+def launch_decode_out_proj(attn, wo, bo, residual, out=None, pending=None, *,
+                           config: ProjectionConfig | None = None) -> torch.Tensor:
     """residual + attn wo^T (+ bo) into `out` (a new [M, N] tensor when None) on arguments that meet
-    ops.decode_out_proj's contract, unchecked."""
+    ops.decode_out_proj's contract, unchecked; pending (fp32 [M, N]) added to the residual first and
+    zeroed."""
     m, k = attn.shape
     n = wo.shape[0]
     if out is None:
@@ -341,8 +361,9 @@ def launch_decode_out_proj(attn, wo, bo, residual, out=None, *, config: Projecti
         raise ValueError("config.prefetch loads o_proj's first weight tile: it needs config.stream or one K step "
                          f"(block_k >= {k}), got block_k {config.block_k}")
     _out_launch[(cdiv(n, config.block_n),)](
-        attn, wo, bo, residual, out, m, n, k, attn.stride(0), wo.stride(0), residual.stride(0), out.stride(0),
-        HAS_BIAS=bo is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STREAM=config.stream,
+        attn, wo, bo, residual, pending, out, m, n, k, attn.stride(0), wo.stride(0), residual.stride(0),
+        0 if pending is None else pending.stride(0), out.stride(0), HAS_BIAS=bo is not None,
+        PENDING=pending is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STREAM=config.stream,
         ONE_STEP=k <= config.block_k, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, attn.device),
     )

@@ -68,8 +68,8 @@ def _dense_down_kernel(
     rows = tl.arange(0, M_PAD)  # [M_PAD]
     row_in = rows < M
     if EARLY:
-        acc, _ = _streamed_dot(w0, h_ptr, down_ptr, cols, col_in, H, stride_dd, None, 0.0, 0.0, False, False, BLOCK_D,
-                               BLOCK_K, ONE_STEP)  # [1, BLOCK_D] fp32
+        acc, _ = _streamed_dot(w0, h_ptr, None, down_ptr, cols, col_in, H, stride_dd, None, 0.0, 0.0, False, False,
+                               BLOCK_D, BLOCK_K, ONE_STEP, False)  # [1, BLOCK_D] fp32
     else:
         acc = _rows_normed_dot(h_ptr, down_ptr, cols, col_in, rows, row_in, M, H, stride_hm, stride_dd, None, None,
                                M_PAD, BLOCK_D, BLOCK_K, False, STREAM, ONE_STEP, DOT_IN_FP32)  # [M_PAD, BLOCK_D] fp32

@@ -47,14 +47,29 @@ __all__ = ["MAX_TOKENS", "decode_mlp", "launch_decode_mlp"]
 
 
 @triton.jit
-def _rows_rstd(x_ptr, rows, row_in, D, stride_xm, eps, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[M_PAD] fp32 1 / sqrt(mean_j x[rows, j]^2 + eps), the RMSNorm scale of each row (0 past M)."""
+def _x_tile(x_ptrs, pending_ptrs, mask, PENDING: tl.constexpr):
+    """A tile of x, or with PENDING the layer input round(x + round(pending)): torch's residual add of an
+    MLP output (fp32 sum `pending`, rounded to x's dtype) that was left for this kernel to add."""
+    xv = tl.load(x_ptrs, mask=mask, other=0.0)
+    if PENDING:
+        s = tl.load(pending_ptrs, mask=mask, other=0.0).to(xv.dtype)
+        xv = (xv.to(tl.float32) + s.to(tl.float32)).to(xv.dtype)
+    return xv
+
+
+@triton.jit
+def _rows_rstd(x_ptr, pending_ptr, rows, row_in, D, stride_xm, stride_pm, eps, M_PAD: tl.constexpr,
+               BLOCK_K: tl.constexpr, PENDING: tl.constexpr):
+    """[M_PAD] fp32 1 / sqrt(mean_j x[rows, j]^2 + eps), the RMSNorm scale of each row (0 past M); x
+    as `_x_tile` reads it."""
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [M_PAD, 1]
+    p_rows = pending_ptr + rows.to(tl.int64)[:, None] * stride_pm if PENDING else None
     sq = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32)  # [M_PAD, BLOCK_K] partial sums of squares
     for k0 in range(0, D, BLOCK_K):
         k = k0 + offs_k
-        xv = tl.load(x_rows + k[None, :], mask=row_in[:, None] & (k < D)[None, :], other=0.0).to(tl.float32)
+        mask = row_in[:, None] & (k < D)[None, :]
+        xv = _x_tile(x_rows + k[None, :], p_rows + k[None, :] if PENDING else None, mask, PENDING).to(tl.float32)
         sq += xv * xv
     mean_sq = tl.sum(sq, axis=1) / D  # [M_PAD]
     return tl.math.div_rn(tl.full((M_PAD,), 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
@@ -83,8 +98,9 @@ def _weight_tile(w_ptr, units, unit_on, D, stride_wh, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _streamed_dot(w, x_ptr, w_ptr, units, unit_on, D, stride_wh, norm_ptr, rstd, eps, NORM: tl.constexpr,
-                  NEED_RSTD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr):
+def _streamed_dot(w, x_ptr, pending_ptr, w_ptr, units, unit_on, D, stride_wh, norm_ptr, rstd, eps,
+                  NORM: tl.constexpr, NEED_RSTD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ONE_STEP: tl.constexpr, PENDING: tl.constexpr):
     """One token: ([1, BLOCK_H] fp32 x · w[units]^T over all of D, rstd [1]), w the first tile
     (`_weight_tile`, loaded by the caller: before the PDL wait where it prefetches). Each step issues the
     next step's loads (weight, x and norm tiles) before it reduces its own, so its products wait on loads
@@ -92,17 +108,19 @@ def _streamed_dot(w, x_ptr, w_ptr, units, unit_on, D, stride_wh, norm_ptr, rstd,
     are summed per step (no [BLOCK_H, BLOCK_K] fp32 accumulator). NORM: x RMS-normalized with rstd,
     which NEED_RSTD computes here after the first weight tile's load is issued, so the pass over x
     (L2-resident) overlaps it. ONE_STEP (D <= BLOCK_K): w is the whole row, no next tile is loaded (nor
-    held in registers); the same bits as the loop's one step."""
+    held in registers); the same bits as the loop's one step. PENDING: x as `_x_tile` reads it."""
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
     x_row = x_ptr + tl.zeros((1, BLOCK_K), dtype=tl.int32)  # [1, BLOCK_K] the token's row
+    p_row = pending_ptr + tl.zeros((1, BLOCK_K), dtype=tl.int32) if PENDING else None
     k_in = offs_k < D
     if NEED_RSTD:
         one = tl.arange(0, 1)
-        rstd = _rows_rstd(x_ptr, one, one < 1, D, 0, eps, 1, BLOCK_K)
+        rstd = _rows_rstd(x_ptr, pending_ptr, one, one < 1, D, 0, 0, eps, 1, BLOCK_K, PENDING)
     elif not NORM:
         rstd = tl.zeros((1,), dtype=tl.float32)  # unused; returned as a tensor
-    xv = tl.load(x_row + offs_k[None, :], mask=k_in[None, :], other=0.0)  # [1, BLOCK_K]
+    xv = _x_tile(x_row + offs_k[None, :], p_row + offs_k[None, :] if PENDING else None, k_in[None, :],
+                 PENDING)  # [1, BLOCK_K]
     nw = tl.load(norm_ptr + offs_k, mask=k_in, other=0.0) if NORM else None
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     if ONE_STEP:
@@ -114,7 +132,7 @@ def _streamed_dot(w, x_ptr, w_ptr, units, unit_on, D, stride_wh, norm_ptr, rstd,
             k = k0 + BLOCK_K + offs_k  # the next step's columns; past D on the last step: masked, no traffic
             k_in = k < D
             w_next = tl.load(w_rows + k[None, :], mask=unit_on[:, None] & k_in[None, :], other=0.0)
-            x_next = tl.load(x_row + k[None, :], mask=k_in[None, :], other=0.0)
+            x_next = _x_tile(x_row + k[None, :], p_row + k[None, :] if PENDING else None, k_in[None, :], PENDING)
             if NORM:
                 nw_next = tl.load(norm_ptr + k, mask=k_in, other=0.0)
                 xv = _normed_by(xv, nw, rstd[:, None])
@@ -144,8 +162,9 @@ def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm
     on sm_90, and sm_100's compiler fails on the other form at 64 tokens). STREAM at one token:
     `_streamed_dot`'s loop (ONE_STEP: D <= BLOCK_K)."""
     if STREAM and M_PAD == 1:
-        acc, rstd = _streamed_dot(_weight_tile(w_ptr, units, unit_on, D, stride_wh, BLOCK_K), x_ptr, w_ptr, units,
-                                  unit_on, D, stride_wh, norm_ptr, rstd, 0.0, NORM, False, BLOCK_H, BLOCK_K, ONE_STEP)
+        acc, rstd = _streamed_dot(_weight_tile(w_ptr, units, unit_on, D, stride_wh, BLOCK_K), x_ptr, None, w_ptr,
+                                  units, unit_on, D, stride_wh, norm_ptr, rstd, 0.0, NORM, False, BLOCK_H, BLOCK_K,
+                                  ONE_STEP, False)
         return acc
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_wh  # [BLOCK_H, 1]
@@ -183,6 +202,23 @@ def _rows_normed_dot(x_ptr, w_ptr, units, unit_on, rows, row_in, M, D, stride_xm
     elif M_PAD >= 16:
         acc = tl.trans(acc_t)
     return acc
+
+
+@triton.jit
+def _fold_down(w, h, down_t_ptr, fold_ptr, units, on, D, stride_dh, BLOCK_K: tl.constexpr):
+    """K1's folded tail at one token: fold[0, :] += Σ over the block's units of h_j · down_t[j, :] in fp32,
+    h [1, BLOCK_H] rounded to x's dtype first (as K2 reads h_t), by relaxed atomic adds; w the first down
+    tile [BLOCK_H, BLOCK_K] (loaded by the caller while the up product runs), rows off `on` not read."""
+    hq = tl.sum(h, axis=0).to(down_t_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_H]
+    offs_k = tl.arange(0, BLOCK_K)
+    d_rows = down_t_ptr + units.to(tl.int64)[:, None] * stride_dh  # [BLOCK_H, 1]
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + BLOCK_K + offs_k  # the next step's columns; past D on the last step: masked, no traffic
+        w_next = tl.load(d_rows + k[None, :], mask=on[:, None] & (k < D)[None, :], other=0.0)
+        cols = k0 + offs_k
+        part = tl.sum(hq[:, None] * w.to(tl.float32), axis=0)  # [BLOCK_K]
+        tl.atomic_add(fold_ptr + cols, part, mask=cols < D, sem="relaxed")
+        w = w_next
 
 
 @triton.jit
@@ -229,6 +265,8 @@ def _decode_gate_up_kernel(
     h_ptr,  # out, x's dtype: h_t [H, M_PAD] (stride_hm 1, stride_hh M_PAD) or h [M, H] (H, 1)
     flags_ptr,  # [H] int32 out
     count_ptr,  # [n_counts] int32 out: zeros (K2's arrival counters)
+    down_t_ptr,  # [H, D] (FOLD), else None
+    fold_ptr,  # [1, D] fp32 (FOLD): the MLP's output added into it, else None
     M,
     D,
     H,
@@ -239,6 +277,7 @@ def _decode_gate_up_kernel(
     stride_uh,
     stride_hm,
     stride_hh,
+    stride_dh,
     GATED: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,
     ACT: tl.constexpr,  # 0: sparse relu (up rows of inactive units never read); 1: dense relu; 2: dense silu
@@ -248,6 +287,7 @@ def _decode_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     STREAM: tl.constexpr,  # one token: _streamed_dot's loop
     ONE_STEP: tl.constexpr,  # D <= BLOCK_K (with STREAM: the whole row in one tile, no next tile)
+    FOLD: tl.constexpr,  # one token, sparse: the down product too (_fold_down), nothing written to h_t or flags
     COMPACT_UP: tl.constexpr,  # 3+ tokens, sparse, gated: the up pass over the active units gathered (_compact_up)
     UP_K: tl.constexpr,
     UP_STAGES: tl.constexpr,
@@ -267,7 +307,7 @@ def _decode_gate_up_kernel(
     row_in = rows < M
     out_dtype = x_ptr.dtype.element_ty  # h's
 
-    if tl.program_id(0) == 0:
+    if not FOLD and tl.program_id(0) == 0:
         for c0 in range(0, n_counts, 1024):
             c = c0 + tl.arange(0, 1024)
             tl.store(count_ptr + c, tl.zeros((1024,), tl.int32), mask=c < n_counts)
@@ -275,11 +315,11 @@ def _decode_gate_up_kernel(
     if STREAM and M_PAD == 1:  # the norm's pass behind the first gate tile's load
         if not EARLY:
             w0 = _weight_tile(first_ptr, units, unit_in, D, stride_fh, BLOCK_K)
-        acc, rstd = _streamed_dot(w0, x_ptr, first_ptr, units, unit_in, D, stride_fh, norm_ptr, rstd, eps, NORM,
-                                  NORM, BLOCK_H, BLOCK_K, ONE_STEP)
+        acc, rstd = _streamed_dot(w0, x_ptr, None, first_ptr, units, unit_in, D, stride_fh, norm_ptr, rstd, eps,
+                                  NORM, NORM, BLOCK_H, BLOCK_K, ONE_STEP, False)
     else:
         if NORM:  # every program normalizes the few rows of x itself (an L2-resident re-read)
-            rstd = _rows_rstd(x_ptr, rows, row_in, D, stride_xm, eps, M_PAD, BLOCK_K)
+            rstd = _rows_rstd(x_ptr, None, rows, row_in, D, stride_xm, 0, eps, M_PAD, BLOCK_K, False)
         acc = _rows_normed_dot(x_ptr, first_ptr, units, unit_in, rows, row_in, M, D, stride_xm, stride_fh, norm_ptr,
                                rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, False, False, DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
     if ACT == 0:
@@ -290,7 +330,16 @@ def _decode_gate_up_kernel(
         on = ~(p <= 0) & row_in[:, None] & unit_in[None, :]  # [M_PAD, BLOCK_H] > 0 or NaN
         active = tl.max(on.to(tl.int32), axis=0)  # [BLOCK_H] 1 if any token
         h = tl.where(on, p, 0.0).to(tl.float32)  # relu(p), NaN kept
-        if GATED and not COMPACT:  # else _compact_up reads the up rows
+        if FOLD:  # the host takes it only at one token
+            if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up or down row
+                unit_on = active != 0
+                w_down = _weight_tile(down_t_ptr, units, unit_on, D, stride_dh, BLOCK_K)  # in flight during the up pass
+                if GATED:
+                    h = h * _rows_normed_dot(x_ptr, up_ptr, units, unit_on, rows, row_in, M, D, stride_xm, stride_uh,
+                                             norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM, ONE_STEP,
+                                             DOT_IN_FP32)  # [1, BLOCK_H]
+                _fold_down(w_down, h, down_t_ptr, fold_ptr, units, unit_on, D, stride_dh, BLOCK_K)
+        elif GATED and not COMPACT:  # else _compact_up reads the up rows
             if tl.max(active, axis=0) != 0:  # a block with no active unit reads no up row
                 u = _rows_normed_dot(x_ptr, up_ptr, units, active != 0, rows, row_in, M, D, stride_xm, stride_uh,
                                      norm_ptr, rstd, M_PAD, BLOCK_H, BLOCK_K, NORM, STREAM, ONE_STEP,
@@ -312,9 +361,10 @@ def _decode_gate_up_kernel(
                                  DOT_IN_FP32)  # [M_PAD, BLOCK_H] fp32
             h = h * u.to(out_dtype).to(tl.float32)
         active = unit_in.to(tl.int32)  # K2 then reads every unit
-    h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
-    tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
-    tl.store(flags_ptr + units, active, mask=unit_in)
+    if not FOLD:
+        h_ptrs = h_ptr + units.to(tl.int64)[None, :] * stride_hh + rows[:, None] * stride_hm  # [M_PAD, BLOCK_H]
+        tl.store(h_ptrs, h.to(out_dtype), mask=row_in[:, None] & unit_in[None, :])
+        tl.store(flags_ptr + units, active, mask=unit_in)
     if COMPACT:
         tl.debug_barrier()  # the h_t rows this program stored are what _compact_up reads back
         _compact_up(x_ptr, up_ptr, h_ptr, units, active, rows, row_in, D, stride_xm, stride_uh, stride_hm,
@@ -488,13 +538,23 @@ def decode_mlp(
 
 
 def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=None, norm_weight=None, eps=0.0,
-                      residual=False, act="sparse") -> torch.Tensor:
+                      residual=False, act="sparse", fold_into=None) -> torch.Tensor:
     """`decode_mlp` on arguments that meet its contract, unchecked. Fused variants (the decode engine's):
     norm_weight: x goes through RMSNorm(norm_weight, eps) first, in K1; residual: returns x + the MLP's
     output (added in K2's write); act "relu" / "silu": the dense MLP, every unit read and rounded as
-    torch rounds it (K2 then sums every unit). fp32 x and weights run exactly (tl.dot in IEEE fp32)."""
+    torch rounds it (K2 then sums every unit). fold_into (one token, sparse; fp32 [1, D]): K1 alone,
+    the MLP's output added into it unrounded (atomic adds, in no fixed order) and fold_into returned.
+    fp32 x and weights run exactly (tl.dot in IEEE fp32)."""
     m, d = x.shape
     h = first_weight.shape[0]
+    if fold_into is not None:
+        if m != 1 or act != "sparse":
+            raise ValueError(f"fold_into is for the sparse MLP at one token, got {m} tokens and act {act!r}")
+        if d and h:
+            config = fitted(config or default_config(1, capability(x.device), norm=norm_weight is not None), d)
+            launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, None, 1, 1, None, None, 0,
+                           config, act, down_t=down_t, fold_into=fold_into)
+        return fold_into
     y = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if d == 0:
         return y
@@ -548,9 +608,10 @@ ACTS = {"sparse": 0, "relu": 1, "silu": 2}  # K1's ACT: sparse relu, or the dens
 
 
 def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, stride_hm, stride_hh, flags,
-                   counts, n_counts, config, act) -> None:
+                   counts, n_counts, config, act, down_t=None, fold_into=None) -> None:
     """K1 into `hidden` (h_t [H, M_PAD]: strides 1, M_PAD; or h [M, H]: H, 1), `flags` [H] and zeroed
-    `counts` [n_counts]; arguments as `launch_decode_mlp`'s."""
+    `counts` [n_counts]; or, fold_into given (with down_t), the MLP's output added into it (the folded
+    K1: hidden, flags and counts unused). Arguments as `launch_decode_mlp`'s."""
     m, d = x.shape
     if config.stream and m != 1:
         raise ValueError(f"config.stream is a one-token field, got {m} tokens")
@@ -563,11 +624,11 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
     gated = up_weight is not None
     up = up_weight if gated else first_weight
     _gate_up_launch[(cdiv(h, config.block_h),)](
-        x, norm_weight, first_weight, up, threshold, hidden, flags, counts, m, d, h, n_counts, float(eps),
-        x.stride(0), first_weight.stride(0), up.stride(0), stride_hm, stride_hh,
-        GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
+        x, norm_weight, first_weight, up, threshold, hidden, flags, counts, down_t, fold_into, m, d, h, n_counts,
+        float(eps), x.stride(0), first_weight.stride(0), up.stride(0), stride_hm, stride_hh,
+        0 if down_t is None else down_t.stride(0), GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
         M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k, STREAM=config.stream,
-        ONE_STEP=d <= config.block_k,
+        ONE_STEP=d <= config.block_k, FOLD=fold_into is not None,
         COMPACT_UP=config.compact_up and act == "sparse", UP_K=min(config.up_k, max(16, next_power_of_2(d))),
         UP_STAGES=config.up_stages, PREFETCH=config.prefetch, DOT_IN_FP32=interpreting() or x.dtype == torch.float32,
         num_warps=config.gate_warps, num_stages=config.gate_stages, **pdl_options(config.pdl, x.device),

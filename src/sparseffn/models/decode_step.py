@@ -11,6 +11,11 @@ Per layer, for one new token per sequence (hidden [B, D], the residual stream):
        (ops/decide.py, from the layer's measured activity), else the dense kernels; a Hugging Face MLP
        (relu or silu) runs the dense ones
 then the model's final norm and lm_head (cuBLAS). Dense and sparse models share steps 1-3.
+Folded MLPs (one sequence, a sparse layer but the last, unless torch.use_deterministic_algorithms is on):
+step 4 is one launch, its programs adding their active units' down rows into an fp32 buffer by atomic
+adds, and the next layer's steps 1 and 3 add that buffer to the residual (`pending`): one launch fewer
+per layer; the sum's order is not fixed, so its last bits (and rarely a rounded hidden value) may differ
+from run to run.
 
 Cache. The engine reads and writes transformers' StaticCache tensors [B, Hkv, S_max, d] in place
 (`attach`, after the prompt's forward has filled them). A left-padded batch has its rows shifted
@@ -114,6 +119,9 @@ class DecodeEngine:
         hkv = self.layers[0].wk.shape[0] // self.cos.shape[1]
         # the split-KV combine's arrival counters, left zero by every call: one set shared by all layers
         self.counters = torch.zeros(batch_size * hkv, dtype=torch.int32, device=self.device)
+        # the folded MLPs' sums, two in turn (one is read by the layer after its MLP while the next fills the
+        # other), left zero by the o_proj launch that reads them
+        self.pending = torch.zeros(2, batch_size, weight.shape[1], dtype=torch.float32, device=self.device)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.planned = False
 
@@ -167,17 +175,26 @@ class DecodeEngine:
         left padding (zeros: none). Writes each layer's k and v at the rows' positions."""
         positions = position - shift[:, 0]  # [B] rotary position = cache slot after `attach`
         hidden = self.embed(ids[:, 0])  # [B, D]
-        for layer, (keys, values) in zip(self.layers, self.caches):
+        pending = None  # the folded MLP output the residual still lacks
+        for i, (layer, (keys, values)) in enumerate(zip(self.layers, self.caches)):
             q = decode_qkv_rope(hidden, layer.attn_norm, layer.attn_eps, layer.wq, layer.wk, layer.wv, layer.bq,
-                                layer.bk, layer.bv, self.cos, self.sin, positions, keys, values)
+                                layer.bk, layer.bv, self.cos, self.sin, positions, keys, values, pending=pending)
             # prefetch: positions come from the step's first op, the older cache slots from earlier steps
             attn = decode_attention(q, keys, values, positions, layer.scaling, counters=self.counters,
                                     prefetch=True)
-            hidden = decode_out_proj(attn, layer.wo, layer.bo, hidden)
+            hidden = decode_out_proj(attn, layer.wo, layer.bo, hidden, pending=pending)
             threshold = layer.mlp.threshold if isinstance(layer.mlp, SparseMLP) and layer.mlp.has_threshold else None
-            hidden = decode_mlp_block(hidden, layer.mlp_norm, layer.mlp_eps, layer.gate, layer.up, layer.down,
-                                      threshold, act=layer.act, sparse=layer.sparse)
+            pending = self.pending[i % 2] if self._folds(i) else None
+            out = decode_mlp_block(hidden, layer.mlp_norm, layer.mlp_eps, layer.gate, layer.up, layer.down, threshold,
+                                   act=layer.act, sparse=layer.sparse, fold_into=pending)
+            if pending is None:
+                hidden = out
         return self.lm_head(self.norm(hidden))
+
+    def _folds(self, i: int) -> bool:
+        """Whether layer i's MLP is folded (module docstring)."""
+        return (self.layers[i].sparse and self.batch_size == 1 and i < len(self.layers) - 1
+                and not torch.are_deterministic_algorithms_enabled())
 
 
 def auto_engine(model: nn.Module, *, batch_size: int, max_length: int,

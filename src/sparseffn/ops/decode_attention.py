@@ -1,7 +1,7 @@
 """The attention side of one decode step, in three launches (inference, one new token per sequence).
 
     decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table,
-                    positions, k_cache, v_cache) -> q [B, Hq, d]
+                    positions, k_cache, v_cache, *, pending=None) -> q [B, Hq, d]
         RMSNorm (Llama's: fp32 statistics, x·rstd rounded to x's dtype, times norm_weight, rounded),
         q/k/v projections (+ optional biases), RoPE of q and k at positions[b] (Hugging Face rotary
         layout), k and v written into k_cache / v_cache [B, Hkv, S_max, d] at [b, :, positions[b]].
@@ -9,8 +9,12 @@
                      prefetch=False) -> [B, Hq·d]
         softmax(q k^T · scaling) v over slots valid_from[b] .. positions[b] inclusive, fp32 softmax
         and accumulation, q's dtype, laid out as o_proj reads it.
-    decode_out_proj(attn, wo, bo, residual, *, out=None) -> [B, D]
+    decode_out_proj(attn, wo, bo, residual, *, out=None, pending=None) -> [B, D]
         residual + (attn wo^T + bo rounded to the dtype), rounded again (as two Hugging Face ops).
+
+pending (fp32 [B, D], or None): the output of the MLP before, left unadded by decode_mlp_block's
+fold_into; hidden (and the residual) then stand for round(hidden + round(pending)), torch's residual
+add, and decode_out_proj zeroes pending once it has read it (ready for the next fold).
 
 hidden [B, D] bf16 / fp16 (B = 1 .. 64); norm_weight [D]; wq [Hq·d, D], wk / wv [Hkv·d, D], wo [D, Hq·d]
 in hidden's dtype with unit stride along their last dim; biases [N] or None; cos_table / sin_table
@@ -104,13 +108,13 @@ def _check_eps(eps: object) -> float:
 def _qkv_rope_op(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, wq: torch.Tensor, wk: torch.Tensor,
                  wv: torch.Tensor, bq: torch.Tensor | None, bk: torch.Tensor | None, bv: torch.Tensor | None,
                  cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
+                 v_cache: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
     return launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table,
-                                  positions, k_cache, v_cache)
+                                  positions, k_cache, v_cache, pending)
 
 
 @_qkv_rope_op.register_fake
-def _(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, k_cache, v_cache):
+def _(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, k_cache, v_cache, pending):
     d = cos_table.shape[1]
     return hidden.new_empty((hidden.shape[0], wq.shape[0] // d, d))
 
@@ -137,18 +141,32 @@ def _(attn, wo, bo, residual):
     return attn.new_empty((attn.shape[0], wo.shape[0]))
 
 
+# its own op: a mutated argument may not be optional under Inductor
+@torch.library.custom_op("sparseffn::decode_out_proj_pending", mutates_args=("pending",))
+def _out_proj_pending_op(attn: torch.Tensor, wo: torch.Tensor, bo: torch.Tensor | None, residual: torch.Tensor,
+                         pending: torch.Tensor) -> torch.Tensor:
+    return launch_decode_out_proj(attn, wo, bo, residual, None, pending)
+
+
+@_out_proj_pending_op.register_fake
+def _(attn, wo, bo, residual, pending):
+    return attn.new_empty((attn.shape[0], wo.shape[0]))
+
+
 # ----------------------------------------------------------------------------------------------------
 # public functions
 
 
 def decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions,
-                    k_cache, v_cache) -> torch.Tensor:
+                    k_cache, v_cache, *, pending=None) -> torch.Tensor:
     """q [B, Hq, d]: the normed, projected and rotated query of each sequence's new token; its rotated
     key and its value are written into k_cache / v_cache [B, Hkv, S_max, d] at [b, :, positions[b]]
-    (module docstring). positions[b] must lie in [0, S_max) and below cos_table's rows (not checked:
-    reading it would wait for the device)."""
+    (module docstring; pending: added to hidden first). positions[b] must lie in [0, S_max) and below
+    cos_table's rows (not checked: reading it would wait for the device)."""
     b, dim = _check_batch(hidden, "hidden")
     dtype, device = hidden.dtype, hidden.device
+    if pending is not None:
+        _check(pending, "pending", (b, dim), torch.float32, device)
     eps = _check_eps(eps)
     _check(norm_weight, "norm_weight", (dim,), dtype, device)
     _check(cos_table, "cos_table", (None, None), (torch.float32, torch.bfloat16, torch.float16), device)
@@ -168,8 +186,10 @@ def decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table,
             _check(bias, name, (w.shape[0],), dtype, device)
     _check_positions(positions, "positions", b, device)
     _check_caches(k_cache, v_cache, b, wk.shape[0] // d, d, dtype, device)
-    args = (hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, k_cache, v_cache)
-    if eager_call(hidden, norm_weight, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, k_cache, v_cache):
+    args = (hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, k_cache, v_cache,
+            pending)
+    if eager_call(hidden, norm_weight, wq, wk, wv, bq, bk, bv, cos_table, sin_table, positions, k_cache, v_cache,
+                  pending):
         return launch_decode_qkv_rope(*args)
     return _qkv_rope_op(*args)
 
@@ -218,9 +238,10 @@ def decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=None, *
     return _attention_op(*args)
 
 
-def decode_out_proj(attn, wo, bo, residual, *, out=None) -> torch.Tensor:
+def decode_out_proj(attn, wo, bo, residual, *, out=None, pending=None) -> torch.Tensor:
     """residual + attn wo^T (+ bo), [B, D] in attn's dtype, into `out` when given (a [B, D] tensor;
-    it may be `residual` itself). attn [B, K], wo [D, K], bo [D] or None, residual [B, D]."""
+    it may be `residual` itself). attn [B, K], wo [D, K], bo [D] or None, residual [B, D]; pending
+    (module docstring) added to the residual first, then zeroed."""
     b, k = _check_batch(attn, "attn")
     _check(wo, "wo", (None, k), attn.dtype, attn.device)
     dim = wo.shape[0]
@@ -231,8 +252,10 @@ def decode_out_proj(attn, wo, bo, residual, *, out=None) -> torch.Tensor:
         _check(out, "out", (b, dim), attn.dtype, attn.device)
         if out.untyped_storage().data_ptr() == attn.untyped_storage().data_ptr():
             raise ValueError("out must not share memory with attn (every program reads all of attn's row)")
-    if eager_call(attn, wo, bo, residual, out):
-        return launch_decode_out_proj(attn, wo, bo, residual, out)
-    if out is None:
-        return _out_proj_op(attn, wo, bo, residual)
-    return out.copy_(_out_proj_op(attn, wo, bo, residual))
+    if pending is not None:
+        _check(pending, "pending", (b, dim), torch.float32, attn.device)
+    if eager_call(attn, wo, bo, residual, out, pending):
+        return launch_decode_out_proj(attn, wo, bo, residual, out, pending)
+    y = (_out_proj_op(attn, wo, bo, residual) if pending is None
+         else _out_proj_pending_op(attn, wo, bo, residual, pending))
+    return y if out is None else out.copy_(y)

@@ -6,6 +6,9 @@
 Paths (the caller decides which; ops/decide.py is where auto mode decides):
 - sparse=True: the exact sparse decode kernels (kernels/decode_mlp.py), relu only, with the norm fused
   into K1 and the residual into K2's write; the down weight must be stored transposed ([H, D] rows).
+  fold_into (one token): K1 alone, its programs with an active unit adding that unit's down row into
+  fold_into (fp32 [1, D], atomic adds in no fixed order: the last bits of the sum may differ from run
+  to run); the residual add is left to the next layer's decode_qkv_rope / decode_out_proj (`pending`).
 - sparse=False: the dense MLP, act "relu" or "silu", rounded as torch's dense MLP: K1 with every unit,
   then the down projection (decode_mlp's K2 over every unit for a transposed down weight,
   kernels/decode_dense_mlp.py's row products for Hugging Face's [D, H] layout).
@@ -29,11 +32,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def decode_mlp_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor | None,
                      up_weight: torch.Tensor, down_weight: torch.Tensor, threshold: torch.Tensor | None = None, *,
-                     act: str = "relu", sparse: bool = False) -> torch.Tensor:
-    """[M, D] = x + MLP(RMSNorm(x)) (module docstring)."""
+                     act: str = "relu", sparse: bool = False, fold_into: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, D] = x + MLP(RMSNorm(x)); with fold_into, fold_into += MLP(RMSNorm(x)) in fp32, returned
+    (module docstring)."""
     _check(x, norm_weight, eps, gate_weight, up_weight, down_weight, threshold, act, sparse)
     first = gate_weight if gate_weight is not None else up_weight
     up = up_weight if gate_weight is not None else None
+    if fold_into is not None:
+        _check_fold(fold_into, x, sparse)
+        return launch_decode_mlp(x, first, up, down_weight.t(), threshold, norm_weight=norm_weight, eps=eps,
+                                 fold_into=fold_into)
     if sparse:
         return launch_decode_mlp(x, first, up, down_weight.t(), threshold, norm_weight=norm_weight, eps=eps,
                                  residual=True)
@@ -42,6 +50,17 @@ def decode_mlp_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gat
                                  residual=True, act=act)
     return launch_dense_mlp_rows_down(x, first, up, down_weight, threshold, act=act, norm_weight=norm_weight,
                                       eps=eps, residual=True)
+
+
+def _check_fold(fold_into, x, sparse) -> None:
+    if not sparse or x.shape[0] != 1:
+        raise ValueError(f"fold_into is for sparse=True at one token, got sparse={sparse} and {x.shape[0]} tokens")
+    if (not isinstance(fold_into, torch.Tensor) or fold_into.dtype != torch.float32
+            or tuple(fold_into.shape) != tuple(x.shape) or fold_into.device != x.device
+            or (x.shape[1] > 1 and fold_into.stride(1) != 1)):
+        raise ValueError(f"fold_into must be an fp32 tensor {list(x.shape)} on {x.device} with unit stride along D, "
+                         f"got {getattr(fold_into, 'dtype', type(fold_into).__name__)} "
+                         f"{list(getattr(fold_into, 'shape', []))}")
 
 
 def _check(x, norm_weight, eps, gate_weight, up_weight, down_weight, threshold, act, sparse) -> None:

@@ -17,15 +17,20 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     capability `arch`: bf16 / fp16, every padded token count with its default configs (q/k/v's and
     o_proj's), head dims 64 and 128, biases on and off, int64 and int32 positions, fp32 and 16-bit
     rotary tables, D in one step or several; at one token also the streamed loops (config.stream, q/k/v's
-    in two steps and in one) and o_proj in one K step; on Hopper the bf16 kernels at 1 and 16 tokens also
-    with config.pdl, and the one-token streamed or one-step ones with pdl and config.prefetch."""
+    in two steps and in one) and o_proj in one K step, and those two one-step forms in bf16 with a pending
+    MLP output (PENDING, the engine's after a folded MLP); on Hopper the bf16 kernels at 1 and 16 tokens
+    also with config.pdl, and the one-token streamed or one-step ones with pdl and config.prefetch."""
     specs = []
 
     def add(fn, signature, constexprs, config):
         constexprs.setdefault("PDL", False)
         constexprs.setdefault("PREFETCH", False)
-        for name in constexprs:
-            signature.setdefault(name, "constexpr")
+        pending = constexprs.setdefault("PENDING", False)
+        constexprs.pop("pending_ptr", None)  # a variant made from another's constexprs
+        if not pending:
+            constexprs["pending_ptr"] = None
+        extra = {"pending_ptr": "*fp32" if pending else "constexpr", "stride_pm": "i32"}
+        signature = {name: extra.get(name, signature.get(name, "constexpr")) for name in fn.arg_names}
         spec = (fn, signature, constexprs)
         specs.append(spec + (({"num_warps": config.num_warps, "num_stages": config.num_stages},)
                              if with_options else ()))
@@ -62,6 +67,8 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                             cx[name] = None
                     sig = {name: sig.get(name, "constexpr") for name in _decode_qkv_rope_kernel.arg_names}
                     add(_decode_qkv_rope_kernel, sig, cx, qkv_cfg)
+                    if stream and block_k == 2048 and ty == "bf16":  # the engine's, after a folded MLP
+                        add(_decode_qkv_rope_kernel, sig, dict(cx, PENDING=True), qkv_cfg)
             for bias in (False, True):
                 sig = {"a_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}" if bias else "constexpr",
                        "r_ptr": f"*{ty}", "y_ptr": f"*{ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
@@ -75,4 +82,6 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
                     if not bias:
                         cx["b_ptr"] = None
                     add(_decode_out_proj_kernel, dict(sig), cx, o_cfg)
+                    if mp == 1 and not stream and block_k == 2048 and ty == "bf16":  # the engine's, after a fold
+                        add(_decode_out_proj_kernel, dict(sig), dict(cx, PENDING=True), o_cfg)
     return specs

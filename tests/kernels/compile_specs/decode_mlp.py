@@ -22,8 +22,9 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
     relu / silu K1 and the down kernels over every unit, with the dense config) at 1 and 16 tokens; at
     one token config.stream (the streamed K1, the engine's also in one step of the whole row, and the
     streamed row products of the dense down pass in Hugging Face's layout), and from
-    16 padded tokens config.compact_up, the public op's and the engine's; on Hopper the engine's bf16
-    kernels also with config.pdl, and its streamed K1 with pdl and config.prefetch."""
+    16 padded tokens config.compact_up, the public op's and the engine's; the engine's folded K1 at one
+    token (fold_into, gated and not); on Hopper the engine's bf16 kernels also with config.pdl, and its
+    streamed K1 with pdl and config.prefetch."""
     specs = []
 
     def add(fn, signature, constexprs, warps, stages):
@@ -50,30 +51,40 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             variants = [(True, False, "sparse", False), (True, True, "sparse", False), (False, True, "sparse", False)]
             if mp in ENGINE_TOKENS:
                 variants += [(True, True, "sparse", True), (True, True, "relu", True), (True, False, "silu", True)]
-            variants = [v + (False, False) for v in variants]
-            if mp == 1:  # config.stream: the public op's (no norm) and the engine's
-                variants += [(True, True, "sparse", False, True, False), (True, True, "sparse", True, True, False),
-                             (True, True, "relu", True, True, False), (True, False, "silu", True, True, False)]
+            variants = [v + (False, False, False) for v in variants]
+            if mp == 1:  # config.stream: the public op's (no norm) and the engine's; the engine's folded K1
+                variants += [(True, True, "sparse", False, True, False, False),
+                             (True, True, "sparse", True, True, False, False),
+                             (True, True, "relu", True, True, False, False),
+                             (True, False, "silu", True, True, False, False),
+                             (True, True, "sparse", True, True, False, True),
+                             (False, True, "sparse", True, True, False, True)]
             if mp >= 16:  # compact_up: the public op's and the engine's
-                variants += [(True, False, "sparse", False, False, True), (True, True, "sparse", True, False, True)]
-            for gated, has_threshold, act, norm, stream, compact in variants:
+                variants += [(True, False, "sparse", False, False, True, False),
+                             (True, True, "sparse", True, False, True, False)]
+            for gated, has_threshold, act, norm, stream, compact, fold in variants:
                 if mp not in (1, 64) and not (gated and not has_threshold) and not norm:
                     continue
                 sig = {"x_ptr": f"*{ty}", "norm_ptr": f"*{ty}" if norm else "constexpr", "first_ptr": f"*{ty}",
                        "up_ptr": f"*{ty}", "threshold_ptr": "*fp32" if has_threshold else "constexpr",
-                       "h_ptr": f"*{ty}", "flags_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "D": "i32",
+                       "h_ptr": "constexpr" if fold else f"*{ty}", "flags_ptr": "constexpr" if fold else "*i32",
+                       "count_ptr": "constexpr" if fold else "*i32", "down_t_ptr": f"*{ty}" if fold else "constexpr",
+                       "fold_ptr": "*fp32" if fold else "constexpr", "M": "i32", "D": "i32",
                        "H": "i32", "n_counts": "i32", "eps": "fp32", "stride_xm": "i32", "stride_fh": "i32",
-                       "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32"}
+                       "stride_uh": "i32", "stride_hm": "i32", "stride_hh": "i32", "stride_dh": "i32"}
                 k1 = default_config(mp, arch, dense=act != "sparse", norm=norm)
                 k1 = fit_shared_memory(dataclasses.replace(k1, stream=stream, compact_up=compact), mp, arch)
                 cx = {"GATED": gated, "HAS_THRESHOLD": has_threshold, "ACT": ACTS[act], "NORM": norm, "M_PAD": mp,
                       "BLOCK_H": k1.block_h, "BLOCK_K": k1.block_k, "STREAM": stream, "ONE_STEP": D <= k1.block_k,
-                      "COMPACT_UP": compact, "UP_K": min(k1.up_k, D), "UP_STAGES": k1.up_stages, "DOT_IN_FP32": False}
-                for name, absent in (("threshold_ptr", not has_threshold), ("norm_ptr", not norm)):
+                      "FOLD": fold, "COMPACT_UP": compact, "UP_K": min(k1.up_k, D), "UP_STAGES": k1.up_stages,
+                      "DOT_IN_FP32": False}
+                for name, absent in (("threshold_ptr", not has_threshold), ("norm_ptr", not norm), ("h_ptr", fold),
+                                     ("flags_ptr", fold), ("count_ptr", fold), ("down_t_ptr", not fold),
+                                     ("fold_ptr", not fold)):
                     if absent:
                         cx[name] = None
                 add(_decode_gate_up_kernel, sig, cx, k1.gate_warps, k1.gate_stages)
-                if stream and norm and k1.block_k < D:  # the engine's K1 streamed in one step: the whole row
+                if stream and norm and not fold and k1.block_k < D:  # the engine's K1 in one step: the whole row
                     add(_decode_gate_up_kernel, sig, dict(cx, BLOCK_K=D, ONE_STEP=True), k1.gate_warps, k1.gate_stages)
             # (residual, config): the public op's; the engine's sparse and dense (every unit) down kernels
             downs = [(False, cfg, False)]  # (residual, config, every unit)
