@@ -27,6 +27,8 @@ down_dense_rows (every MLP dense, batch 1): the down weight stored transposed (t
 decode_mlp's K2 over every unit) against a contiguous [D, H] copy (a dense model's layout, decode_dense_mlp's
 row products), alternated. attention_split (batch 1): attention with prefetch in fewer splits of longer blocks
 (every older slot of a split read before the PDL wait), against the default 16 splits of 64 slots.
+Since fa0d79b the sparse step at batch 1 folds its down product into K1 (no down kernel launched but the last
+layer's): down_chain and the `down` ablation time only that layer there.
 ablate (the sparse step) and ablate_dense (every MLP dense), batch 1: the step with one op's launches skipped
 (q/k/v, attention, o_proj, the whole MLP, or the down kernel alone), its first output for each layer returned
 instead, so the step's drop is that op's cost on the critical path (the defaults first and last).

@@ -13,13 +13,12 @@
         decode_mlp._streamed_dot (the same norm roundings), the next step's tiles loaded a step ahead.
         config.pdl (Hopper on): both launched as programmatic dependents (_runtime); with config.prefetch
         at one token (streamed, or o_proj in one K step) the first weight tile is loaded before the wait.
-    PENDING (both): x (K_qkv) and the residual (K_o) are round(x + round(pending)), pending the fp32 output
-        of the MLP before, which decode_mlp's folded K1 left unadded; K_o then zeroes its columns of it.
+    PENDING: x (K_qkv) and the residual (K_o) are round(x + round(pending)), pending the fp32 output of the
+        MLP before (decode_mlp's folded K1 leaves it unadded); K_o then zeroes its columns of it.
 
-Why. At decode (M <= 64 tokens, one per sequence) a projection is a read of its matrix: time is the
-weight bytes over the bandwidth plus one launch, so each step's norm, bias, RoPE, cache write and
-residual add ride along in the projection's launch instead of costing their own. Both kernels read
-each weight byte once per call: all M tokens are in every program.
+Why. At decode (M <= 64 tokens, one per sequence) a projection is a read of its matrix: time is the weight
+bytes over the bandwidth plus one launch, so each step's norm, bias, RoPE, cache write and residual add ride
+along in the projection's launch instead of costing their own. Each weight byte is read once per call.
 
 Layouts. x [M, D], attn [M, K], residual / y [M, N]: unit stride along the last dim, any row stride;
 weights [N, D] unit stride along D, any row stride; cos / sin tables [S, d] any float dtype, unit

@@ -16,7 +16,8 @@ and down matrices only the rows of units some token activates.
 Fused variants (the decode engine's): NORM, x is Llama's RMSNorm of x (each K1 program computes its
 rows' rstd, x being L2-resident); RESIDUAL, K2 writes x + y; ACT relu / silu, the dense MLP (every unit
 read, K2 summing every unit of its span without flags or list; act(g) and u rounded as torch rounds
-them). config.pdl (Hopper on): K1 and K2 launched as programmatic dependents (_runtime).
+them); FOLD (one token, sparse): K1 alone, its programs with an active unit adding h_j · down_t[j] to an fp32
+[1, D] sum by atomic adds. config.pdl (Hopper on): K1 and K2 launched as programmatic dependents (_runtime).
 Why. At M <= 64 the MLP is bound by HBM bandwidth and latency: dense reads three [H, D] matrices, this
 path the gate matrix plus two D-rows per active unit, once per call; no host sync (CUDA-graph capturable).
 
