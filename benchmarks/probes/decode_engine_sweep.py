@@ -10,7 +10,9 @@ kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sp
 mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
 (DecodeConfig.stream, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
 DecodeConfig.compact_up from batch 3, each against its other form; attention_prefetch the attention
-launcher's default config without AttentionConfig.prefetch against it with (the engine's default); pdl
+launcher's default config without AttentionConfig.prefetch against it with (the engine's default);
+attention_mma the engine's attention config against it with AttentionConfig.mma (tl.dot on padded query rows,
+pipelined cache tiles) at a few tiles, stages and splits, the default first and last; pdl
 (the sparse step, auto) and pdl_dense (every MLP dense) set the configs' pdl field (programmatic
 dependent launch) on every engine kernel at once, then on all but one kind, and with o_proj at one token
 in one K step (its weight tile loaded before the wait). overlap (the sparse step) and overlap_dense (every
@@ -227,6 +229,16 @@ def _variants(kernel: str, batch: int) -> list:
         grid = [(8, 128, 4), (4, 256, 8), (32, 32, 2), (8, 128, 8), (16, 64, 2)]
         base = AttentionConfig(pdl=True, prefetch=True)  # attention_config's at one token: 16 splits of 64 slots
         return [base] + [dataclasses.replace(base, splits=s, block_s=b, num_warps=w) for s, b, w in grid] + [base]
+    if kernel == "attention_mma":  # AttentionConfig.mma (tl.dot on padded query rows, pipelined cache tiles)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        base = attention_config(batch * 32, sms, prefetch=True)  # the engine's (2b: 32 key/value heads)
+        if mp == 1:
+            grid = [dict(mma=True), dict(mma=True, num_warps=4), dict(mma=True, splits=8, block_s=128),
+                    dict(mma=True, num_stages=3)]
+        else:
+            grid = [dict(mma=True, num_stages=s, block_s=b, num_warps=w, splits=n) for s, b, w, n in
+                    ((2, 128, 4, 1), (3, 128, 4, 1), (4, 64, 4, 1), (2, 256, 8, 1), (3, 128, 4, 2), (3, 64, 4, 2))]
+        return [base] + [dataclasses.replace(base, **v) for v in grid] + [base]
     if kernel == "attention_prefetch":  # without AttentionConfig.prefetch, then with it (the engine's default)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         return [attention_config(batch * 32, sms), attention_config(batch * 32, sms, prefetch=True)]  # 2b: 32 kv heads
@@ -253,6 +265,7 @@ KERNEL_NAMES = {"mlp_sparse": ("gate_up", "_decode_down"), "mlp_dense": ("gate_u
                 "mlp_dense_one_token": ("gate_up", "_decode_down"), "qkv_one_token": ("qkv_rope",),
                 "out_proj_one_token": ("out_proj",), "mlp_sparse_compact": ("gate_up", "_decode_down"),
                 "attention": ("decode_attention",), "attention_prefetch": ("decode_attention",),
+                "attention_mma": ("decode_attention",),
                 "attention_split": ("decode_attention",),
                 "qkv": ("qkv_rope",), "out_proj": ("out_proj",),
                 "pdl": ("qkv_rope", "decode_attention", "out_proj", "gate_up", "_decode_down"),
@@ -288,7 +301,7 @@ def main(out_csv: str, batches: str = "1,16", kernels: str = "mlp_sparse,mlp_den
                     OVERRIDE.update(config)
                 else:
                     name = kernel.removesuffix("_one_token").removesuffix("_compact").removesuffix("_prefetch")
-                    name = name.removesuffix("_split")
+                    name = name.removesuffix("_split").removesuffix("_mma")
                     OVERRIDE[name] = config
                 t0 = time.perf_counter()
                 try:

@@ -66,21 +66,25 @@ CASES = [  # (b, hq, hkv, positions, valid_from)
 
 @pytest.mark.parametrize("b, hq, hkv, positions, valid_from", CASES)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_matches_reference(b, hq, hkv, positions, valid_from, splits):
+@pytest.mark.parametrize("mma", [False, True], ids=["", "mma"])
+def test_matches_reference(b, hq, hkv, positions, valid_from, splits, mma):
+    """mma: tl.dot on padded query rows also without GQA."""
     q, k, v, pos, lo = attention_problem(b, hq, hkv, 16, 48, positions=positions, valid_from=valid_from, seed=b + hq)
     counters = torch.zeros(b * hkv, dtype=torch.int32, device=DEVICE)
-    o = launch_decode_attention(q, k, v, pos, 0.3, lo, counters, config=AttentionConfig(block_s=16, splits=splits))
+    config = AttentionConfig(block_s=16, splits=splits, mma=mma)
+    o = launch_decode_attention(q, k, v, pos, 0.3, lo, counters, config=config)
     check_attention(o, q, k, v, pos, lo, 0.3)
     assert torch.equal(counters, torch.zeros_like(counters))  # left zero for the next call
 
 
 @pytest.mark.parametrize("b, hq, hkv, positions, valid_from", CASES)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_prefetch_gives_the_same_bits(b, hq, hkv, positions, valid_from, splits):
+@pytest.mark.parametrize("mma", [False, True], ids=["", "mma"])
+def test_prefetch_gives_the_same_bits(b, hq, hkv, positions, valid_from, splits, mma):
     """config.prefetch (the first block's older slots read before the PDL wait, the slot at positions[b]
     after it, merged) computes exactly what the plain loop computes."""
     q, k, v, pos, lo = attention_problem(b, hq, hkv, 16, 48, positions=positions, valid_from=valid_from, seed=b + hq)
-    config = AttentionConfig(block_s=16, splits=splits)
+    config = AttentionConfig(block_s=16, splits=splits, mma=mma)
     want = launch_decode_attention(q, k, v, pos, 0.3, lo, config=config)
     got = launch_decode_attention(q, k, v, pos, 0.3, lo, config=dataclasses.replace(config, prefetch=True))
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())

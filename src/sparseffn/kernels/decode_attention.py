@@ -183,9 +183,9 @@ def _decode_attention_kernel(
 _launch = Launcher(_decode_attention_kernel)
 
 
-def group_rows(group: int) -> int:
-    """G_PAD: the query rows a program computes for a GQA group of `group` heads."""
-    return 1 if group == 1 else max(16, next_power_of_2(group))
+def group_rows(group: int, mma: bool = False) -> int:
+    """G_PAD: the query rows a program computes for a GQA group of `group` heads (mma: AttentionConfig.mma)."""
+    return 1 if group == 1 and not mma else max(16, next_power_of_2(group))
 
 
 def num_splits(config: AttentionConfig, programs: int, s_max: int, sms: int) -> int:
@@ -206,7 +206,7 @@ def launch_decode_attention(q, k_cache, v_cache, positions, scaling, valid_from=
     sms = num_sms(q.device) if q.is_cuda else 4
     config = config or attention_config(b * hkv, sms, prefetch)
     group = hq // hkv
-    g_pad = group_rows(group)
+    g_pad = group_rows(group, config.mma)
     block_d = max(16, next_power_of_2(d))
     splits = num_splits(config, b * hkv, s_max, sms)
     o = torch.empty((b, hq * d), dtype=q.dtype, device=q.device)

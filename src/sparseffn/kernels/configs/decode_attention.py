@@ -40,7 +40,9 @@ class AttentionConfig:
     each program's first block of older slots (before positions[b]) read before the PDL wait, so they are
     in flight while the launch before still runs. Only for callers where no kernel still running writes
     positions, valid_from or those slots (the decode engine: positions come from the step's first op,
-    older slots from earlier steps); off in the public op's defaults."""
+    older slots from earlier steps); off in the public op's defaults. mma: the products by tl.dot on query
+    rows padded to 16 even where one query head reads a key/value head (GQA groups always take it), so the
+    cache tiles stream through shared memory, pipelined num_stages deep (a load feeding no tl.dot is not)."""
 
     block_s: int = 64
     num_warps: int = 4
@@ -49,11 +51,12 @@ class AttentionConfig:
     max_splits: int = 16
     pdl: bool = False
     prefetch: bool = False
+    mma: bool = False
 
     def __post_init__(self) -> None:
         check_config_fields(self, positive=("block_s", "num_warps", "num_stages", "max_splits"),
                             powers_of_two=("block_s", "num_warps"), at_least=((("block_s",), 16, "tl.dot"),),
-                            flags=("pdl", "prefetch"))
+                            flags=("pdl", "prefetch", "mma"))
         if self.splits is not None and (isinstance(self.splits, bool) or not isinstance(self.splits, int)
                                         or self.splits < 1):
             raise ValueError(f"AttentionConfig.splits must be None or a positive int, got {self.splits!r}")
