@@ -119,15 +119,15 @@ def test_empty_range_is_nan():
 
 
 def test_default_config_one_split_from_a_pair_per_sm():
-    """A (sequence, key/value head) pair per SM or more: one split of 128-slot steps; fewer: splits
+    """A (sequence, key/value head) pair per SM or more: one split of 128-slot steps by tl.dot; fewer: splits
     for about 4 programs per SM (batch 1 of a 32-head model on 132 SMs: 16)."""
-    assert attention_config(132, 132) == AttentionConfig(splits=1, block_s=128)
+    assert attention_config(132, 132) == AttentionConfig(splits=1, block_s=128, mma=True)
     assert attention_config(512, 132).splits == 1
     assert attention_config(32, 132) == AttentionConfig(pdl=True)
     assert num_splits(attention_config(32, 132), 32, 4096, 132) == 16
     # a caller meeting prefetch's contract: taken with pdl only
     assert attention_config(32, 132, prefetch=True) == AttentionConfig(pdl=True, prefetch=True, num_warps=2)
-    assert attention_config(132, 132, prefetch=True) == AttentionConfig(splits=1, block_s=128)
+    assert attention_config(132, 132, prefetch=True) == AttentionConfig(splits=1, block_s=128, mma=True)
 
 
 def test_public_prefetch_gives_the_same_bits():

@@ -29,7 +29,7 @@ def compile_specs(arch: tuple[int, int] = (9, 0), with_options: bool = False):
             for name in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh",
                          "stride_vs"):
                 sig[name] = "i32"
-            cx = {"HEAD_DIM": head_dim, "GROUP": group, "G_PAD": group_rows(group), "SPLITS_PAD": splits_pad,
+            cx = {"HEAD_DIM": head_dim, "GROUP": group, "G_PAD": group_rows(group, cfg.mma), "SPLITS_PAD": splits_pad,
                   "BLOCK_S": cfg.block_s,
                   "BLOCK_D": head_dim, "PDL": False, "PREFETCH": False, "DOT_IN_FP32": False}
             if not with_from:
