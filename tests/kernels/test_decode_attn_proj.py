@@ -291,3 +291,20 @@ def test_pending_is_checked_and_taken_by_the_ops():
     want = decode_out_proj(attn, wo, bo, residual + pending.to(residual.dtype))
     assert torch.equal(decode_out_proj(attn, wo, bo, residual, out=residual, pending=pending), want)
     assert torch.equal(residual, want) and not pending.any()
+
+
+def test_pending_forms_trace_under_torch_compile():
+    """The pending forms as custom ops inside torch.compile(fullgraph=True) (aot_eager: functionalized, the
+    fakes' shapes): the eager bits, and o_proj's zeroing of pending kept as a mutation."""
+    attn, wo, bo, _ = _out_problem(1, 96, 80, bias=True, seed=43)
+    residual, pending = _exact_pair(1, 80, torch.bfloat16, seed=44)
+    want = decode_out_proj(attn, wo, bo, residual, pending=pending.clone())
+    step = torch.compile(lambda a, r, p: decode_out_proj(a, wo, bo, r, pending=p) * 1, backend="aot_eager",
+                         fullgraph=True)
+    assert torch.equal(step(attn, residual, pending), want) and not pending.any()
+    p = qkv_problem(1, 80, 4, 2, 16, 12, bias=False, seed=45)
+    hidden, pending = _exact_pair(1, 80, torch.bfloat16, seed=46)
+    p["hidden"] = hidden
+    want = decode_qkv_rope(*(p[n] for n in QKV_ARGS), pending=pending)
+    qkv = torch.compile(lambda *args: decode_qkv_rope(*args, pending=pending), backend="aot_eager", fullgraph=True)
+    assert torch.equal(qkv(*(p[n] for n in QKV_ARGS)), want)
