@@ -34,6 +34,7 @@ forwards), dtypes other than bf16 / fp16, weights on several devices.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +174,10 @@ class DecodeEngine:
     def logits(self, ids: torch.Tensor, position: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """[B, V] logits of the tokens ids [B, 1] at cache slot `position` [1]; shift [B, 1] each row's
         left padding (zeros: none). Writes each layer's k and v at the rows' positions."""
+        with _unfilled():
+            return self._logits(ids, position, shift)
+
+    def _logits(self, ids: torch.Tensor, position: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         positions = position - shift[:, 0]  # [B] rotary position = cache slot after `attach`
         hidden = self.embed(ids[:, 0])  # [B, D]
         pending = None  # the folded MLP output the residual still lacks
@@ -195,6 +200,18 @@ class DecodeEngine:
         """Whether layer i's MLP is folded (module docstring)."""
         return (self.layers[i].sparse and self.batch_size == 1 and i < len(self.layers) - 1
                 and not torch.are_deterministic_algorithms_enabled())
+
+
+@contextlib.contextmanager
+def _unfilled():
+    """torch.use_deterministic_algorithms(True) fills new memory with NaN unless told not to; every temporary
+    of the step is written before it is read, so the fills would only add launches to the captured step."""
+    was = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = was
 
 
 def auto_engine(model: nn.Module, *, batch_size: int, max_length: int,
