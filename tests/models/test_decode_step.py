@@ -93,6 +93,7 @@ def test_step_logits_within_twice_torch_error_of_fp32(mode, deterministic):
                                              torch.zeros(1, 1, dtype=torch.long, device=DEVICE))[0].float()
                                for t in (p, p + 1)])
             folded = [engine._folds(i) for i in range(len(engine.layers))]
+            assert torch.utils.deterministic.fill_uninitialized_memory  # the step's own no-fill is undone
     finally:
         torch.use_deterministic_algorithms(was)
     last = len(folded) - 1
