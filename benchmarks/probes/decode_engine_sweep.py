@@ -52,7 +52,7 @@ from sparseffn.bench.decode_model import DecodeModelBenchConfig, build_bench_mod
 from sparseffn.bench.timing import run_metadata
 from sparseffn.kernels.configs.decode_attention import (AttentionConfig, ProjectionConfig, attention_config,
                                                        projection_config)
-from sparseffn.kernels.configs.decode_mlp import DecodeConfig, default_config, fit_shared_memory
+from sparseffn.kernels.configs.decode_mlp import default_config, fit_shared_memory
 from sparseffn.models.generate import CapturedDecoder
 
 NEW = 40  # generated tokens per variant: the replays timed
