@@ -98,8 +98,8 @@ def attention_config(programs: int, sms: int, prefetch: bool = False) -> Attenti
     """The split-KV attention's default config for `programs` (sequence, key/value head) pairs on a
     GPU of `sms` SMs: with a pair per SM or more, one split of 128-slot steps (no combine; at batch 16
     on the 2b model 1.4x faster than two splits of 64) with mma (pipelined cache tiles: 12% faster there,
-    H100); fewer pairs, AttentionConfig() (about 4
-    programs per SM), launched with pdl (as the one-token kernels around it), and with `prefetch` (the
+    H100); fewer pairs, AttentionConfig() (about 4 programs per SM; mma slower there), launched with pdl
+    (as the one-token kernels around it), and with `prefetch` (the
     caller meets AttentionConfig.prefetch's contract) reading before the wait, at 2 warps (each faster
     in the engine's 2b step at batch 1; prefetch slower without pdl, at batch 16: docs/decode_engine.md)."""
     if programs >= sms:
