@@ -84,8 +84,7 @@ def _normed_rows_dot(x_ptr, pending_ptr, norm_ptr, w_ptr, units, unit_in, rows, 
     if ONE_STEP:
         k_in = offs_k < D
         w = tl.load(w_rows + offs_k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        xv = _x_tile(x_rows + offs_k[None, :], p_rows + offs_k[None, :] if PENDING else None,
-                     row_in[:, None] & k_in[None, :], PENDING)  # [M_PAD, BLOCK_K]
+        xv = _x_tile(x_rows, p_rows, offs_k[None, :], row_in[:, None] & k_in[None, :], PENDING)  # [M_PAD, BLOCK_K]
         g = tl.load(norm_ptr + offs_k, mask=k_in, other=0.0)  # [BLOCK_K]
         xf = xv.to(tl.float32)
         rstd = _rstd(tl.sum(xf * xf, axis=1), D, eps)  # [M_PAD]
@@ -94,16 +93,14 @@ def _normed_rows_dot(x_ptr, pending_ptr, norm_ptr, w_ptr, units, unit_in, rows, 
         sq = tl.zeros((M_PAD,), dtype=tl.float32)
         for k0 in tl.range(0, D, BLOCK_K, loop_unroll_factor=4):  # unrolled: the x loads are in flight together
             k = k0 + offs_k
-            xf = _x_tile(x_rows + k[None, :], p_rows + k[None, :] if PENDING else None,
-                         row_in[:, None] & (k < D)[None, :], PENDING).to(tl.float32)
+            xf = _x_tile(x_rows, p_rows, k[None, :], row_in[:, None] & (k < D)[None, :], PENDING).to(tl.float32)
             sq += tl.sum(xf * xf, axis=1)
         rstd = _rstd(sq, D, eps)
         for k0 in range(0, D, BLOCK_K):
             k = k0 + offs_k
             k_in = k < D
             w = tl.load(w_rows + k[None, :], mask=unit_in[:, None] & k_in[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-            xv = _x_tile(x_rows + k[None, :], p_rows + k[None, :] if PENDING else None,
-                         row_in[:, None] & k_in[None, :], PENDING)  # [M_PAD, BLOCK_K]
+            xv = _x_tile(x_rows, p_rows, k[None, :], row_in[:, None] & k_in[None, :], PENDING)  # [M_PAD, BLOCK_K]
             g = tl.load(norm_ptr + k, mask=k_in, other=0.0)  # [BLOCK_K]
             acc = _normed_product(acc, w, xv, g, rstd, dtype, M_PAD, DOT_IN_FP32)
     if M_PAD < 16:
@@ -291,10 +288,10 @@ def _decode_out_proj_kernel(
         acc += tl.load(b_ptr + units, mask=unit_in, other=0.0).to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
     mask = row_in[:, None] & unit_in[None, :]
-    p_ptrs = pending_ptr + rows.to(tl.int64)[:, None] * stride_pm + units[None, :] if PENDING else None
-    r = _x_tile(r_ptr + rows.to(tl.int64)[:, None] * stride_rm + units[None, :], p_ptrs, mask, PENDING)
+    p_rows = pending_ptr + rows.to(tl.int64)[:, None] * stride_pm if PENDING else None  # [M_PAD, 1]
+    r = _x_tile(r_ptr + rows.to(tl.int64)[:, None] * stride_rm, p_rows, units[None, :], mask, PENDING)
     if PENDING:  # consumed: zeros again for the MLP that adds into it next (the q/k/v launch read it before)
-        tl.store(p_ptrs, tl.zeros((M_PAD, BLOCK_N), tl.float32), mask=mask)
+        tl.store(p_rows + units[None, :], tl.zeros((M_PAD, BLOCK_N), tl.float32), mask=mask)
     y = r.to(tl.float32) + acc.to(dtype).to(tl.float32)  # [M_PAD, BLOCK_N]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + units[None, :], y.to(dtype), mask=mask)
 
@@ -338,7 +335,8 @@ def launch_decode_qkv_rope(hidden, norm_weight, eps, wq, wk, wv, bq, bk, bv, cos
         wk.stride(0), wv.stride(0),
         cos_table.stride(0), sin_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, HAS_BIAS=has_bias, PENDING=pending is not None, M_PAD=mp, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        HEAD_DIM=head_dim, HAS_BIAS=has_bias, PENDING=pending is not None, M_PAD=mp, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
         ONE_STEP=d_model <= config.block_k, STREAM=config.stream, PREFETCH=config.prefetch,
         DOT_IN_FP32=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(config.pdl, hidden.device),

@@ -48,12 +48,12 @@ __all__ = ["MAX_TOKENS", "decode_mlp", "launch_decode_mlp"]
 
 
 @triton.jit
-def _x_tile(x_ptrs, pending_ptrs, mask, PENDING: tl.constexpr):
-    """A tile of x, or with PENDING the layer input round(x + round(pending)): torch's residual add of an
-    MLP output (fp32 sum `pending`, rounded to x's dtype) that was left for this kernel to add."""
-    xv = tl.load(x_ptrs, mask=mask, other=0.0)
+def _x_tile(x_rows, pending_rows, cols, mask, PENDING: tl.constexpr):
+    """x[rows, cols] (x_rows: the rows' pointers), or with PENDING the layer input round(x + round(pending)):
+    torch's residual add of an MLP output (fp32 sum `pending`, rounded to x's dtype) left for this kernel."""
+    xv = tl.load(x_rows + cols, mask=mask, other=0.0)
     if PENDING:
-        s = tl.load(pending_ptrs, mask=mask, other=0.0).to(xv.dtype)
+        s = tl.load(pending_rows + cols, mask=mask, other=0.0).to(xv.dtype)
         xv = (xv.to(tl.float32) + s.to(tl.float32)).to(xv.dtype)
     return xv
 
@@ -70,7 +70,7 @@ def _rows_rstd(x_ptr, pending_ptr, rows, row_in, D, stride_xm, stride_pm, eps, M
     for k0 in range(0, D, BLOCK_K):
         k = k0 + offs_k
         mask = row_in[:, None] & (k < D)[None, :]
-        xv = _x_tile(x_rows + k[None, :], p_rows + k[None, :] if PENDING else None, mask, PENDING).to(tl.float32)
+        xv = _x_tile(x_rows, p_rows, k[None, :], mask, PENDING).to(tl.float32)
         sq += xv * xv
     mean_sq = tl.sum(sq, axis=1) / D  # [M_PAD]
     return tl.math.div_rn(tl.full((M_PAD,), 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))
@@ -120,8 +120,7 @@ def _streamed_dot(w, x_ptr, pending_ptr, w_ptr, units, unit_on, D, stride_wh, no
         rstd = _rows_rstd(x_ptr, pending_ptr, one, one < 1, D, 0, 0, eps, 1, BLOCK_K, PENDING)
     elif not NORM:
         rstd = tl.zeros((1,), dtype=tl.float32)  # unused; returned as a tensor
-    xv = _x_tile(x_row + offs_k[None, :], p_row + offs_k[None, :] if PENDING else None, k_in[None, :],
-                 PENDING)  # [1, BLOCK_K]
+    xv = _x_tile(x_row, p_row, offs_k[None, :], k_in[None, :], PENDING)  # [1, BLOCK_K]
     nw = tl.load(norm_ptr + offs_k, mask=k_in, other=0.0) if NORM else None
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     if ONE_STEP:
@@ -133,7 +132,7 @@ def _streamed_dot(w, x_ptr, pending_ptr, w_ptr, units, unit_on, D, stride_wh, no
             k = k0 + BLOCK_K + offs_k  # the next step's columns; past D on the last step: masked, no traffic
             k_in = k < D
             w_next = tl.load(w_rows + k[None, :], mask=unit_on[:, None] & k_in[None, :], other=0.0)
-            x_next = _x_tile(x_row + k[None, :], p_row + k[None, :] if PENDING else None, k_in[None, :], PENDING)
+            x_next = _x_tile(x_row, p_row, k[None, :], k_in[None, :], PENDING)
             if NORM:
                 nw_next = tl.load(norm_ptr + k, mask=k_in, other=0.0)
                 xv = _normed_by(xv, nw, rstd[:, None])
@@ -548,25 +547,26 @@ def launch_decode_mlp(x, first_weight, up_weight, down_t, threshold, *, config=N
     fp32 x and weights run exactly (tl.dot in IEEE fp32)."""
     m, d = x.shape
     h = first_weight.shape[0]
-    if fold_into is not None:
-        if m != 1 or act != "sparse":
-            raise ValueError(f"fold_into is for the sparse MLP at one token, got {m} tokens and act {act!r}")
-        if d and h:
-            config = fitted(config or default_config(1, capability(x.device), norm=norm_weight is not None), d)
-            launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, None, 1, 1, None, None, 0,
-                           config, act, down_t=down_t, fold_into=fold_into)
+    if fold_into is not None and (m != 1 or act != "sparse"):
+        raise ValueError(f"fold_into is for the sparse MLP at one token, got {m} tokens and act {act!r}")
+    if fold_into is None:
+        y = torch.empty((m, d), dtype=x.dtype, device=x.device)
+        if d == 0:
+            return y
+        if h == 0:
+            return y.copy_(x) if residual else y.zero_()
+    elif d == 0 or h == 0:
         return fold_into
-    y = torch.empty((m, d), dtype=x.dtype, device=x.device)
-    if d == 0:
-        return y
-    if h == 0:
-        return y.copy_(x) if residual else y.zero_()
     mp = m_pad(m)
     if config is None:
         config = default_config(mp, capability(x.device), dense=act != "sparse", norm=norm_weight is not None)
     elif mp >= 16 and config.block_h < 16:
         raise ValueError(f"config.block_h must be >= 16 for {m} tokens (tl.dot), got {config.block_h}")
     config = fitted(config, d)
+    if fold_into is not None:
+        launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, None, 1, 1, None, None, 0, config,
+                       act, down_t=down_t, fold_into=fold_into)
+        return fold_into
     hidden = torch.empty((h, mp), dtype=x.dtype, device=x.device)  # h_t
     scratch, n_counts = down_scratch(config, d, h, x.device)
     launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidden, 1, mp, scratch[:h],
@@ -627,7 +627,8 @@ def launch_gate_up(x, norm_weight, eps, first_weight, up_weight, threshold, hidd
     _gate_up_launch[(cdiv(h, config.block_h),)](
         x, norm_weight, first_weight, up, threshold, hidden, flags, counts, down_t, fold_into, m, d, h, n_counts,
         float(eps), x.stride(0), first_weight.stride(0), up.stride(0), stride_hm, stride_hh,
-        0 if down_t is None else down_t.stride(0), GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
+        0 if down_t is None else down_t.stride(0),
+        GATED=gated, HAS_THRESHOLD=threshold is not None, ACT=ACTS[act], NORM=norm_weight is not None,
         M_PAD=m_pad(m), BLOCK_H=config.block_h, BLOCK_K=config.block_k, STREAM=config.stream,
         ONE_STEP=d <= config.block_k, FOLD=fold_into is not None,
         COMPACT_UP=config.compact_up and act == "sparse", UP_K=min(config.up_k, max(16, next_power_of_2(d))),
