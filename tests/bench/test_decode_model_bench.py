@@ -93,3 +93,33 @@ def test_dense_rows_layout_is_a_dense_models_and_is_undone():
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     with _down_stored(layers, "transposed"):
         assert all(stored_transposed(p) for p in params)
+
+
+_RUN = dict(provider="captured", mode="auto", layout="transposed", non_mlp="hf", batch=3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the child fails only where there is no CUDA device")
+def test_isolated_run_names_the_run_when_its_process_fails():
+    """A run in its own process that fails raises here, naming the run and giving the child's last line."""
+    from sparseffn.bench.decode_model import _isolated_run
+
+    lines = []
+    with pytest.raises(RuntimeError, match=r"the captured run \(auto, down transposed\) at batch 3, hf norms/RoPE "
+                                           r"failed in its process \(exit 1\): .*needs a CUDA device"):
+        _isolated_run(_cfg(isolate=True), _RUN, lines.append)
+    assert any("Traceback" in line for line in lines)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_isolated_run_is_the_in_process_run_in_a_fresh_process():
+    """The fresh process builds the same model (seed, pool, calibration): the same greedy tokens as the run
+    in this process, and the activity its layers measured."""
+    from sparseffn.bench.decode_model import _isolated_run, _timed_run
+
+    cfg = _cfg(isolate=True)
+    model, layers, _, prompts = build_bench_model(cfg, torch.device("cuda"))
+    here = _timed_run(model, layers, prompts[3], cfg, _RUN)
+    there = _isolated_run(cfg, _RUN, print)
+    assert torch.equal(there["tokens"], here["tokens"])
+    assert there["paths"] == here["paths"] and there["p50"] > 0
+    assert len(there["activity"]) == len(layers) and all(a is not None and a > 0 for a in there["activity"])

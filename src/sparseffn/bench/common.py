@@ -1,9 +1,14 @@
-"""Small pieces every benchmark shares: list flags, the relative error, the long-format CSV, figures."""
+"""Small pieces every benchmark shares: list flags, the relative error, the long-format CSV, figures, runs in a
+fresh process."""
 
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
+from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -57,3 +62,21 @@ def save_figure(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
     return path
+
+
+def run_in_own_process(code: str, what: str, log: Callable[[str], None], env: dict[str, str] | None = None) -> None:
+    """Run Python `code` in a fresh interpreter that imports this very sparseffn; its output lines go to `log`.
+    A failing run raises RuntimeError naming `what`, with the child's last line."""
+    from sparseffn._child_env import child_env
+
+    env = dict(env if env is not None else child_env(), PYTHONUNBUFFERED="1")
+    tail: deque[str] = deque(maxlen=1)
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env) as proc:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            log(line)
+            if line.strip():
+                tail.append(line)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed in its process (exit {proc.returncode}): {tail[-1] if tail else 'no output'}")

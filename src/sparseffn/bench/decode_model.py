@@ -27,6 +27,9 @@ each with Hugging Face's own norms and rotary embeddings ("hf") and/or ours fuse
 and, between the captured runs, the greedy agreement: the first step where the sparse tokens differ
 from the dense ones, with the dense logits' top-1 / top-2 margin there, the prefill logits' error and
 the active units per token at the sparse model's generated positions (the user-compiled rows: between its own dense and sparse runs).
+With `isolate`, each timed run of those providers (and of the user-compiled loop) runs in a fresh Python
+process that builds and calibrates the same model again (the same seed and pool): no run inherits another's
+allocator, caches or clocks; eager and the agreement stay in this process.
 Rooflines: the bytes each step must read (dense: every weight; sparse: all but the up and down rows of
 inactive units, at the measured activity; both: the key/value cache at the mean generated position) over
 the HBM bandwidth.
@@ -35,7 +38,10 @@ the HBM bandwidth.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +49,7 @@ from typing import Callable
 
 import torch
 
-from sparseffn.bench.common import ints, pyplot, save_figure, write_csv
+from sparseffn.bench.common import ints, pyplot, run_in_own_process, save_figure, write_csv
 from sparseffn.bench.timing import device_slug, run_metadata
 from sparseffn.nn.sparse_mlp import contiguous_down_, store_transposed_
 from sparseffn.ops.decide import expected_union
@@ -77,6 +83,7 @@ class DecodeModelBenchConfig:
     step: bool = False  # also time CapturedDecoder(engine="fused"), the fused decode-step engine
     captured: bool = True  # time the captured Hugging Face forward (off: only the other providers asked for)
     user_compiled: bool = False  # also time a user's own torch.compile'd decode loop (bench/user_decoder.py)
+    isolate: bool = False  # each timed captured / compiled / step / user-compiled run in a fresh process
     seed: int = 0
     out_dir: str = "benchmarks/results"
     git_sha: str = ""
@@ -170,11 +177,14 @@ def run_decode_model_bench(cfg: DecodeModelBenchConfig, device: torch.device | N
     return rows
 
 
+# CapturedDecoder's options for each captured provider, and the config field that asks for it, in timing order
+PROVIDERS = {"captured": ({"engine": "hf"}, "captured"), "compiled": ({"compile": True, "engine": "hf"}, "compile"),
+             "step": ({"engine": "fused"}, "step")}
+
+
 def timed_providers(cfg: DecodeModelBenchConfig) -> list[tuple[str, dict]]:
     """(provider, CapturedDecoder options) of each captured provider the config asks for, in order."""
-    providers = [(name, options) for name, options, wanted in (
-        ("captured", {"engine": "hf"}, cfg.captured), ("compiled", {"compile": True, "engine": "hf"}, cfg.compile),
-        ("step", {"engine": "fused"}, cfg.step)) if wanted]
+    providers = [(name, options) for name, (options, field) in PROVIDERS.items() if getattr(cfg, field)]
     if not providers:
         raise ValueError("nothing to time: --captured, --compile and --step are all off")
     return providers
@@ -239,24 +249,31 @@ def _batch_rows(cfg, model, layers, prompt, common, log, user_compiled=False) ->
                 rounds.setdefault(mlp, []).append(_eager(model, prompt, cfg.eager_tokens))
         for mlp, runs in rounds.items():
             results[("eager", mlp)] = min(runs, key=lambda r: r["p50"])
+
+    def timed(run: dict) -> dict:  # run: provider, mode, layout; in this process or a fresh one
+        if cfg.isolate:
+            return _isolated_run(cfg, dict(run, non_mlp=common["non_mlp"], batch=batch), log)
+        return _timed_run(model, layers, prompt, cfg, run)
+
     providers = timed_providers(cfg)
-    for provider, options in providers:
-        dense = {layout: _captured_run(model, layers, prompt, cfg, options, "dense", layout) for layout in DOWN_LAYOUTS}
+    for provider, _ in providers:
+        dense = {layout: timed(dict(provider=provider, mode="dense", layout=layout)) for layout in DOWN_LAYOUTS}
         results[(provider, "dense")] = min(dense.values(), key=lambda r: r["p50"])  # the faster layout's
-        results[(provider, "sparse")] = _captured_run(model, layers, prompt, cfg, options, "auto", "transposed")
+        results[(provider, "sparse")] = timed(dict(provider=provider, mode="auto", layout="transposed"))
         log(f"batch {batch}, {provider}: dense step with the down weight stored transposed "
             f"{dense['transposed']['p50']:.3f} ms, as [D, H] rows {dense['rows']['p50']:.3f} ms (the faster is the "
             "dense row)")
     _set_mode(layers, "auto")
     if user_compiled:  # after the captured sparse run: every layer has a measured activity
         for mlp in ("dense", "sparse"):
-            results[("user-compiled", mlp)] = _user_compiled(model, layers, prompt, cfg, sparse=mlp == "sparse")
+            results[("user-compiled", mlp)] = timed(dict(provider="user-compiled", mode=mlp, layout="transposed"))
     first = providers[0][0]  # the greedy agreement of the first provider timed
     agreements = {provider: _agreement(model, layers, prompt, results[(provider, "dense")]["tokens"],
                                        results[(provider, "sparse")]["tokens"], cfg.prompt)
                   for provider in (first, "user-compiled") if (provider, "dense") in results}
     agreement = agreements[first]
-    roof = _rooflines(model, layers, batch, cfg.prompt, cfg.new_tokens)
+    activity = results[(first, "sparse")].get("activity")  # an isolated run's layers measured it, not these
+    roof = _rooflines(model, layers, batch, cfg.prompt, cfg.new_tokens, activity)
     rows = []
     for (provider, mlp), r in results.items():
         base = results[(provider, "dense")]["tokens_per_s"]
@@ -284,6 +301,51 @@ def _batch_rows(cfg, model, layers, prompt, common, log, user_compiled=False) ->
           f"nnz/token {agreement['generated_nnz']} (layer max {agreement['generated_nnz_layer_max']}); paths "
           f"{cap_s['paths']}")
     return rows
+
+
+def _timed_run(model, layers, prompt, cfg, run: dict) -> dict:
+    """One timed run in this process: `run` names the provider ("user-compiled" or one of timed_providers), the
+    mode of every sparse layer ("dense" / "auto"; the user loop's "dense" / "sparse") and the down layout."""
+    if run["provider"] == "user-compiled":
+        return _user_compiled(model, layers, prompt, cfg, sparse=run["mode"] == "sparse")
+    return _captured_run(model, layers, prompt, cfg, PROVIDERS[run["provider"]][0], run["mode"], run["layout"])
+
+
+def _isolated_run(cfg: DecodeModelBenchConfig, run: dict, log: Callable[[str], None]) -> dict:
+    """`_timed_run` in a fresh Python process (`isolated_child`), which builds the same model; its result here
+    (tokens on this process's device, and each layer's measured activity after the run)."""
+    with tempfile.TemporaryDirectory(prefix="decode-model-run-") as folder:
+        spec, result = Path(folder) / "run.json", Path(folder) / "result.pt"
+        spec.write_text(json.dumps(dict(cfg=dataclasses.asdict(cfg), run=run)))
+        code = f"from sparseffn.bench.decode_model import isolated_child; isolated_child({str(spec)!r}, {str(result)!r})"
+        what = (f"bench decode-model: the {run['provider']} run ({run['mode']}, down {run['layout']}) at batch "
+                f"{run['batch']}, {run['non_mlp']} norms/RoPE")
+        run_in_own_process(code, what, log)
+        out = torch.load(result, weights_only=True)
+    out["tokens"] = out["tokens"].to(torch.device("cuda"))
+    return out
+
+
+def isolated_child(spec_path: str, result_path: str) -> None:
+    """A fresh process's whole work (`_isolated_run`): build the bench model as the parent did, fuse its norms
+    and RoPE for the "fused" variant, run the one timed run, save its result. The user loop first runs the
+    captured sparse step untimed, as the parent's order does: its op reads the activity that run measures."""
+    from sparseffn.models import fuse_non_mlp_
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg, run = DecodeModelBenchConfig(**spec["cfg"]), spec["run"]
+    if not torch.cuda.is_available():
+        raise ValueError("bench decode-model captures CUDA graphs: it needs a CUDA device")
+    model, layers, _, prompts = build_bench_model(cfg, torch.device("cuda"))
+    if run["non_mlp"] == "fused":
+        fuse_non_mlp_(model)
+    prompt = prompts[run["batch"]]
+    if run["provider"] == "user-compiled":
+        _captured_run(model, layers, prompt, cfg, PROVIDERS["captured"][0], "auto", "transposed")
+    result = _timed_run(model, layers, prompt, cfg, run)
+    result["tokens"] = result["tokens"].cpu()
+    result["activity"] = [getattr(getattr(layer, "activity", None), "nnz", None) for layer in layers]
+    torch.save(result, result_path)
 
 
 def _first_difference(results: dict, mlp: str, p: int) -> int | str:
@@ -375,16 +437,18 @@ def _generated_nnz(model, tokens, p: int) -> dict:
     return dict(generated_nnz=round(statistics.fmean(means), 1), generated_nnz_layer_max=round(max(means), 1))
 
 
-def _rooflines(model, layers, batch: int, prompt: int, new_tokens: int) -> dict[str, float]:
+def _rooflines(model, layers, batch: int, prompt: int, new_tokens: int,
+               activity: list[float | None] | None = None) -> dict[str, float]:
     """ms per step if every byte each step must read streamed at HBM_TB_S: the weights (dense every one;
     sparse all but the up and down rows of units no token of the batch activates, the expected union at
     the measured activity, ops.decide.expected_union) and each sequence's key/value cache up to the mean
-    position of the generated steps (prompt + new_tokens / 2), which dense and sparse read alike."""
+    position of the generated steps (prompt + new_tokens / 2), which dense and sparse read alike. activity:
+    each layer's measured active units per token where another process measured them (else the layers' own)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     skipped = 0
-    for layer in layers:
+    for i, layer in enumerate(layers):
         h = getattr(layer, "intermediate_size", None)
-        nnz = getattr(getattr(layer, "activity", None), "nnz", None)
+        nnz = activity[i] if activity is not None else getattr(getattr(layer, "activity", None), "nnz", None)
         if h is None or nnz is None or layer.gate_proj is None:
             continue
         union = expected_union(nnz, batch, h)

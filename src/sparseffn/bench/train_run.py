@@ -24,10 +24,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 import tempfile
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,7 +32,7 @@ from typing import Callable
 import torch
 
 from sparseffn._child_env import child_env
-from sparseffn.bench.common import pyplot, save_figure, write_csv
+from sparseffn.bench.common import pyplot, run_in_own_process, save_figure, write_csv
 from sparseffn.bench.timing import device_slug, run_metadata
 from sparseffn.train.profiling import parse_steps
 
@@ -180,22 +177,11 @@ def _in_own_process(train_cfg, log: Callable[[str], None]) -> tuple[Path, float]
     config_path, result_path = out.with_suffix(".config.json"), out.with_suffix(".result.json")
     train_cfg.save(config_path)
     env = child_env()  # the child imports this very sparseffn
-    env["PYTHONUNBUFFERED"] = "1"
     # an empty Triton cache of its own (its warm-up child inherits it): every mode compiles as on a fresh
     # install, whatever ran before it on this machine
     env["TRITON_CACHE_DIR"] = str(out.with_suffix(".triton-cache"))
     code = f"from sparseffn.bench.train_run import _child; _child({str(config_path)!r}, {str(result_path)!r})"
-    tail: deque[str] = deque(maxlen=1)
-    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env) as proc:
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            log(line)
-            if line.strip():
-                tail.append(line)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench train-run: the run in {out.name} mode failed in its process (exit "
-                           f"{proc.returncode}): {tail[-1] if tail else 'no output'}")
+    run_in_own_process(code, f"bench train-run: the run in {out.name} mode", log, env)
     result = json.loads(result_path.read_text())
     return Path(result["metrics_path"]), float(result["seconds"])
 
