@@ -32,7 +32,8 @@ Hugging Face step's in the tests and benchmarks).
 small elementwise kernels of norms, rotary embeddings and residuals; the graph then replays fewer
 kernels). The eager steps compile it, at the decode shape only.
 
-Tokens are picked greedily (argmax, the first maximum on ties) or, with `do_sample=True`, sampled
+Tokens are picked greedily (argmax, the first maximum on ties; without end tokens the pick and the step's
+cache-position advance are one launch, `ops.greedy_pick`) or, with `do_sample=True`, sampled
 from softmax(logits / temperature) after Hugging Face's top-k and top-p filters, in that order
 (`pick_tokens`: a Gumbel-max draw from torch's default generator, so no host sync and no
 data-dependent shape; seed it with `torch.manual_seed`). With `eos_token_id`, a sequence that emits
@@ -56,6 +57,7 @@ import torch
 from torch import nn
 
 from sparseffn.models.decode_step import DecodeEngine, auto_engine
+from sparseffn.ops.greedy_pick import advance_greedy_, greedy_scratch
 from sparseffn.ops.sparse_mlp import as_captured
 
 ENGINES = ("auto", "hf", "fused")
@@ -150,6 +152,9 @@ class CapturedDecoder:
         self._eos = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
         self._pad = (pad or eos or [0])[0]
         self._finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        # greedy without end tokens: each step's pick and advance in one launch (its scratch sized at the first
+        # prompt's logits)
+        self._greedy: tuple[torch.Tensor, ...] | None = None
         # left-padded batches: the attention mask over the whole cache (1: a token, 0: padding) and each
         # row's padding, which the positions subtract; their step is captured apart (`_graphs[True]`)
         self._mask = torch.ones(batch_size, max_length, dtype=torch.long, device=device)
@@ -206,8 +211,11 @@ class CapturedDecoder:
         out, ids, position = self._out, self._ids, self._position
         out[:, :p] = prompt
         self._finished.zero_()
-        token = self._pick(_last_logits(self.model, self.cache, self._cache_kwarg, prompt,
-                                        torch.arange(p, device=self.device), *self._padding()))  # [B]
+        logits = _last_logits(self.model, self.cache, self._cache_kwarg, prompt, torch.arange(p, device=self.device),
+                              *self._padding())
+        if self._greedy is None and self.sampling is None and self._eos is None:
+            self._greedy = greedy_scratch(self.batch_size, logits.shape[1], self.device)
+        token = self._pick(logits)  # [B]
         out[:, p] = token
         ids.copy_(token[:, None])
         position.fill_(p)
@@ -307,6 +315,9 @@ class CapturedDecoder:
             logits = self._engine.logits(self._ids, self._position, self._shift)
         else:
             logits = self._step_forward(self._ids, self._position, *self._padding())
+        if self._greedy is not None:
+            advance_greedy_(logits, self._out, self._ids, self._position, self._greedy)
+            return
         token = self._pick(logits)  # [B]
         self._out.index_copy_(1, self._position + 1, token[:, None])
         self._ids.copy_(token[:, None])
