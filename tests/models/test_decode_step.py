@@ -73,8 +73,8 @@ def _fp32_logits(model, ids):
 def test_step_logits_within_twice_torch_error_of_fp32(mode, deterministic):
     """Two engine steps after a prompt, teacher-forced: the engine's bf16 logits are within twice the
     error of the Hugging Face bf16 forward against the fp32 model (thresholded SparseMLP layers). At one
-    sequence the sparse layers but the last are folded (their sums left pending, zero again after the
-    step), unless torch.use_deterministic_algorithms is on."""
+    sequence the sparse layers are folded, the last one's sum added by the final norm (every sum left pending
+    is zero again after the step), unless torch.use_deterministic_algorithms is on."""
     model = _model("llama", sparse=True, threshold=True)
     for layer in sparseffn.models.sparse_layers(model):
         layer.mode = mode
@@ -96,8 +96,7 @@ def test_step_logits_within_twice_torch_error_of_fp32(mode, deterministic):
             assert torch.utils.deterministic.fill_uninitialized_memory  # the step's own no-fill is undone
     finally:
         torch.use_deterministic_algorithms(was)
-    last = len(folded) - 1
-    assert folded == [mode == "sparse" and not deterministic and i < last for i in range(last + 1)]
+    assert folded == [mode == "sparse" and not deterministic] * len(engine.layers)
     assert not engine.pending.any()
     with torch.no_grad():
         assert {layer.last_decision.mode for layer in sparseffn.models.sparse_layers(model)} == {mode}
@@ -173,8 +172,11 @@ def test_auto_takes_the_engine_where_its_step_was_measured_faster(monkeypatch):
         assert decoder.engine == "hf" and why in decoder.engine_reason
     hooked = _model("llama", sparse=False)
     hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    hooked_norm = _model("llama", sparse=False)
+    hooked_norm.model.norm.register_forward_pre_hook(lambda *args: None)
     refused = {"Llama-family models": family_lm("gemma", "relu"), "bf16 / fp16 models, this one is torch.float32":
-               _model("llama", sparse=False, dtype=torch.float32), "layers.1.mlp has forward hooks": hooked}
+               _model("llama", sparse=False, dtype=torch.float32), "layers.1.mlp has forward hooks": hooked,
+               "norm has forward hooks": hooked_norm}
     for why, other in refused.items():
         decoder = CapturedDecoder(other, batch_size=1, max_length=16)
         assert decoder.engine == "hf" and why in decoder.engine_reason
@@ -193,6 +195,7 @@ def test_reads_the_models_own_weights_fused_norms_too():
         assert layer.wq is attn.q_proj.weight and layer.wo is attn.o_proj.weight
         assert layer.attn_norm is block.input_layernorm.weight and layer.mlp_norm is block.post_attention_layernorm.weight
         assert layer.gate is mlp.gate_proj.weight and layer.down is mlp.down_proj.weight
+    assert engine.norm is model.model.norm.weight
     positions = torch.arange(16, device=DEVICE)[None]
     cos, sin = model.model.rotary_emb(torch.empty(0, dtype=torch.bfloat16, device=DEVICE), positions)
     assert torch.equal(engine.cos, cos[0]) and torch.equal(engine.sin, sin[0])

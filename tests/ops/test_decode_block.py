@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from sparseffn.kernels.configs.decode_mlp import DecodeConfig
 from sparseffn.kernels.decode_dense_mlp import launch_dense_mlp_rows_down
 from sparseffn.kernels.decode_mlp import launch_decode_mlp
-from sparseffn.ops.decode_block import decode_mlp_block
+from sparseffn.ops.decode_block import decode_mlp_block, decode_norm
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 
@@ -224,3 +224,38 @@ def test_rejects_bad_arguments():
         decode_mlp_block(x, nw[:-1], EPS, gate, up, down)
     with pytest.raises(ValueError, match="x must be a tensor"):
         decode_mlp_block(x.repeat(40, 1), nw, EPS, gate, up, down)
+
+
+@pytest.mark.parametrize("m,d", [(1, 48), (3, 300)])
+def test_norm_is_hugging_faces_rmsnorm_of_x_plus_pending(m, d):
+    """decode_norm: fp32 against fp64; bf16 within two ulps of Hugging Face's RMSNorm in bf16 (its two roundings,
+    which the interpreter truncates; the sum of squares in another order), of x + pending with pending, which
+    is zeroed (x and pending multiples of 1/8 below 16: every sum exact, as the interpreter truncates roundings)."""
+    g = torch.Generator().manual_seed(m * d)
+    x, w = torch.randint(-64, 64, (m, d), generator=g) / 8, 1 + 0.3 * torch.randn(d, generator=g)
+    pending = torch.randint(-64, 64, (m, d), generator=g) / 8
+    got = decode_norm(x.to(DEVICE), w.to(DEVICE), EPS)
+    ref = _norm(x.double(), w.double())
+    assert (got.cpu().double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    for with_pending in (False, True):
+        xb, wb, pb = x.bfloat16().to(DEVICE), w.bfloat16().to(DEVICE), pending.to(DEVICE)
+        inp = (xb.float() + pb).bfloat16() if with_pending else xb
+        hf = wb * (inp.float() * torch.rsqrt(inp.float().pow(2).mean(-1, keepdim=True) + EPS)).bfloat16()
+        got = decode_norm(xb, wb, EPS, pending=pb if with_pending else None)
+        ulp = torch.finfo(torch.bfloat16).eps
+        assert ((got.float() - hf.float()).abs() <= 2 * ulp * hf.float().abs() + 1e-30).all()
+        assert not pb.any() if with_pending else torch.equal(pb, pending.to(DEVICE))
+
+
+def test_norm_rejects_bad_arguments():
+    x, w = torch.randn(2, 48, device=DEVICE), torch.randn(48, device=DEVICE)
+    with pytest.raises(ValueError, match="norm_weight must be a tensor of shape"):
+        decode_norm(x, w[:-1], EPS)
+    with pytest.raises(ValueError, match="norm_weight must be torch.float32"):
+        decode_norm(x, w.half(), EPS)
+    with pytest.raises(ValueError, match="pending must be an fp32 tensor"):
+        decode_norm(x, w, EPS, pending=x[:1])
+    with pytest.raises(ValueError, match="eps must be a number"):
+        decode_norm(x, w, -1.0)
+    with pytest.raises(ValueError, match="x must have unit stride"):
+        decode_norm(torch.randn(48, 2, device=DEVICE).t(), w, EPS)

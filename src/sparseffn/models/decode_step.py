@@ -10,11 +10,11 @@ Per layer, for one new token per sequence (hidden [B, D], the residual stream):
        a SparseMLP runs the sparse decode kernels where auto mode decides they pay at this batch size
        (ops/decide.py, from the layer's measured activity), else the dense kernels; a Hugging Face MLP
        (relu or silu) runs the dense ones
-then the model's final norm and lm_head (cuBLAS). Dense and sparse models share steps 1-3.
-Folded MLPs (one sequence, a sparse layer but the last, unless torch.use_deterministic_algorithms is on):
+then the model's final norm (ops.decode_block.decode_norm) and lm_head (cuBLAS). Dense and sparse models share
+steps 1-3. Folded MLPs (one sequence, a sparse layer, unless torch.use_deterministic_algorithms is on):
 step 4 is one launch, its programs adding their active units' down rows into an fp32 buffer by atomic
-adds, and the next layer's steps 1 and 3 add that buffer to the residual (`pending`): one launch fewer
-per layer; the sum's order is not fixed, so its last bits (and rarely a rounded hidden value) may differ
+adds, and the next layer's steps 1 and 3 (after the last layer, the final norm) add that buffer to the
+residual (`pending`): one launch fewer per layer; the sum's order is not fixed, so its last bits (and rarely a rounded hidden value) may differ
 from run to run.
 
 Cache. The engine reads and writes transformers' StaticCache tensors [B, Hkv, S_max, d] in place
@@ -45,7 +45,7 @@ from sparseffn.nn.fused import FusedRMSNorm, has_fused_rope
 from sparseffn.nn.projections import is_plain
 from sparseffn.nn.sparse_mlp import SparseMLP
 from sparseffn.ops.decode_attention import decode_attention, decode_out_proj, decode_qkv_rope
-from sparseffn.ops.decode_block import decode_mlp_block
+from sparseffn.ops.decode_block import decode_mlp_block, decode_norm
 from sparseffn.ops.sparse_mlp import as_captured, choose_mode
 from sparseffn.ops.twell_mlp import stored_transposed
 
@@ -98,12 +98,13 @@ class DecodeEngine:
                               "(use CapturedDecoder(engine='hf'))")
         _check_attention_span(config, max_length)
         inner = model.model
-        _check_unhooked(inner.layers)
+        _check_unhooked(inner.layers, "layers")
         self.model = model
         self.batch_size, self.max_length = batch_size, max_length
         self.layers = [_layer(i, block, config) for i, block in enumerate(inner.layers)]
         self.embed = model.get_input_embeddings()
-        self.norm = inner.norm
+        _check_unhooked(inner.norm, "norm")  # computed by decode_norm from its weight
+        self.norm, self.norm_eps = _norm(inner.norm, "the final norm")
         self.lm_head = model.get_output_embeddings()
         weight = self.layers[0].wq
         self.device, self.dtype = weight.device, weight.dtype
@@ -194,12 +195,11 @@ class DecodeEngine:
                                    act=layer.act, sparse=layer.sparse, fold_into=pending)
             if pending is None:
                 hidden = out
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(decode_norm(hidden, self.norm, self.norm_eps, pending=pending))
 
     def _folds(self, i: int) -> bool:
         """Whether layer i's MLP is folded (module docstring)."""
-        return (self.layers[i].sparse and self.batch_size == 1 and i < len(self.layers) - 1
-                and not torch.are_deterministic_algorithms_enabled())
+        return self.layers[i].sparse and self.batch_size == 1 and not torch.are_deterministic_algorithms_enabled()
 
 
 @contextlib.contextmanager
@@ -256,14 +256,15 @@ def _check_attention_span(config, max_length: int) -> None:
                           f"{max_length} (use CapturedDecoder(engine='hf'))")
 
 
-def _check_unhooked(layers: nn.Module) -> None:
-    """The engine calls no forward of the decoder layers' modules: hooks on them, or a forward replaced by
-    anything but fuse_non_mlp_'s fused RoPE (the same function), would not run."""
-    for name, module in layers.named_modules():
+def _check_unhooked(modules: nn.Module, where: str) -> None:
+    """The engine calls no forward of the decoder layers' modules nor of the final norm: hooks on them, or a
+    forward replaced by anything but fuse_non_mlp_'s fused RoPE (the same function), would not run."""
+    for name, module in modules.named_modules():
         replaced = "forward" in module.__dict__ and not has_fused_rope(module)
         if module._forward_hooks or module._forward_pre_hooks or replaced:
-            raise Unsupported(f"the fused decode engine calls no module's forward inside the decoder layers, and "
-                              f"layers.{name} has forward hooks or a replaced forward (remove them first)")
+            raise Unsupported(f"the fused decode engine calls no module's forward inside the decoder layers or the "
+                              f"final norm, and {'.'.join(filter(None, (where, name)))} has forward hooks or a "
+                              "replaced forward (remove them first)")
 
 
 def _check_sparse_layout(layer: _Layer) -> None:

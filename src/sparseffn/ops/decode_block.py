@@ -15,6 +15,10 @@ Paths (the caller decides which; ops/decide.py is where auto mode decides):
 Inputs: x [M, D] (1 <= M <= 64, unit stride along D), bf16 / fp16 (fp32 runs exactly, for references);
 gate/up [H, D] and norm_weight [D] in x's dtype; down_weight [D, H] as nn.Linear holds it; threshold
 fp32 [H] or None.
+
+`decode_norm(x, norm_weight, eps, *, pending=None)`: the step's last RMSNorm (the model's final norm), one
+launch (kernels/decode_norm.py); with pending (fp32 [M, D], the last folded MLP's sum) it normalizes
+round(x + round(pending)) and zeroes pending, as the next layer's launches would have.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from sparseffn.kernels._runtime import check_capability, interpreting
 from sparseffn.kernels.decode_dense_mlp import launch_dense_mlp_rows_down
 from sparseffn.kernels.decode_mlp import MAX_TOKENS, launch_decode_mlp
+from sparseffn.kernels.decode_norm import launch_decode_norm
 from sparseffn.ops.twell_mlp import stored_transposed
 
 ACTS = ("relu", "silu")
@@ -52,22 +57,54 @@ def decode_mlp_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gat
                                       eps=eps, residual=True)
 
 
+def decode_norm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, *,
+                pending: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, D] = RMSNorm(x) (Hugging Face's rounding), of round(x + round(pending)) with pending, which is then
+    zeroed (module docstring)."""
+    _check_x(x)
+    if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (x.shape[1],):
+        raise ValueError(f"norm_weight must be a tensor of shape [{x.shape[1]}], got {getattr(norm_weight, 'shape', norm_weight)}")
+    if norm_weight.dtype != x.dtype or norm_weight.device != x.device:
+        raise ValueError(f"norm_weight must be {x.dtype} on {x.device} like x, got {norm_weight.dtype} on "
+                         f"{norm_weight.device}")
+    _check_eps(eps)
+    if pending is not None:
+        _check_fp32_like(pending, x, "pending")
+    return launch_decode_norm(x, norm_weight, eps, pending)
+
+
 def _check_fold(fold_into, x, sparse) -> None:
     if not sparse or x.shape[0] != 1:
         raise ValueError(f"fold_into is for sparse=True at one token, got sparse={sparse} and {x.shape[0]} tokens")
-    if (not isinstance(fold_into, torch.Tensor) or fold_into.dtype != torch.float32
-            or tuple(fold_into.shape) != tuple(x.shape) or fold_into.device != x.device
-            or (x.shape[1] > 1 and fold_into.stride(1) != 1)):
-        raise ValueError(f"fold_into must be an fp32 tensor {list(x.shape)} on {x.device} with unit stride along D, "
-                         f"got {getattr(fold_into, 'dtype', type(fold_into).__name__)} "
-                         f"{list(getattr(fold_into, 'shape', []))}")
+    _check_fp32_like(fold_into, x, "fold_into")
 
 
-def _check(x, norm_weight, eps, gate_weight, up_weight, down_weight, threshold, act, sparse) -> None:
+def _check_fp32_like(t, x, name: str) -> None:
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != tuple(x.shape)
+            or t.device != x.device or (x.shape[1] > 1 and t.stride(1) != 1)):
+        raise ValueError(f"{name} must be an fp32 tensor {list(x.shape)} on {x.device} with unit stride along D, "
+                         f"got {getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
+
+
+def _check_x(x) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_TOKENS:
         raise ValueError(f"x must be a tensor [M, D] with 1 <= M <= {MAX_TOKENS}, got {getattr(x, 'shape', x)}")
     if x.dtype not in DTYPES:
         raise TypeError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"x must have unit stride along D, got strides {tuple(x.stride())}")
+    if not x.is_cuda and not interpreting():
+        raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
+    check_capability(x.device)
+
+
+def _check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+
+
+def _check(x, norm_weight, eps, gate_weight, up_weight, down_weight, threshold, act, sparse) -> None:
+    _check_x(x)
     m, d = x.shape
     h = up_weight.shape[0]
     shapes = {"norm_weight": (norm_weight, (d,)), "up_weight": (up_weight, (h, d)),
@@ -79,7 +116,7 @@ def _check(x, norm_weight, eps, gate_weight, up_weight, down_weight, threshold, 
             raise ValueError(f"{name} must be a tensor of shape {list(shape)}, got {getattr(w, 'shape', w)}")
         if w.dtype != x.dtype or w.device != x.device:
             raise ValueError(f"{name} must be {x.dtype} on {x.device} like x, got {w.dtype} on {w.device}")
-    for name, w in (("x", x), ("up_weight", up_weight), ("gate_weight", gate_weight)):
+    for name, w in (("up_weight", up_weight), ("gate_weight", gate_weight)):
         if w is not None and d > 1 and w.stride(1) != 1:
             raise ValueError(f"{name} must have unit stride along D, got strides {tuple(w.stride())}")
     if not (stored_transposed(down_weight) or down_weight.stride(1) == 1 or h <= 1):
@@ -87,8 +124,7 @@ def _check(x, norm_weight, eps, gate_weight, up_weight, down_weight, threshold, 
     if threshold is not None and (not isinstance(threshold, torch.Tensor) or threshold.dtype != torch.float32
                                   or tuple(threshold.shape) != (h,) or threshold.device != x.device):
         raise ValueError(f"threshold must be None or an fp32 tensor [H] = [{h}] on {x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    _check_eps(eps)
     if act not in ACTS:
         raise ValueError(f"act must be one of {ACTS}, got {act!r}")
     if threshold is not None and act != "relu":
@@ -98,6 +134,3 @@ def _check(x, norm_weight, eps, gate_weight, up_weight, down_weight, threshold, 
     if sparse and not stored_transposed(down_weight) and h > 1:
         raise ValueError("sparse=True reads down_weight's transpose as [H, D] rows: store it transposed "
                          "(SparseMLP does) or use sparse=False")
-    if not x.is_cuda and not interpreting():
-        raise ValueError(f"x must be a CUDA tensor (CPU tensors run only under TRITON_INTERPRET=1), got {x.device}")
-    check_capability(x.device)
