@@ -9,7 +9,8 @@ variant and kernel, written as it goes, so a run cut short keeps what it measure
 kernels: a comma list of mlp_sparse, mlp_dense, attention, qkv, out_proj; mlp_sparse_one_token,
 mlp_dense_one_token, qkv_one_token and out_proj_one_token sweep only the one-token fields
 (DecodeConfig.stream, ProjectionConfig.stream) at batch 1, mlp_sparse_compact only
-DecodeConfig.compact_up from batch 3, each against its other form; attention_prefetch the attention
+DecodeConfig.compact_up from batch 3, each against its other form (then its up steps, and
+its gate tiles with compact_up: 16-64 units, 4 or 8 warps; the default last again); attention_prefetch the attention
 launcher's default config without AttentionConfig.prefetch against it with (the engine's default);
 attention_mma the engine's attention config against it with AttentionConfig.mma (tl.dot on padded query rows,
 pipelined cache tiles) at a few tiles, stages and splits, the default first and last; pdl
@@ -188,8 +189,11 @@ def _variants(kernel: str, batch: int) -> list:
         if mp < 16:
             return []
         base = default_config(mp, norm=True)  # compact_up, 256 columns in 4 stages
+        tiles = [dict(block_h=h, gate_warps=w, block_k=k, gate_stages=st) for h, w, k, st in
+                 ((32, 4, 256, 4), (32, 8, 256, 4), (16, 4, 256, 4), (64, 8, 256, 4), (32, 4, 128, 4), (16, 4, 512, 3))]
         return [base, dataclasses.replace(base, compact_up=False)] + [
-            fit_shared_memory(dataclasses.replace(base, up_k=k, up_stages=st), mp) for k, st in ((1024, 2), (512, 3))]
+            fit_shared_memory(dataclasses.replace(base, up_k=k, up_stages=st), mp) for k, st in ((1024, 2), (512, 3))] + [
+            fit_shared_memory(dataclasses.replace(base, **v), mp) for v in tiles] + [base]
     if kernel.endswith("_one_token"):
         if mp != 1:
             return []
