@@ -191,9 +191,9 @@ def _variants(kernel: str, batch: int) -> list:
         base = default_config(mp, norm=True)  # compact_up, 256 columns in 4 stages
         tiles = [dict(block_h=h, gate_warps=w, block_k=k, gate_stages=st) for h, w, k, st in
                  ((32, 4, 256, 4), (32, 8, 256, 4), (16, 4, 256, 4), (64, 8, 256, 4), (32, 4, 128, 4), (16, 4, 512, 3))]
+        steps = [dict(up_k=k, up_stages=st) for k, st in ((1024, 2), (512, 3))]
         return [base, dataclasses.replace(base, compact_up=False)] + [
-            fit_shared_memory(dataclasses.replace(base, up_k=k, up_stages=st), mp) for k, st in ((1024, 2), (512, 3))] + [
-            fit_shared_memory(dataclasses.replace(base, **v), mp) for v in tiles] + [base]
+            fit_shared_memory(dataclasses.replace(base, **v), mp) for v in steps + tiles] + [base]
     if kernel.endswith("_one_token"):
         if mp != 1:
             return []

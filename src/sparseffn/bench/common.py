@@ -79,4 +79,5 @@ def run_in_own_process(code: str, what: str, log: Callable[[str], None], env: di
             if line.strip():
                 tail.append(line)
     if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed in its process (exit {proc.returncode}): {tail[-1] if tail else 'no output'}")
+        last = tail[-1] if tail else "no output"
+        raise RuntimeError(f"{what} failed in its process (exit {proc.returncode}): {last}")

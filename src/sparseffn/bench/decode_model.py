@@ -317,7 +317,8 @@ def _isolated_run(cfg: DecodeModelBenchConfig, run: dict, log: Callable[[str], N
     with tempfile.TemporaryDirectory(prefix="decode-model-run-") as folder:
         spec, result = Path(folder) / "run.json", Path(folder) / "result.pt"
         spec.write_text(json.dumps(dict(cfg=dataclasses.asdict(cfg), run=run)))
-        code = f"from sparseffn.bench.decode_model import isolated_child; isolated_child({str(spec)!r}, {str(result)!r})"
+        code = (f"from sparseffn.bench.decode_model import isolated_child; "
+                f"isolated_child({str(spec)!r}, {str(result)!r})")
         what = (f"bench decode-model: the {run['provider']} run ({run['mode']}, down {run['layout']}) at batch "
                 f"{run['batch']}, {run['non_mlp']} norms/RoPE")
         run_in_own_process(code, what, log)

@@ -14,8 +14,8 @@ then the model's final norm (ops.decode_block.decode_norm) and lm_head (cuBLAS).
 steps 1-3. Folded MLPs (one sequence, a sparse layer, unless torch.use_deterministic_algorithms is on):
 step 4 is one launch, its programs adding their active units' down rows into an fp32 buffer by atomic
 adds, and the next layer's steps 1 and 3 (after the last layer, the final norm) add that buffer to the
-residual (`pending`): one launch fewer per layer; the sum's order is not fixed, so its last bits (and rarely a rounded hidden value) may differ
-from run to run.
+residual (`pending`): one launch fewer per layer; the sum's order is not fixed, so its last bits (and
+rarely a rounded hidden value) may differ from run to run.
 
 Cache. The engine reads and writes transformers' StaticCache tensors [B, Hkv, S_max, d] in place
 (`attach`, after the prompt's forward has filled them). A left-padded batch has its rows shifted
