@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from sparseffn.kernels._runtime import next_power_of_2
+from sparseffn.kernels.decode_attn_proj import _rstd
 from sparseffn.kernels.decode_mlp import _normed, _x_tile
 from sparseffn.kernels.launch import Launcher
 
@@ -34,7 +35,7 @@ def _decode_norm_kernel(x_ptr, pending_ptr, norm_ptr, out_ptr, D, stride_xm, str
     p_row = pending_ptr + row * stride_pm if PENDING else None
     xv = _x_tile(x_ptr + row * stride_xm, p_row, cols, col_in, PENDING)
     xf = xv.to(tl.float32)
-    rstd = tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.sqrt_rn(tl.sum(xf * xf, axis=0) / D + eps))
+    rstd = _rstd(tl.sum(xf * xf, axis=0), D, eps)
     tl.store(out_ptr + row * stride_om + cols, _normed(xv, norm_ptr, cols, col_in, rstd), mask=col_in)
     if PENDING:
         tl.store(p_row + cols, tl.zeros((BLOCK_D,), tl.float32), mask=col_in)
