@@ -8,9 +8,10 @@ the variants alternated over ROUNDS in one process:
     old_tail  the model's final norm module, the last layer's down kernel kept (its fold switched off)
     old_both  both
 
-(batch 1; at larger batches only head and old_pick: nothing folds there). Then, at batch 1, the sparse step under
-torch.use_deterministic_algorithms(True). A CSV row per run (p50 / p99 of the replayed steps), and whether every
-variant's greedy tokens equal head's.
+(batch 1; at larger batches only head and old_pick: nothing folds there). CapturedDecoder now takes the one-launch
+pick at 2+ sequences only (docs/decode_engine.md, the step's tail), so at batch 1 head and old_pick pick alike.
+Then, at batch 1, the sparse step under torch.use_deterministic_algorithms(True). A CSV row per run (p50 / p99 of
+the replayed steps), and whether every variant's greedy tokens equal head's.
 
     python benchmarks/probes/decode_tail_ab.py OUT_CSV [batches, default 1,16] [ROUNDS, default 3]
 """

@@ -88,7 +88,9 @@ def _all_pdl(monkeypatch):
 @torch.no_grad()
 def test_programmatic_dependent_launch_changes_no_bit(mode, batch, monkeypatch):
     """The engine's kernels launched as programmatic dependents (config.pdl) replay the same tokens and
-    give the same logits as launched one after the other."""
+    give the same logits as launched one after the other. The folded one-sequence MLPs are off here: their
+    atomic adds have no fixed order, so the last bits of their sums may differ from run to run, PDL or not."""
+    monkeypatch.setattr(DecodeEngine, "_folds", lambda self, i: False)
     model = _model(mode)
     ids = torch.randint(512, (batch, PROMPT + 4), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     runs = []

@@ -32,8 +32,8 @@ Hugging Face step's in the tests and benchmarks).
 small elementwise kernels of norms, rotary embeddings and residuals; the graph then replays fewer
 kernels). The eager steps compile it, at the decode shape only.
 
-Tokens are picked greedily (argmax, the first maximum on ties; without end tokens the pick and the step's
-cache-position advance are one launch, `ops.greedy_pick`) or, with `do_sample=True`, sampled
+Tokens are picked greedily (argmax, the first maximum on ties; without end tokens and at two or more sequences
+the pick and the step's cache-position advance are one launch, `ops.greedy_pick`) or, with `do_sample=True`, sampled
 from softmax(logits / temperature) after Hugging Face's top-k and top-p filters, in that order
 (`pick_tokens`: a Gumbel-max draw from torch's default generator, so no host sync and no
 data-dependent shape; seed it with `torch.manual_seed`). With `eos_token_id`, a sequence that emits
@@ -152,8 +152,8 @@ class CapturedDecoder:
         self._eos = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
         self._pad = (pad or eos or [0])[0]
         self._finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-        # greedy without end tokens: each step's pick and advance in one launch (its scratch sized at the first
-        # prompt's logits)
+        # greedy without end tokens, 2+ sequences: each step's pick and advance in one launch (its scratch sized at
+        # the first prompt's logits); at one sequence torch's ops were as fast or faster (docs/decode_engine.md)
         self._greedy: tuple[torch.Tensor, ...] | None = None
         # left-padded batches: the attention mask over the whole cache (1: a token, 0: padding) and each
         # row's padding, which the positions subtract; their step is captured apart (`_graphs[True]`)
@@ -213,7 +213,7 @@ class CapturedDecoder:
         self._finished.zero_()
         logits = _last_logits(self.model, self.cache, self._cache_kwarg, prompt, torch.arange(p, device=self.device),
                               *self._padding())
-        if self._greedy is None and self.sampling is None and self._eos is None:
+        if self._greedy is None and self.sampling is None and self._eos is None and self.batch_size > 1:
             self._greedy = greedy_scratch(self.batch_size, logits.shape[1], self.device)
         token = self._pick(logits)  # [B]
         out[:, p] = token
