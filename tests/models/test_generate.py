@@ -27,6 +27,7 @@ def test_eager_steps_match_hugging_face_greedy_generate():
     decoder = CapturedDecoder(model, batch_size=2, max_length=32, eager_steps=100)
     got = decoder.generate(prompt, max_new_tokens=9)
     assert torch.equal(got, want)
+    assert decoder._greedy is not None  # two sequences: the pick and advance in one launch (ops.greedy_pick)
     assert torch.equal(decoder.generate(prompt, max_new_tokens=9), want)  # the cache is reset between calls
 
 
@@ -41,6 +42,7 @@ def test_off_cuda_every_step_runs_eagerly_with_the_same_tokens():
     want = model.generate(prompt, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(prompt))
     decoder = CapturedDecoder(model, batch_size=1, max_length=40)  # eager_steps=5 < 24
     assert torch.equal(decoder.generate(prompt, 24), want)
+    assert decoder._greedy is None  # one sequence: torch's argmax, not the one-launch pick
     sampled = []
     for eager_steps in (2, 100):
         torch.manual_seed(7)
